@@ -1,0 +1,17 @@
+"""autotp: automatic tensor parallelism for PyTorch models.
+
+``autotp.plan(model, mesh, example_inputs)`` chooses how to split every op across a device mesh;
+``autotp.parallelize(...)`` runs the model that way. See README.md and DESIGN.md.
+"""
+
+from autotp.capture import CaptureError, capture
+from autotp.graph import OpGraph, OpNode, TensorInfo
+from autotp.plan import Plan, PlanError, load_plan
+from autotp.parallel import parallelize
+from autotp.planner import plan
+from autotp.program import Collective
+from autotp.solver import MemoryBudgetError
+
+__all__ = ["capture", "CaptureError", "OpGraph", "OpNode", "TensorInfo", "plan", "Plan", "PlanError", "load_plan",
+           "Collective", "MemoryBudgetError", "parallelize"]
+__version__ = "0.1.0"

@@ -1,0 +1,289 @@
+"""Capture: a PyTorch model and example inputs → :class:`~autotp.graph.OpGraph`.
+
+``torch.export`` in non-strict mode traces the model with fake tensors into an ATen-level
+``torch.fx`` graph; this pass reads one record per node from it: the op, input and output
+shapes and dtypes, forward FLOPs (``torch.utils.flop_counter``'s formulas), bytes moved, the
+module path the node came from, and for placeholders whether each is a parameter, a buffer or a
+user input. Tied parameters (an embedding shared with the output head) become one parameter.
+The model is never modified, and a model on the meta device costs no memory.
+
+>>> import torch, autotp
+>>> g = autotp.capture(torch.nn.Linear(4, 8), (torch.randn(2, 4),))
+>>> [n.target for n in g.ops()], g.total_flops()
+(['aten.linear.default'], 128.0)
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx
+import torch.fx.config
+from torch.utils import flop_counter
+
+from autotp.graph import BUFFER, CONSTANT, INPUT, OP, PARAMETER, OpGraph, OpNode, ParameterInfo, TensorInfo
+
+__all__ = ["capture", "CaptureError", "normalize_inputs", "VIEW_TARGETS"]
+
+aten = torch.ops.aten
+
+# Ops that only create a view (or a no-op alias): no kernel, no bytes.
+VIEW_TARGETS = frozenset(
+    str(op)
+    for op in (
+        aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.transpose.int,
+        aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+        aten.squeeze.default, aten.expand.default, aten.t.default, aten.alias.default,
+        aten.slice.Tensor, aten.select.int, aten.detach.default, aten.split.Tensor,
+        aten.split_with_sizes.default, aten.chunk.default, aten.unflatten.int, aten.flatten.using_ints,
+        aten.view_as.default, aten.expand_as.default, aten.lift_fresh_copy.default,
+    )
+) | {"getitem"}
+
+
+class CaptureError(RuntimeError):
+    """The model could not be captured; the message says what failed and what to do."""
+
+
+def normalize_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Turn the user's example inputs into ``(args, kwargs)`` or raise a clear ``TypeError``.
+
+    Accepted: a tensor, a tuple or list of tensors (and plain Python scalars / None), or a dict of
+    keyword arguments.
+    """
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, dict):
+        if not all(isinstance(k, str) for k in example_inputs):
+            raise TypeError("example_inputs: a dict must map argument names (str) to values")
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        for i, x in enumerate(example_inputs):
+            if not isinstance(x, (torch.Tensor, int, float, bool, type(None))):
+                raise TypeError(
+                    f"example_inputs[{i}] is a {type(x).__name__}; expected a torch.Tensor "
+                    "(or an int/float/bool/None)"
+                )
+        return tuple(example_inputs), {}
+    raise TypeError(
+        f"example_inputs is a {type(example_inputs).__name__}; expected a tuple of tensors "
+        "(the positional arguments of model.forward), a single tensor, or a dict of keyword arguments"
+    )
+
+
+def _check_devices(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    model_devices = {p.device.type for p in model.parameters()} | {b.device.type for b in model.buffers()}
+    input_devices = {x.device.type for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)}
+    if len(model_devices) > 1:
+        raise CaptureError(f"the model's parameters and buffers are spread over devices {sorted(model_devices)}; "
+                           "put the whole model on one device (or on 'meta' for planning only)")
+    if model_devices and input_devices and model_devices != input_devices:
+        raise CaptureError(
+            f"the model is on {sorted(model_devices)[0]!r} but the example inputs are on {sorted(input_devices)}; "
+            "put the example inputs on the model's device (for a model on 'meta', build inputs with device='meta')"
+        )
+
+
+def _explain_export_failure(err: BaseException) -> str:
+    text = f"{type(err).__name__}: {err}"
+    low = text.lower()
+    hints = []
+    if "cache" in low:
+        hints.append("build the model with use_cache=False (a KV cache object cannot be traced)")
+    if any(w in low for w in ("data-dependent", "data dependent", "guardondatadependent", "could not guard", "symbool")):
+        hints.append("make the control flow static: branch on shapes or config flags, not on tensor values "
+                     "(or use torch.cond)")
+    if "unsupported" in low or "not supported" in low:
+        hints.append("replace the unsupported construct named above, or move it out of forward()")
+    if not hints:
+        hints.append("make forward() traceable by torch.export(strict=False): static control flow, no Python "
+                     "side effects on tensors, no .item()/.tolist() used for control flow")
+    construct = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return (
+        f"autotp could not capture the model with torch.export (non-strict).\n"
+        f"  what failed: {construct[:300]}\n"
+        f"  what to do: " + "; ".join(hints) + "\n"
+        f"  original error: {text[:2000]}"
+    )
+
+
+def _tensor_info(val: Any) -> TensorInfo | None:
+    if isinstance(val, torch.Tensor):
+        return TensorInfo(tuple(int(s) for s in val.shape), str(val.dtype).removeprefix("torch."))
+    return None
+
+
+def _node_outputs(node: torch.fx.Node) -> tuple[TensorInfo, ...]:
+    val = node.meta.get("val")
+    info = _tensor_info(val)
+    if info is not None:
+        return (info,)
+    if isinstance(val, (tuple, list)) and val and all(isinstance(v, torch.Tensor) for v in val):
+        return tuple(_tensor_info(v) for v in val)  # type: ignore[misc]
+    return ()
+
+
+def _flops(node: torch.fx.Node) -> float:
+    """Forward FLOPs of one node, as ``FlopCounterMode`` would count the kernels it runs."""
+    target = node.target
+    vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
+    out = node.meta.get("val")
+    if target in (aten.linear.default, aten.matmul.default):
+        a, b = vals[0], vals[1]
+        k = a.shape[-1]
+        return 2.0 * out.numel() * k
+    if target is aten.scaled_dot_product_attention.default:
+        q, k, v = vals[:3]
+        return float(flop_counter.sdpa_flop_count(tuple(q.shape), tuple(k.shape), tuple(v.shape)))
+    packet = getattr(target, "overloadpacket", None)
+    formula = flop_counter.flop_registry.get(packet)
+    if formula is None:
+        return 0.0
+    kwargs = {k: (v.meta.get("val") if isinstance(v, torch.fx.Node) else v) for k, v in node.kwargs.items()}
+    try:
+        return float(formula(*vals, out_val=out, **kwargs))
+    except Exception:  # a formula that cannot read these arguments counts nothing, as FlopCounterMode would fail
+        return 0.0
+
+
+def _module_info(node: torch.fx.Node) -> tuple[str, str, tuple[str, ...]]:
+    stack = node.meta.get("nn_module_stack") or {}
+    entries = list(stack.values())
+    if not entries:
+        return "", "", ()
+    paths = tuple(str(e[0]) for e in entries)
+    last_type = entries[-1][1]
+    type_name = last_type if isinstance(last_type, str) else getattr(last_type, "__qualname__", str(last_type))
+    return paths[-1], type_name.rsplit(".", 1)[-1], paths
+
+
+def capture(model: torch.nn.Module, example_inputs: Any) -> OpGraph:
+    """Trace ``model`` on ``example_inputs`` and return its :class:`OpGraph`.
+
+    ``example_inputs`` is what ``model(*example_inputs)`` would be called with (a tuple, a single
+    tensor, or a dict of keyword arguments). The model may live on the meta device.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model is a {type(model).__name__}; expected a torch.nn.Module")
+    args, kwargs = normalize_inputs(example_inputs)
+    _check_devices(model, args, kwargs)
+    # Stack traces on every traced node cost about a third of export's time on a large model and
+    # autotp never reads them; errors still carry the user's own traceback.
+    saved = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = True
+    try:
+        exported = torch.export.export(model, args, kwargs, strict=False)
+    except Exception as err:  # noqa: BLE001 - re-raised with context
+        raise CaptureError(_explain_export_failure(err)) from err
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = saved
+    return graph_from_exported(exported, model)
+
+
+def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.Module) -> OpGraph:
+    """Build the OpGraph of an ``ExportedProgram`` traced from ``model``."""
+    sig = exported.graph_signature
+    kinds = {spec.arg.name: spec for spec in sig.input_specs if hasattr(spec.arg, "name")}
+
+    # Tied parameters: every name of a parameter object maps to its first (canonical) name.
+    names_by_id: dict[int, list[str]] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        names_by_id.setdefault(id(p), []).append(fqn)
+    canonical = {fqn: names[0] for names in names_by_id.values() for fqn in names}
+    aliases_of = {names[0]: tuple(names[1:]) for names in names_by_id.values()}
+    requires_grad = {fqn: p.requires_grad for fqn, p in model.named_parameters(remove_duplicate=False)}
+
+    nodes: list[OpNode] = []
+    infos: dict[str, tuple[TensorInfo, ...]] = {}
+    grad: dict[str, bool] = {}
+    rename: dict[str, str] = {}  # placeholder of a tied duplicate -> canonical placeholder
+    param_node: dict[str, str] = {}
+    parameters: list[ParameterInfo] = []
+    outputs: list[str] = []
+
+    for node in exported.graph.nodes:
+        if node.op == "placeholder":
+            spec = kinds.get(node.name)
+            kind = spec.kind.name if spec is not None else "USER_INPUT"
+            outs = _node_outputs(node)
+            if not outs:
+                continue  # a non-tensor input (an int, None): nothing to place
+            fqn = None
+            if kind == "PARAMETER":
+                fqn = canonical.get(spec.target, spec.target)
+                if fqn in param_node:
+                    rename[node.name] = param_node[fqn]
+                    continue
+                param_node[fqn] = node.name
+                parameters.append(ParameterInfo(fqn, node.name, outs[0], aliases_of.get(fqn, ())))
+                role = PARAMETER
+            elif kind == "BUFFER":
+                role, fqn = BUFFER, spec.target
+            elif kind in ("CONSTANT_TENSOR", "CUSTOM_OBJ", "TOKEN"):
+                role = CONSTANT
+            else:
+                role = INPUT
+            needs_grad = role == PARAMETER and requires_grad.get(fqn, True)
+            grad[node.name] = needs_grad
+            infos[node.name] = outs
+            nodes.append(OpNode(node.name, role, role, (), (), outs, param_fqn=fqn, requires_grad=needs_grad))
+        elif node.op == "call_function":
+            outs = _node_outputs(node)
+            if not outs:
+                continue  # assertions and other ops that return no tensor
+            srcs: list[str] = []
+            src_infos: list[TensorInfo] = []
+            if node.target is operator.getitem:
+                src = rename.get(node.args[0].name, node.args[0].name)
+                srcs.append(src)
+                src_infos.append(infos[src][node.args[1]])
+                target = "getitem"
+            else:
+                target = str(node.target)
+                for a in node.all_input_nodes:
+                    src = rename.get(a.name, a.name)
+                    if src in infos and src not in srcs:
+                        srcs.append(src)
+                        src_infos.extend(infos[src][:1] if len(infos[src]) == 1 else infos[src])
+            is_view = target in VIEW_TARGETS
+            path, mtype, stack = _module_info(node)
+            needs_grad = any(grad.get(s, False) for s in srcs) and any(o.is_float for o in outs)
+            grad[node.name] = needs_grad
+            infos[node.name] = outs
+            nodes.append(
+                OpNode(
+                    name=node.name, role=OP, target=target, inputs=tuple(srcs), input_infos=tuple(src_infos),
+                    outputs=outs, flops=_flops(node) if not is_view else 0.0,
+                    bytes_read=0.0 if is_view else float(sum(i.nbytes for i in src_infos)),
+                    bytes_written=0.0 if is_view else float(sum(o.nbytes for o in outs)),
+                    module_path=path, module_type=mtype, module_stack=stack, requires_grad=needs_grad,
+                    is_view=is_view, args_repr=_args_repr(node),
+                )
+            )
+        elif node.op == "output":
+            for a in torch.utils._pytree.tree_leaves(node.args[0]):
+                if isinstance(a, torch.fx.Node):
+                    name = rename.get(a.name, a.name)
+                    if name in infos:
+                        outputs.append(name)
+        else:
+            raise CaptureError(f"unexpected node {node.name} of kind {node.op!r} in the exported graph; "
+                               "higher-order ops and submodule calls are not supported yet")
+    return OpGraph(
+        nodes=tuple(nodes), outputs=tuple(outputs), parameters=tuple(parameters),
+        model_type=type(model).__name__, exported=exported, alias_placeholders=rename,
+    )
+
+
+def _args_repr(node: torch.fx.Node) -> str:
+    """The non-tensor arguments of a node, for structural comparison (layer tying)."""
+    def show(a: Any) -> str:
+        if isinstance(a, torch.fx.Node):
+            return "%"
+        if isinstance(a, (list, tuple)):
+            return "[" + ",".join(show(x) for x in a) + "]"
+        return repr(a)
+    parts = [show(a) for a in node.args] + [f"{k}={show(v)}" for k, v in sorted(node.kwargs.items())]
+    return ",".join(parts)

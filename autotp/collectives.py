@@ -1,0 +1,150 @@
+"""The runtime's collectives: autograd-aware modules, one per redistribution step of a plan.
+
+Each module is a graph node of the rewritten model (``call_module``), so printing the graph shows
+every collective the plan pays for. Forward and backward follow the table in
+:mod:`autotp.redistribute`; all of them use ``torch.distributed``'s functional collectives (the
+ones ``CommDebugMode`` counts).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+
+from autotp.placement import Placement
+
+__all__ = ["RedistributeStep", "GradAllReduce", "MaskedEmbedding", "to_local"]
+
+
+def _gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    # concatenating along dim 0 of the moved tensors is concatenating along ``dim``
+    front = x.movedim(dim, 0).contiguous()
+    return funcol.wait_tensor(funcol.all_gather_single(front, 0, group)).movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    front = x.movedim(dim, 0).contiguous()
+    return funcol.wait_tensor(funcol.reduce_scatter_single(front, "sum", 0, group)).movedim(0, dim)
+
+
+def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
+
+
+def _slice(x: torch.Tensor, dim: int, n: int, rank: int) -> torch.Tensor:
+    return x.chunk(n, dim=dim)[rank].contiguous()
+
+
+def _all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, n: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sharded on ``src_dim`` → sharded on ``dst_dim``."""
+    pieces = torch.stack(x.chunk(n, dim=dst_dim), dim=0).contiguous()  # (n, *local chunk)
+    received = funcol.wait_tensor(funcol.all_to_all_single(pieces, None, None, group))
+    return torch.cat(received.unbind(0), dim=src_dim)
+
+
+class _Step(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, module: "RedistributeStep"):  # type: ignore[override]
+        ctx.module = module
+        return module.run_forward(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return ctx.module.run_backward(grad), None
+
+
+class RedistributeStep(nn.Module):
+    """One axis of a redistribution ``src → dst`` on a mesh axis (see :mod:`autotp.redistribute`)."""
+
+    def __init__(self, src: Placement, dst: Placement, axis_name: str, group: dist.ProcessGroup,
+                 n: int, rank: int) -> None:
+        super().__init__()
+        self.src, self.dst, self.axis_name = src, dst, axis_name
+        self.group, self.n, self.rank = group, n, rank
+
+    def extra_repr(self) -> str:
+        return f"{self.src} -> {self.dst} over {self.axis_name}"
+
+    def run_forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, d = self.src, self.dst
+        if s.is_replicate and d.is_shard:
+            return _slice(x, d.dim, self.n, self.rank)
+        if s.is_replicate and d.is_partial:
+            return x.clone() if self.rank == 0 else torch.zeros_like(x)
+        if s.is_shard and d.is_replicate:
+            return _gather(x, s.dim, self.group)
+        if s.is_shard and d.is_shard:
+            return _all_to_all(x, s.dim, d.dim, self.n, self.group)
+        if s.is_partial and d.is_replicate:
+            return _all_reduce(x, self.group)
+        if s.is_partial and d.is_shard:
+            return _reduce_scatter(x, d.dim, self.group)
+        raise ValueError(f"cannot redistribute {s} -> {d}")
+
+    def run_backward(self, g: torch.Tensor) -> torch.Tensor:
+        s, d = self.src, self.dst
+        if s.is_replicate and d.is_shard:
+            return _gather(g, d.dim, self.group)
+        if s.is_shard and d.is_replicate:
+            return _slice(g, s.dim, self.n, self.rank)
+        if s.is_shard and d.is_shard:
+            return _all_to_all(g, d.dim, s.dim, self.n, self.group)
+        if s.is_partial and d.is_shard:
+            return _gather(g, d.dim, self.group)
+        return g  # R -> P and P -> R: the gradient is the same on every rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled() or not x.requires_grad:
+            return self.run_forward(x)
+        return _Step.apply(x, self)
+
+
+class _GradReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _all_reduce(grad, ctx.group), None
+
+
+class GradAllReduce(nn.Module):
+    """Identity forward; backward sums the partial gradients of the ranks of one mesh axis."""
+
+    def __init__(self, axis_name: str, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.axis_name, self.group = axis_name, group
+
+    def extra_repr(self) -> str:
+        return f"backward all_reduce over {self.axis_name}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled() or not x.requires_grad:
+            return x
+        return _GradReduce.apply(x, self.group)
+
+
+class MaskedEmbedding(nn.Module):
+    """Lookup in a row-split embedding: rows outside this rank's range give zeros (a partial sum)."""
+
+    def __init__(self, row_offset: int, local_rows: int) -> None:
+        super().__init__()
+        self.row_offset, self.local_rows = row_offset, local_rows
+
+    def extra_repr(self) -> str:
+        return f"rows [{self.row_offset}, {self.row_offset + self.local_rows})"
+
+    def forward(self, weight: torch.Tensor, indices: torch.Tensor, *args) -> torch.Tensor:
+        local = indices - self.row_offset
+        outside = (local < 0) | (local >= self.local_rows)
+        out = torch.ops.aten.embedding.default(weight, local.masked_fill(outside, 0), *args)
+        return out.masked_fill(outside.unsqueeze(-1), 0)
+
+
+def to_local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor parameter (autograd flows back into the DTensor)."""
+    return t.to_local() if hasattr(t, "to_local") else t

@@ -1,0 +1,139 @@
+"""Costing: seconds and bytes of each strategy, edge and gradient reduction on one mesh and profile.
+
+* A node's strategy costs the roofline time of its local shard (``cost_models.compute_time_s`` on
+  the FLOPs and bytes one rank handles); in ``train`` mode the backward is priced at twice the
+  forward, the usual ratio for matmul-dominated graphs.
+* An edge costs the collectives of :mod:`autotp.redistribute` between the producer's output
+  placement and the placement the consumer needs, forward and (in train mode, for tensors that
+  carry gradients) backward.
+* A **gradient reduction** is the backward ``all_reduce`` of a tensor that is replicated on an
+  axis where a consumer works on shards: each rank then holds only a partial gradient. One
+  reduction serves every such consumer of the tensor (q, k and v share one).
+* Memory per device: parameters, gradients and AdamW state of the local shards
+  (``cost_models.model_state_bytes``) and, in train mode, the activations kept for backward.
+
+>>> from autotp.mesh import MeshSpec
+>>> from autotp.placement import R, S
+>>> from autotp.graph import TensorInfo
+>>> from cost_models import load_profile
+>>> cm = CostModel(MeshSpec.of((8,)), load_profile("h100-sxm"), "inference")
+>>> cm.edge_s(TensorInfo((1024, 1024), "float32"), (S(0),), (R,), False) > 0
+True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional, Sequence
+
+from cost_models import HardwareProfile, collective_time_s, compute_time_s, model_state_bytes
+
+from autotp.graph import PARAMETER, OpNode, TensorInfo, dtype_bytes
+from autotp.mesh import MeshSpec
+from autotp.placement import Placement, Strategy, shard_divisor
+from autotp.redistribute import conversion_steps, is_convertible
+
+__all__ = ["CostModel", "MemoryParts", "BACKWARD_FLOP_RATIO", "MODES"]
+
+BACKWARD_FLOP_RATIO = 2.0  # backward ≈ 2× forward: gradients of inputs and of weights
+MODES = ("train", "inference")
+INFEASIBLE_S = float("inf")
+
+
+@dataclass(frozen=True)
+class MemoryParts:
+    parameters_bytes: float = 0.0
+    gradients_bytes: float = 0.0
+    optimizer_bytes: float = 0.0
+    activations_bytes: float = 0.0
+
+    @property
+    def total_bytes(self) -> float:
+        return self.parameters_bytes + self.gradients_bytes + self.optimizer_bytes + self.activations_bytes
+
+
+class CostModel:
+    """Prices strategies on one mesh with one hardware profile, in ``train`` or ``inference`` mode."""
+
+    def __init__(self, mesh: MeshSpec, profile: HardwareProfile, mode: str) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r}: expected one of {MODES}")
+        self.mesh = mesh
+        self.profile = profile
+        self.mode = mode
+        self.train = mode == "train"
+        self._links = tuple(profile.link_for_axis(mesh.shape, a) for a in range(mesh.ndim))
+        self._collective_cached = lru_cache(maxsize=None)(self._collective_uncached)
+
+    # -- communication -------------------------------------------------------------------------
+
+    def _collective_uncached(self, kind: str, axis: int, size_bytes: float) -> float:
+        return collective_time_s(self._links[axis], kind, size_bytes, self.mesh.shape[axis])
+
+    def collective_s(self, kind: str, axis: int, size_bytes: float) -> float:
+        """Seconds of one collective over ``axis``; ``size_bytes`` is the full tensor along that axis."""
+        return self._collective_cached(kind, axis, float(size_bytes))
+
+    def edge_s(self, info: TensorInfo, src: Sequence[Placement], dst: Optional[Sequence[Placement]],
+               requires_grad: bool) -> float:
+        """Forward (and, when training a tensor that carries a gradient, backward) redistribution time."""
+        if dst is None or tuple(src) == tuple(dst):
+            return 0.0
+        if not is_convertible(src, dst):
+            return INFEASIBLE_S
+        total = 0.0
+        for step in conversion_steps(src, dst, self.mesh.shape):
+            size = info.nbytes / step.divisor
+            if step.forward:
+                total += self.collective_s(step.forward, step.axis, size)
+            if step.backward and self.train and requires_grad:
+                total += self.collective_s(step.backward, step.axis, size)
+        return total
+
+    def grad_reduce_s(self, info: TensorInfo, placements: Sequence[Placement], axis: int) -> float:
+        """Backward all_reduce over ``axis`` of the gradient of a tensor held with ``placements``."""
+        if not self.train:
+            return 0.0
+        divisor = shard_divisor(info.shape, [p for b, p in enumerate(placements) if b != axis],
+                                [n for b, n in enumerate(self.mesh.shape) if b != axis])
+        return self.collective_s("all_reduce", axis, info.nbytes / divisor)
+
+    # -- compute -------------------------------------------------------------------------------
+
+    def local_bytes(self, info: TensorInfo, placements: Optional[Sequence[Placement]]) -> float:
+        if placements is None:
+            return 0.0
+        return info.nbytes / shard_divisor(info.shape, placements, self.mesh.shape)
+
+    def node_compute_s(self, node: OpNode, strategy: Strategy) -> float:
+        """Roofline seconds of the node's local work (forward, plus backward when training)."""
+        if node.is_placeholder or node.is_view:
+            return 0.0
+        work_divisor = 1
+        for a, n in enumerate(self.mesh.shape):
+            if strategy.sharded_on(a):
+                work_divisor *= n
+        flops = node.flops / work_divisor
+        moved = sum(self.local_bytes(i, p) for i, p in zip(node.input_infos, strategy.inputs))
+        moved += sum(self.local_bytes(o, strategy.output) for o in node.outputs)
+        dtype = node.outputs[0].dtype if node.outputs[0].is_float else next(
+            (i.dtype for i in node.input_infos if i.is_float), "float32")
+        seconds = compute_time_s(self.profile.device, flops, moved, dtype)
+        if self.train and node.requires_grad:
+            seconds *= 1.0 + BACKWARD_FLOP_RATIO
+        return seconds
+
+    # -- memory --------------------------------------------------------------------------------
+
+    def node_memory(self, node: OpNode, strategy: Strategy) -> MemoryParts:
+        """Bytes per device that choosing ``strategy`` for ``node`` commits."""
+        if node.role == PARAMETER:
+            info = node.output
+            fraction = 1.0 / shard_divisor(info.shape, strategy.output, self.mesh.shape)
+            state = model_state_bytes(info.numel, dtype_bytes(info.dtype), fraction,
+                                      mode=self.mode if node.requires_grad else "inference")
+            return MemoryParts(state.parameters_bytes, state.gradients_bytes, state.optimizer_bytes, 0.0)
+        if self.train and node.requires_grad and not node.is_placeholder and not node.is_view:
+            return MemoryParts(activations_bytes=sum(self.local_bytes(o, strategy.output) for o in node.outputs))
+        return MemoryParts()

@@ -1,0 +1,184 @@
+"""The OpGraph: what capture produces and every later stage reads.
+
+An :class:`OpGraph` is a flat, topologically ordered tuple of :class:`OpNode` values, one per
+tensor-producing node of the exported ``torch.fx`` graph, plus the graph outputs. It carries only
+plain data (shapes, dtypes, FLOPs, bytes, module paths, the parameter map) so the planner never
+touches torch.fx; the exported program rides along in ``OpGraph.exported`` for the rewrite.
+
+>>> from autotp.graph import TensorInfo
+>>> TensorInfo((2, 3), "float32").nbytes
+24
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+# Roles of nodes.
+PARAMETER = "parameter"
+BUFFER = "buffer"
+INPUT = "input"  # a user input
+CONSTANT = "constant"  # a lifted constant tensor
+OP = "op"
+
+_DTYPE_BYTES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+    "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16,
+    "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a dtype named as torch prints it without ``torch.``."""
+    try:
+        return _DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(_DTYPE_BYTES)}") from None
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Global shape and dtype of one tensor."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_bytes(self.dtype)
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype.startswith(("float", "bfloat", "complex"))
+
+    def __str__(self) -> str:
+        return f"{self.dtype}{list(self.shape)}"
+
+
+@dataclass(frozen=True)
+class OpNode:
+    """One node of the graph.
+
+    ``inputs`` names the tensor-producing nodes read, in the order they appear in the op's
+    arguments (flattened); ``input_infos`` gives their tensors. ``outputs`` holds one
+    :class:`TensorInfo` per tensor the op returns (usually one). ``flops`` is the forward FLOP
+    count as ``torch.utils.flop_counter`` counts it; ``bytes_read``/``bytes_written`` are zero
+    for ops that only create views.
+    """
+
+    name: str
+    role: str
+    target: str
+    inputs: tuple[str, ...]
+    input_infos: tuple[TensorInfo, ...]
+    outputs: tuple[TensorInfo, ...]
+    flops: float = 0.0
+    bytes_read: float = 0.0
+    bytes_written: float = 0.0
+    module_path: str = ""
+    module_type: str = ""
+    module_stack: tuple[str, ...] = ()
+    param_fqn: str | None = None
+    requires_grad: bool = False
+    is_view: bool = False
+    args_repr: str = ""
+
+    @property
+    def output(self) -> TensorInfo:
+        if len(self.outputs) != 1:
+            raise ValueError(f"node {self.name} ({self.target}) has {len(self.outputs)} outputs, not one")
+        return self.outputs[0]
+
+    @property
+    def is_placeholder(self) -> bool:
+        return self.role != OP
+
+
+@dataclass(frozen=True)
+class ParameterInfo:
+    """A parameter of the original model: its canonical name, aliases (tied names) and tensor."""
+
+    fqn: str
+    node: str
+    info: TensorInfo
+    aliases: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, eq=False)
+class OpGraph:
+    """The captured model: nodes in topological order and what the planner needs to know.
+
+    ``outputs`` names the nodes whose values the model returns, in order. ``exported`` is the
+    ``torch.export.ExportedProgram`` the graph came from (``None`` for a graph loaded from data).
+    """
+
+    nodes: tuple[OpNode, ...]
+    outputs: tuple[str, ...]
+    parameters: tuple[ParameterInfo, ...]
+    model_type: str = ""
+    alias_placeholders: Mapping[str, str] = field(default_factory=dict)
+    exported: Any = field(default=None, repr=False, compare=False)
+    _index: Mapping[str, int] = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
+    _consumers: Mapping[str, tuple[str, ...]] = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        index = {n.name: i for i, n in enumerate(self.nodes)}
+        consumers: dict[str, list[str]] = {n.name: [] for n in self.nodes}
+        for n in self.nodes:
+            for src in dict.fromkeys(n.inputs):
+                consumers[src].append(n.name)
+        object.__setattr__(self, "_index", index)
+        object.__setattr__(self, "_consumers", {k: tuple(v) for k, v in consumers.items()})
+
+    def __getitem__(self, name: str) -> OpNode:
+        return self.nodes[self._index[name]]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._index
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def position(self, name: str) -> int:
+        return self._index[name]
+
+    def consumers(self, name: str) -> tuple[str, ...]:
+        """Names of the nodes that read ``name`` (each once)."""
+        return self._consumers[name]
+
+    def ops(self) -> tuple[OpNode, ...]:
+        return tuple(n for n in self.nodes if n.role == OP)
+
+    def total_flops(self) -> float:
+        """Forward FLOPs of the whole graph."""
+        return float(sum(n.flops for n in self.nodes))
+
+    def parameter_numel(self) -> int:
+        return sum(p.info.numel for p in self.parameters)
+
+    def parameter_bytes(self) -> int:
+        return sum(p.info.nbytes for p in self.parameters)
+
+    def parameter(self, fqn: str) -> ParameterInfo:
+        for p in self.parameters:
+            if p.fqn == fqn or fqn in p.aliases:
+                return p
+        raise KeyError(f"no parameter named {fqn!r}")
+
+    def summary(self) -> str:
+        ops = self.ops()
+        return (
+            f"{self.model_type or 'model'}: {len(ops)} ops, {len(self.parameters)} parameters "
+            f"({self.parameter_numel() / 1e6:.1f}M elements, {self.parameter_bytes() / 2**30:.2f} GiB), "
+            f"{self.total_flops() / 1e9:.1f} GFLOP forward"
+        )

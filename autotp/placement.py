@@ -1,0 +1,137 @@
+"""Placements and strategies: the declaration of a sharding, separate from the code that applies it.
+
+A **placement** says how one tensor lives on one mesh **axis**: ``R`` (replicated), ``S(d)``
+(split along tensor **dim** ``d``) or ``P`` (each rank holds a partial sum). A tensor on an N-axis
+mesh has one placement per axis. A **strategy** of a node lists the placements its inputs must
+have and the placement of its output, and prints the way DTensor prints it:
+
+>>> from autotp.placement import R, S, P, Strategy
+>>> str(Strategy(((R,), (S(0),)), (S(1),)))
+'(R, S(0)) -> S(1)'
+>>> str(Strategy(((S(0), R), (R, S(0))), (S(0), S(1))))
+'(S(0)R, RS(0)) -> S(0)S(1)'
+
+An input placement of ``None`` means the node reads only the input's dtype and device (for
+example ``new_ones``), so any placement will do and nothing moves.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+__all__ = ["Placement", "R", "P", "S", "Placements", "Strategy", "format_placements", "parse_placements",
+           "local_shape", "shard_divisor"]
+
+
+@dataclass(frozen=True, order=True)
+class Placement:
+    """How a tensor lives on one mesh axis: ``kind`` is "R", "S" or "P"; ``dim`` is set for "S"."""
+
+    kind: str
+    dim: int = -1
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("R", "S", "P"):
+            raise ValueError(f"placement kind must be 'R', 'S' or 'P', got {self.kind!r}")
+        if (self.kind == "S") != (self.dim >= 0):
+            raise ValueError(f"placement {self.kind} with dim {self.dim}: S needs a dim >= 0, R and P none")
+
+    @property
+    def is_shard(self) -> bool:
+        return self.kind == "S"
+
+    @property
+    def is_replicate(self) -> bool:
+        return self.kind == "R"
+
+    @property
+    def is_partial(self) -> bool:
+        return self.kind == "P"
+
+    def __str__(self) -> str:
+        return f"S({self.dim})" if self.kind == "S" else self.kind
+
+    __repr__ = __str__
+
+
+R = Placement("R")
+P = Placement("P")
+
+
+def S(dim: int) -> Placement:
+    """Shard along tensor dim ``dim``."""
+    return Placement("S", dim)
+
+
+Placements = tuple  # tuple[Placement, ...], one per mesh axis
+
+
+def format_placements(placements: Optional[Sequence[Placement]]) -> str:
+    """``(S(0),)`` → ``"S(0)"``; ``(S(0), R)`` → ``"S(0)R"``; ``None`` → ``"*"`` (any)."""
+    if placements is None:
+        return "*"
+    return "".join(str(p) for p in placements)
+
+
+def parse_placements(text: str) -> Optional[tuple[Placement, ...]]:
+    """Inverse of :func:`format_placements`."""
+    if text == "*":
+        return None
+    out: list[Placement] = []
+    i = 0
+    while i < len(text):
+        c = text[i]
+        if c in "RP":
+            out.append(Placement(c))
+            i += 1
+        elif c == "S":
+            j = text.index(")", i)
+            out.append(S(int(text[i + 2 : j])))
+            i = j + 1
+        else:
+            raise ValueError(f"cannot parse placements {text!r} at {text[i:]!r}")
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """Input placements → output placement of one node (each a tuple, one placement per mesh axis)."""
+
+    inputs: tuple[Optional[tuple[Placement, ...]], ...]
+    output: tuple[Placement, ...]
+
+    def __str__(self) -> str:
+        return "(" + ", ".join(format_placements(i) for i in self.inputs) + ") -> " + format_placements(self.output)
+
+    @classmethod
+    def parse(cls, text: str) -> "Strategy":
+        left, right = text.split(" -> ")
+        inner = left.strip()[1:-1]
+        inputs = tuple(parse_placements(t.strip()) for t in inner.split(",")) if inner.strip() else ()
+        out = parse_placements(right.strip())
+        assert out is not None
+        return cls(inputs, out)
+
+    def sharded_on(self, axis: int) -> bool:
+        """True when any tensor of the strategy is not replicated on ``axis``."""
+        if not self.output[axis].is_replicate:
+            return True
+        return any(i is not None and not i[axis].is_replicate for i in self.inputs)
+
+
+def shard_divisor(shape: Sequence[int], placements: Iterable[Placement], mesh_shape: Sequence[int]) -> int:
+    """How many pieces the tensor is cut into (product of axis sizes over the sharded axes)."""
+    return math.prod(n for p, n in zip(placements, mesh_shape) if p.is_shard)
+
+
+def local_shape(shape: Sequence[int], placements: Iterable[Placement], mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape each rank holds: sharded dims divided by the sizes of the axes that split them."""
+    out = list(shape)
+    for p, n in zip(placements, mesh_shape):
+        if p.is_shard:
+            if out[p.dim] % n:
+                raise ValueError(f"dim {p.dim} of size {out[p.dim]} does not split evenly over {n} ranks")
+            out[p.dim] //= n
+    return tuple(out)

@@ -1,0 +1,253 @@
+"""The Plan: the chosen placement of every node and parameter, and what follows from it.
+
+A :class:`Plan` is plain data (it saves to JSON and loads back, never pickle): the mesh, mode and
+hardware profile it was made for, one strategy per node, and what the cost model predicts for it:
+the collectives of one step, the time split into compute and communication, the memory per
+device. ``rewrite`` and ``report`` both read it; neither re-solves anything.
+
+>>> import torch, autotp
+>>> plan = autotp.plan(torch.nn.Linear(64, 64), (8,), (torch.randn(4, 64),), hardware="h100-sxm")
+>>> plan.module_styles()
+{'': 'replicate'}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping, Optional
+
+from cost_models import HardwareProfile
+
+from autotp.graph import OpGraph, PARAMETER
+from autotp.mesh import MeshSpec
+from autotp.placement import Strategy, format_placements
+from autotp.program import Collective
+
+__all__ = ["Plan", "PredictedTime", "MemoryPerDevice", "SolveStats", "ModuleChoice", "load_plan", "PlanError"]
+
+SCHEMA = "autotp.plan/1"
+_WEIGHT_INPUT = {"aten.linear.default": 1, "aten.embedding.default": 0, "aten.mm.default": 1,
+                 "aten.matmul.default": 1, "aten.addmm.default": 2}
+
+
+class PlanError(ValueError):
+    """A plan that does not fit the model, mesh or file it is used with."""
+
+
+@dataclass(frozen=True)
+class PredictedTime:
+    compute_s: float
+    communication_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.communication_s
+
+
+@dataclass(frozen=True)
+class MemoryPerDevice:
+    parameters_bytes: float
+    gradients_bytes: float
+    optimizer_bytes: float
+    activations_bytes: float
+    budget_bytes: Optional[float] = None
+
+    @property
+    def total_bytes(self) -> float:
+        return self.parameters_bytes + self.gradients_bytes + self.optimizer_bytes + self.activations_bytes
+
+
+@dataclass(frozen=True)
+class SolveStats:
+    solver: str
+    status: str
+    optimal: bool
+    variables: int
+    constraints: int
+    representatives: int
+    nodes: int
+    capture_s: float
+    strategies_s: float
+    solve_s: float
+
+
+@dataclass(frozen=True)
+class ModuleChoice:
+    """The summary a person reads for one module: its style and the placements around it."""
+
+    module: str
+    style: str
+    op: str
+    weight: str
+    input: str
+    output: str
+
+
+@dataclass(frozen=True)
+class NodeChoice:
+    name: str
+    target: str
+    module: str
+    shape: tuple[int, ...]
+    strategy: str
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    model_type: str
+    mesh: MeshSpec
+    mode: str
+    hardware: HardwareProfile
+    nodes: tuple[NodeChoice, ...]
+    parameter_placements: Mapping[str, str]
+    collective_list: tuple[Collective, ...]
+    time: PredictedTime
+    memory: MemoryPerDevice
+    stats: SolveStats
+    modules: tuple[ModuleChoice, ...]
+    _strategies: Mapping[str, Strategy] = field(default=None, repr=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self._strategies is None:
+            object.__setattr__(self, "_strategies", {n.name: Strategy.parse(n.strategy) for n in self.nodes})
+
+    # -- the API of DESIGN.md ------------------------------------------------------------------
+
+    def module_styles(self) -> dict[str, str]:
+        """``{"layers.0.self_attn.q_proj": "colwise", ...}`` for every module with a weight."""
+        return {m.module: m.style for m in self.modules}
+
+    def collectives(self) -> list[Collective]:
+        return list(self.collective_list)
+
+    def predicted_time(self) -> PredictedTime:
+        return self.time
+
+    def memory_per_device(self) -> MemoryPerDevice:
+        return self.memory
+
+    def strategy(self, node: str) -> Strategy:
+        return self._strategies[node]
+
+    @property
+    def strategies(self) -> Mapping[str, Strategy]:
+        return self._strategies
+
+    def collective_counts(self) -> dict[tuple[str, str], int]:
+        """``{(phase, kind): count}`` over one step."""
+        counts: dict[tuple[str, str], int] = {}
+        for c in self.collective_list:
+            counts[(c.phase, c.kind)] = counts.get((c.phase, c.kind), 0) + 1
+        return counts
+
+    def report(self, fmt: str = "text") -> str:
+        from autotp.report import render
+
+        return render(self, fmt)
+
+    # -- persistence ---------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "model_type": self.model_type,
+            "mesh": {"shape": list(self.mesh.shape), "axis_names": list(self.mesh.axis_names)},
+            "mode": self.mode,
+            "hardware": json.loads(self.hardware.to_json()),
+            "nodes": [[n.name, n.target, n.module, list(n.shape), n.strategy] for n in self.nodes],
+            "parameter_placements": dict(self.parameter_placements),
+            "collectives": [asdict(c) for c in self.collective_list],
+            "time": asdict(self.time),
+            "memory": asdict(self.memory),
+            "stats": asdict(self.stats),
+            "modules": [asdict(m) for m in self.modules],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=False)
+
+    def save(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json())
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Plan":
+        if d.get("schema") != SCHEMA:
+            raise PlanError(f"plan schema {d.get('schema')!r}: expected {SCHEMA!r}")
+        try:
+            return cls(
+                model_type=d["model_type"],
+                mesh=MeshSpec(tuple(d["mesh"]["shape"]), tuple(d["mesh"]["axis_names"])),
+                mode=d["mode"],
+                hardware=HardwareProfile.from_json(json.dumps(d["hardware"])),
+                nodes=tuple(NodeChoice(n[0], n[1], n[2], tuple(n[3]), n[4]) for n in d["nodes"]),
+                parameter_placements=dict(d["parameter_placements"]),
+                collective_list=tuple(Collective(**c) for c in d["collectives"]),
+                time=PredictedTime(**d["time"]),
+                memory=MemoryPerDevice(**d["memory"]),
+                stats=SolveStats(**d["stats"]),
+                modules=tuple(ModuleChoice(**m) for m in d["modules"]),
+            )
+        except (KeyError, TypeError, IndexError) as err:
+            raise PlanError(f"plan file is missing or has a malformed field: {err}") from err
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls.from_dict(json.loads(text))
+
+    # -- checks --------------------------------------------------------------------------------
+
+    def check_matches(self, graph: OpGraph, mesh: MeshSpec) -> None:
+        """Raise :class:`PlanError` naming the first difference between this plan and a graph/mesh."""
+        if tuple(mesh.shape) != tuple(self.mesh.shape):
+            raise PlanError(f"the plan was made for mesh {self.mesh}, but the mesh given is {mesh}")
+        if len(graph.nodes) != len(self.nodes):
+            pass  # the first differing node is named below
+        for i, (planned, node) in enumerate(zip(self.nodes, graph.nodes)):
+            if (planned.name, planned.target, tuple(planned.shape)) != (node.name, node.target, node.outputs[0].shape):
+                raise PlanError(
+                    f"the plan was made for another model: node {i} differs; the plan has {planned.name} "
+                    f"({planned.target}, shape {list(planned.shape)}), the model has {node.name} "
+                    f"({node.target}, shape {list(node.outputs[0].shape)})")
+        if len(graph.nodes) != len(self.nodes):
+            raise PlanError(f"the plan was made for another model: it has {len(self.nodes)} nodes, "
+                            f"the model has {len(graph.nodes)}")
+
+
+def load_plan(path: str | os.PathLike) -> Plan:
+    """Load a plan saved with :meth:`Plan.save`."""
+    with open(path) as f:
+        return Plan.from_json(f.read())
+
+
+def module_choices(graph: OpGraph, chosen: Mapping[str, Strategy]) -> tuple[ModuleChoice, ...]:
+    """One :class:`ModuleChoice` per module that owns a weight, in graph order."""
+    out: dict[str, ModuleChoice] = {}
+    for node in graph.ops():
+        params = [k for k, src in enumerate(node.inputs) if graph[src].role == PARAMETER]
+        if not params or node.module_path in out:
+            continue
+        strat = chosen[node.name]
+        k_w = _WEIGHT_INPUT.get(node.target)
+        acts = [k for k in range(len(node.inputs)) if k not in params]
+        act_in = strat.inputs[acts[0]] if acts else None
+        if k_w is not None and k_w in params:
+            w = strat.inputs[k_w]
+            w_dims = {p.dim for p in (w or ()) if p.is_shard}
+            if node.target == "aten.embedding.default":
+                style = "colwise" if 1 in w_dims else "rowwise" if 0 in w_dims else "replicate"
+            else:
+                style = "colwise" if 0 in w_dims else "rowwise" if 1 in w_dims else "replicate"
+        else:
+            k_w = params[0]
+            w = strat.inputs[k_w]
+            info = node.input_infos[acts[0]] if acts else None
+            seq = act_in is not None and info is not None and any(
+                p.is_shard and 0 < p.dim < info.ndim - 1 for p in act_in)
+            style = "sequence" if seq else "replicate"
+        out[node.module_path] = ModuleChoice(node.module_path, style, node.target.split(".")[1],
+                                             format_placements(w), format_placements(act_in),
+                                             format_placements(strat.output))
+    return tuple(out.values())

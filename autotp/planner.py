@@ -1,0 +1,128 @@
+"""``autotp.plan``: capture → strategies → costing → ILP → :class:`~autotp.plan.Plan`.
+
+>>> import torch, autotp
+>>> plan = autotp.plan(torch.nn.Linear(64, 64), (8,), (torch.randn(4, 64),), hardware="h100-sxm",
+...                    mode="inference")
+>>> plan.mesh.shape, plan.mode
+((8,), 'inference')
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import torch
+from cost_models import HardwareProfile, load_profile
+
+from autotp.capture import capture
+from autotp.costing import MODES, CostModel
+from autotp.graph import OpGraph
+from autotp.mesh import MeshSpec
+from autotp.placement import format_placements
+from autotp.plan import MemoryPerDevice, NodeChoice, Plan, PredictedTime, SolveStats, module_choices
+from autotp.program import collectives
+from autotp.solver import solve
+from autotp.strategies import all_strategies
+from autotp.tying import find_repeats
+
+__all__ = ["plan", "plan_graph", "resolve_hardware", "parse_bytes"]
+
+DEFAULT_HARDWARE = "h100-sxm"
+_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 10**3, "KIB": 2**10, "M": 2**20, "MB": 10**6, "MIB": 2**20,
+          "G": 2**30, "GB": 10**9, "GIB": 2**30, "T": 2**40, "TB": 10**12, "TIB": 2**40}
+
+
+def parse_bytes(value: Any) -> Optional[float]:
+    """``40e9``, ``"40GB"``, ``"16GiB"``, ``"512M"`` → bytes; None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value <= 0:
+            raise ValueError(f"memory_budget {value!r}: expected a positive number of bytes")
+        return float(value)
+    if isinstance(value, str):
+        text = value.strip().upper().replace(" ", "")
+        num = text.rstrip("KMGTIB")
+        unit = text[len(num):]
+        try:
+            number = float(num)
+        except ValueError:
+            number = -1.0
+        if unit in _UNITS and number > 0:
+            return number * _UNITS[unit]
+    raise ValueError(f"memory budget {value!r}: expected bytes as a number or a string such as '40GB' or '16GiB'")
+
+
+def resolve_hardware(hardware: Any) -> HardwareProfile:
+    """A built-in profile name, a path to a profile JSON, a HardwareProfile, or None (the default)."""
+    if hardware is None:
+        hardware = DEFAULT_HARDWARE
+    if isinstance(hardware, HardwareProfile):
+        return hardware
+    return load_profile(hardware)
+
+
+def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "train",
+               memory_budget: Any = None, time_limit_s: float = 60.0, capture_s: float = 0.0) -> Plan:
+    """Plan an already captured graph (see :func:`plan`)."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: expected one of {MODES}")
+    spec = MeshSpec.of(mesh)
+    profile = resolve_hardware(hardware)
+    budget = parse_bytes(memory_budget)
+    if budget is None:
+        budget = float(profile.device.memory_bytes)
+
+    t0 = time.perf_counter()
+    rep = find_repeats(graph)
+    reps = [n for n in graph.nodes if rep[n.name] == n.name]
+    strat_rep = all_strategies(graph, spec.shape, reps)
+    strategies = {n.name: strat_rep[rep[n.name]] for n in graph.nodes}
+    strategies_s = time.perf_counter() - t0
+
+    cost = CostModel(spec, profile, mode)
+    solution = solve(graph, strategies, rep, cost, budget, time_limit_s)
+    chosen = {name: strategies[name][i] for name, i in solution.choice.items()}
+
+    colls = tuple(collectives(graph, chosen, spec, cost.train))
+    compute_s = sum(cost.node_compute_s(n, chosen[n.name]) for n in graph.nodes)
+    comm_s = sum(cost.collective_s(c.kind, spec.axis_names.index(c.mesh_axis), c.bytes) for c in colls)
+    parts = [cost.node_memory(n, chosen[n.name]) for n in graph.nodes]
+    memory = MemoryPerDevice(
+        parameters_bytes=sum(p.parameters_bytes for p in parts), gradients_bytes=sum(p.gradients_bytes for p in parts),
+        optimizer_bytes=sum(p.optimizer_bytes for p in parts), activations_bytes=sum(p.activations_bytes for p in parts),
+        budget_bytes=budget,
+    )
+    stats = SolveStats(
+        solver=solution.solver, status=solution.status, optimal=solution.optimal, variables=solution.variables,
+        constraints=solution.constraints, representatives=solution.representatives, nodes=len(graph.nodes),
+        capture_s=capture_s, strategies_s=strategies_s, solve_s=solution.seconds,
+    )
+    return Plan(
+        model_type=graph.model_type, mesh=spec, mode=mode, hardware=profile,
+        nodes=tuple(NodeChoice(n.name, n.target, n.module_path, n.outputs[0].shape, str(chosen[n.name]))
+                    for n in graph.nodes),
+        parameter_placements={p.fqn: format_placements(chosen[p.node].output) for p in graph.parameters},
+        collective_list=colls, time=PredictedTime(compute_s, comm_s), memory=memory, stats=stats,
+        modules=module_choices(graph, chosen),
+    )
+
+
+def plan(model: torch.nn.Module, mesh: Any, example_inputs: Any, hardware: Any = None, mode: str = "train",
+         memory_budget: Any = None, time_limit_s: float = 60.0) -> Plan:
+    """Choose how to split every op of ``model`` over ``mesh``.
+
+    ``mesh`` is a ``DeviceMesh`` or a shape such as ``(8,)`` or ``(2, 4)`` (no processes needed);
+    ``hardware`` a built-in profile name, a profile JSON path or a ``HardwareProfile`` (default
+    ``"h100-sxm"``); ``mode`` ``"train"`` or ``"inference"``; ``memory_budget`` bytes per device
+    (a number or a string like ``"40GB"``; default: the profile's device memory).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: expected one of {MODES}")
+    MeshSpec.of(mesh)  # reject a bad mesh before the (slow) capture
+    resolve_hardware(hardware)
+    parse_bytes(memory_budget)
+    t0 = time.perf_counter()
+    graph = capture(model, example_inputs)
+    return plan_graph(graph, mesh, hardware, mode, memory_budget, time_limit_s, capture_s=time.perf_counter() - t0)

@@ -1,0 +1,162 @@
+"""``autotp profile``: measure the interconnect and the device, write a hardware profile.
+
+    autotp profile [--nproc N] [--backend gloo|nccl] [--mesh 2x4] [-b 1K] [-e 256M] [-f 2]
+                   [-n 20] [-w 5] [--min-time-s 0.1] [--check] [--timeout-s 120] [-o profile.json]
+
+Under torchrun (``RANK`` and ``WORLD_SIZE`` set) this process is one rank of the group
+torchrun made. Otherwise the command starts ``--nproc`` ranks on this host itself
+(``launch.py``) and watches them. Either way every rank runs ``worker.run_rank``.
+
+Exit codes: 0 success; 1 ``--check`` found wrong results; 2 bad arguments, or a rank
+failed or hung (the message names it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from autotp.profiling.config import ProfileConfig, parse_mesh, parse_size, size_sweep
+from autotp.profiling.launch import LAUNCHED_ENV, LaunchError, launch_local
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _mesh(text: str) -> tuple[int, ...]:
+    try:
+        return parse_mesh(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number of seconds {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
+
+
+def _non_negative_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number of seconds {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
+    return value
+
+
+def _default_backend() -> str:
+    try:
+        import torch
+
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return "gloo"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``autotp profile`` (sizes accept K/M/G suffixes, as nccl-tests does)."""
+    parser.add_argument("--nproc", type=_int_at_least(2), default=None,
+                        help="ranks to start on this host (default: the mesh's size, else 2); ignored under torchrun")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default=None,
+                        help="process-group backend (default: nccl if CUDA is available, else gloo)")
+    parser.add_argument("--mesh", type=_mesh, default=None,
+                        help="mesh shape such as 2x4, row-major like DeviceMesh (default: one axis of all ranks)")
+    parser.add_argument("-b", "--min-bytes", type=_size, default=parse_size("1K"), metavar="SIZE",
+                        help="smallest message, full buffer (default 1K)")
+    parser.add_argument("-e", "--max-bytes", type=_size, default=parse_size("256M"), metavar="SIZE",
+                        help="largest message (default 256M)")
+    parser.add_argument("-f", "--step-factor", type=_int_at_least(2), default=2, metavar="F",
+                        help="multiply the size by F at each step (default 2)")
+    parser.add_argument("-n", "--iters", type=_int_at_least(1), default=20, help="timed iterations per size (default 20)")
+    parser.add_argument("-w", "--warmup-iters", type=_int_at_least(0), default=5,
+                        help="untimed iterations before timing (default 5)")
+    parser.add_argument("--min-time-s", type=_non_negative_seconds, default=0.1, metavar="S",
+                        help="repeat blocks of -n iterations until S seconds are timed per size "
+                             "(default 0.1; 0 times exactly -n iterations, as nccl-tests)")
+    parser.add_argument("--check", action="store_true",
+                        help="verify every result on rank-dependent inputs; wrong elements make the exit code 1")
+    parser.add_argument("--timeout-s", type=_positive_seconds, default=120.0,
+                        help="stop the run if no rank makes progress for this long (default 120)")
+    parser.add_argument("-o", "--output", default="profile.json",
+                        help="hardware profile JSON to write (default profile.json)")
+
+
+def config_from_args(args: argparse.Namespace) -> ProfileConfig:
+    """The run's :class:`ProfileConfig`; ``ValueError`` for options that disagree."""
+    size_sweep(args.min_bytes, args.max_bytes, args.step_factor)  # raises if min > max
+    return ProfileConfig(
+        backend=args.backend or _default_backend(),
+        mesh=args.mesh,
+        min_bytes=args.min_bytes,
+        max_bytes=args.max_bytes,
+        step_factor=args.step_factor,
+        iters=args.iters,
+        warmup_iters=args.warmup_iters,
+        check=args.check,
+        timeout_s=args.timeout_s,
+        output=args.output,
+        min_time_s=args.min_time_s,
+    )
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and os.environ.get(LAUNCHED_ENV) != "1"
+
+
+def _nproc(args: argparse.Namespace) -> int:
+    if args.mesh is None:
+        return args.nproc or 2
+    size = 1
+    for s in args.mesh:
+        size *= s
+    if args.nproc is not None and args.nproc != size:
+        raise ValueError(f"--mesh {'x'.join(map(str, args.mesh))} has {size} ranks but --nproc is {args.nproc}")
+    return size
+
+
+def _error(message: str) -> int:
+    print(f"autotp profile: error: {message}", file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the profile (see module doc); returns the exit code."""
+    try:
+        config = config_from_args(args)
+        if _under_torchrun():
+            from autotp.profiling.worker import run_rank
+
+            return run_rank(config, launched=False)
+        nproc = _nproc(args)
+        config.mesh_for(nproc)
+    except ValueError as exc:
+        return _error(str(exc))
+    try:
+        return launch_local(nproc, config.to_json(), config.timeout_s)
+    except LaunchError as exc:
+        return _error(str(exc))

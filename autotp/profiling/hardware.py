@@ -1,0 +1,231 @@
+"""From measurements to a ``cost_models.HardwareProfile`` ("autotp.hardware/1") on disk.
+
+Which mesh axis feeds which link of the profile:
+
+* all ranks on one host (the usual local run): there is no inter-node link to measure.
+  Both ``intra_node`` and ``inter_node`` get the figures of the axis with the most ranks
+  (the first such axis on a tie), and ``source`` says so;
+* several hosts: an axis whose groups each stay on one host is intra-node, any other is
+  inter-node; each link takes the figures of its largest axis. A link no axis measured
+  gets the other link's figures, and ``source`` says that too.
+
+``measurements`` keeps what the figures came from: backend, world size, mesh, date,
+torch version, hosts, the raw sweep per axis and kind (``size_bytes``, ``time_s``), and
+each fit with its in-sample residuals and held-out (leave-one-out) errors.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from autotp.profiling import collectives
+from autotp.profiling.config import ProfileConfig, format_size
+from autotp.profiling.device import DeviceMeasurement
+from autotp.profiling.fit import AlphaBetaFit, TimedPoint, fit_collective
+from autotp.profiling.sweep import AxisGroup, SweepPoint
+from autotp.profiling.table import format_fits
+
+LINKS = ("intra_node", "inter_node")
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """Facts about the run that the profile records."""
+
+    backend: str
+    world_size: int
+    local_world_size: int
+    mesh: tuple[int, ...]
+    hostnames: tuple[str, ...]
+    reduce_scatter: str  # "native" | "emulated"
+
+
+def fit_sweep(points: Sequence[SweepPoint]) -> dict[tuple[int, str], AlphaBetaFit]:
+    """One alpha-beta fit per (axis, kind) of the sweep."""
+    by_key: dict[tuple[int, str], list[SweepPoint]] = {}
+    for p in points:
+        by_key.setdefault((p.axis, p.kind), []).append(p)
+    return {
+        key: fit_collective(key[1], pts[0].group_size, [TimedPoint(p.size_bytes, p.time_s) for p in pts])
+        for key, pts in by_key.items()
+    }
+
+
+def axis_links(groups: Sequence[AxisGroup], hostnames: Sequence[str]) -> tuple[dict[str, int], str]:
+    """``{link: axis index}`` and a sentence for ``source`` saying how it was chosen."""
+
+    def largest(candidates: list[AxisGroup]) -> AxisGroup:
+        return max(candidates, key=lambda g: (g.axis.size, -g.axis.index))
+
+    if len(set(hostnames)) <= 1:
+        chosen = largest(list(groups))
+        note = (
+            f"all {len(hostnames)} ranks on one host ({hostnames[0]}): no inter-node link was measured; "
+            f"intra_node and inter_node both hold the figures of {chosen.axis.name} ({chosen.axis.size} ranks)"
+        )
+        return {"intra_node": chosen.axis.index, "inter_node": chosen.axis.index}, note
+    intra = [g for g in groups if all(len({hostnames[r] for r in grp}) == 1 for grp in g.axis.groups)]
+    inter = [g for g in groups if g not in intra]
+    links: dict[str, int] = {}
+    notes = []
+    if intra:
+        links["intra_node"] = largest(intra).axis.index
+        notes.append(f"intra_node from axis{links['intra_node']} (its groups stay on one host)")
+    if inter:
+        links["inter_node"] = largest(inter).axis.index
+        notes.append(f"inter_node from axis{links['inter_node']} (its groups span hosts)")
+    for link, other in (("intra_node", "inter_node"), ("inter_node", "intra_node")):
+        if link not in links:
+            links[link] = links[other]
+            notes.append(f"{link} not measured by any axis: copied from {other}")
+    return links, "; ".join(notes)
+
+
+def measurements_dict(
+    config: ProfileConfig,
+    info: RunInfo,
+    groups: Sequence[AxisGroup],
+    points: Sequence[SweepPoint],
+    fits: dict[tuple[int, str], AlphaBetaFit],
+    links: dict[str, int],
+    device: DeviceMeasurement,
+) -> dict:
+    axes = {}
+    for g in groups:
+        name = g.axis.name
+        axes[name] = {
+            "size": g.axis.size,
+            "groups": [list(grp) for grp in g.axis.groups],
+            "links": [link for link, index in links.items() if index == g.axis.index],
+            "sweep": {
+                kind: [p.to_dict() for p in points if p.axis == g.axis.index and p.kind == kind]
+                for kind in collectives.KINDS
+            },
+            "fit": {},
+        }
+        for kind in collectives.KINDS:
+            fit = fits[(g.axis.index, kind)]
+            axes[name]["fit"][kind] = {
+                "latency_s": fit.latency_s,
+                "bus_bandwidth_bytes_per_s": fit.bus_bandwidth_bytes_per_s,
+                "group_size": fit.group_size,
+                "method": "least squares on relative error, all points; held_out = leave-one-out",
+                "residuals": [e.to_dict() for e in fit.residuals],
+                "held_out": [e.to_dict() for e in fit.held_out],
+            }
+    return {
+        "tool": "autotp profile",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch_version": torch.__version__,
+        "backend": info.backend,
+        "world_size": info.world_size,
+        "local_world_size": info.local_world_size,
+        "mesh": list(info.mesh),
+        "hostnames": sorted(set(info.hostnames)),
+        "dtype": "float32",
+        "reduce_scatter": info.reduce_scatter,
+        "iters": config.iters,
+        "warmup_iters": config.warmup_iters,
+        "check": config.check,
+        "wrong": sum(p.wrong or 0 for p in points) if config.check else None,
+        "axes": axes,
+        "device": device.to_dict(),
+    }
+
+
+def build_profile(
+    config: ProfileConfig,
+    info: RunInfo,
+    groups: Sequence[AxisGroup],
+    points: Sequence[SweepPoint],
+    device: DeviceMeasurement,
+    fits: dict[tuple[int, str], AlphaBetaFit] | None = None,
+):
+    """The ``cost_models.HardwareProfile`` of this run (imports cost_models when called)."""
+    from cost_models import CollectiveCost, DeviceSpec, HardwareProfile, LinkSpec
+
+    fits = fits if fits is not None else fit_sweep(points)
+    links, link_note = axis_links(groups, info.hostnames)
+    link_specs = {
+        link: LinkSpec(
+            costs={
+                kind: CollectiveCost(
+                    latency_s=fits[(axis, kind)].latency_s,
+                    bus_bandwidth_bytes_per_s=fits[(axis, kind)].bus_bandwidth_bytes_per_s,
+                )
+                for kind in collectives.KINDS
+            }
+        )
+        for link, axis in links.items()
+    }
+    host = info.hostnames[0]
+    sizes = config.sizes_bytes
+    rs_note = (
+        "reduce_scatter emulated (all_reduce + chunk copy)"
+        if info.reduce_scatter == "emulated"
+        else ("reduce_scatter as gloo runs it (an all_reduce plus a copy)" if info.backend == "gloo" else "")
+    )
+    source = (
+        f"measured by `autotp profile` on {host}, torch {torch.__version__}, backend {info.backend}, "
+        f"{info.world_size} ranks, mesh {'x'.join(map(str, info.mesh))}. Links: {link_note}. "
+        f"Collectives: float32, {format_size(sizes[0])}..{format_size(sizes[-1])}, {config.iters} timed "
+        f"iterations, max over ranks; alpha-beta fit on busbw (relative least squares over all sizes)"
+        + (f"; {rs_note}" if rs_note else "")
+        + f". Device: {device.device_name} with {device.threads} threads, torch.mm peak over n in "
+        f"{sorted({m.n for m in device.matmuls})}, copy bandwidth (read+write), tiny-op overhead; "
+        f"memory_bytes = {'device memory' if device.device_type == 'cuda' else 'host RAM'}."
+    )
+    return HardwareProfile(
+        name=f"measured-{info.backend}-{info.world_size}x-{host}",
+        source=source,
+        device=DeviceSpec(
+            peak_flops=dict(device.peak_flops),
+            memory_bandwidth_bytes_per_s=device.memory_bandwidth_bytes_per_s,
+            memory_bytes=device.memory_bytes,
+            kernel_overhead_s=device.kernel_overhead_s,
+        ),
+        devices_per_node=info.local_world_size,
+        links=link_specs,
+        measurements=measurements_dict(config, info, groups, points, fits, links, device),
+    )
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def report_and_write(
+    config: ProfileConfig,
+    info: RunInfo,
+    groups: Sequence[AxisGroup],
+    points: Sequence[SweepPoint],
+    device: DeviceMeasurement,
+) -> None:
+    """Rank 0: print the fits and the device figures, write the profile JSON."""
+    fits = fit_sweep(points)
+    print(format_fits([(f"axis{axis}", fit) for (axis, _), fit in sorted(fits.items(), key=_fit_order)]))
+    flops = ", ".join(f"{k} {v / 1e12:.3g} TFLOP/s" for k, v in device.peak_flops.items())
+    print(
+        f"# Device: {device.device_name} ({device.threads} threads): {flops}; memory bandwidth "
+        f"{device.memory_bandwidth_bytes_per_s / 1e9:.3g} GB/s; kernel overhead "
+        f"{device.kernel_overhead_s * 1e6:.3g} us; memory {format_size(device.memory_bytes)}"
+    )
+    profile = build_profile(config, info, groups, points, device, fits)
+    if config.output:
+        write_text_atomic(config.output, profile.to_json())
+        print(f"# Wrote {config.output}")
+    sys.stdout.flush()
+
+
+def _fit_order(item: tuple[tuple[int, str], AlphaBetaFit]) -> tuple[int, int]:
+    (axis, kind), _ = item
+    return axis, collectives.KINDS.index(kind)

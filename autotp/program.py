@@ -1,0 +1,102 @@
+"""The communication program of a plan: what each node reads, and the collectives that follow.
+
+For every input ``k`` of every node the program names the producer, the placement the node needs
+(``q``) and the mesh axes whose backward gradient must be summed (``grad_axes``: the node reads the
+tensor replicated on that axis while working on shards there). Reads of one producer with the same
+``q`` share one redistribution, and reads that also share ``grad_axes`` share one gradient
+reduction. The runtime executes exactly this program and :func:`collectives` lists it, so the
+plan's collectives are the ones that run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+from autotp.graph import OpGraph
+from autotp.mesh import MeshSpec
+from autotp.placement import Placement, R, Strategy
+from autotp.redistribute import conversion_steps
+
+__all__ = ["Read", "Collective", "reads", "collectives", "OUTPUT"]
+
+OUTPUT = "<output>"
+
+
+@dataclass(frozen=True)
+class Read:
+    """Node ``consumer`` reads ``producer`` (its input ``index``) with ``placements``."""
+
+    consumer: str
+    index: int
+    producer: str
+    placements: Optional[tuple[Placement, ...]]
+    grad_axes: tuple[int, ...]
+    key: str = ""  # what reads share: the producer, or for a getitem the item it picks
+
+    @property
+    def value(self) -> str:
+        return self.key or self.producer
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of one step: kind, phase ("forward"/"backward"), mesh axis name, bytes, node."""
+
+    kind: str
+    phase: str
+    mesh_axis: str
+    bytes: float
+    at: str
+
+    def __str__(self) -> str:
+        return f"{self.phase} {self.kind} over {self.mesh_axis}: {self.bytes / 2**20:.2f} MiB at {self.at}"
+
+
+def reads(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, train: bool) -> list[Read]:
+    """Every read of the graph under the chosen strategies, the graph outputs last (as ``OUTPUT``)."""
+    out: list[Read] = []
+    for node in graph.nodes:
+        strat = chosen[node.name]
+        for k, src in enumerate(node.inputs):
+            q = strat.inputs[k]
+            grad_axes: tuple[int, ...] = ()
+            if train and q is not None and graph[src].requires_grad:
+                grad_axes = tuple(a for a in range(mesh.ndim) if q[a].is_replicate and strat.sharded_on(a))
+            out.append(Read(node.name, k, src, q, grad_axes, node.name if node.target == "getitem" else src))
+    for i, name in enumerate(graph.outputs):
+        out.append(Read(OUTPUT, i, name, (R,) * mesh.ndim, ()))
+    return out
+
+
+def collectives(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, train: bool) -> list[Collective]:
+    """The collectives of one step (forward, and backward when ``train``), in program order."""
+    fwd: list[Collective] = []
+    bwd: list[Collective] = []
+    done_redistribute: set[tuple] = set()
+    done_reduce: set[tuple] = set()
+    for r in reads(graph, chosen, mesh, train):
+        if r.placements is None:
+            continue
+        src = graph[r.producer]
+        info = src.outputs[0]
+        p = chosen[r.producer].output
+        if (r.value, r.placements) not in done_redistribute:
+            done_redistribute.add((r.value, r.placements))
+            for step in conversion_steps(p, r.placements, mesh.shape):
+                size = info.nbytes / step.divisor
+                axis = mesh.axis_names[step.axis]
+                if step.forward:
+                    fwd.append(Collective(step.forward, "forward", axis, size, r.producer))
+                if step.backward and train and src.requires_grad:
+                    bwd.append(Collective(step.backward, "backward", axis, size, r.producer))
+        key = (r.value, r.placements, r.grad_axes)
+        if r.grad_axes and key not in done_reduce:
+            done_reduce.add(key)
+            for a in r.grad_axes:
+                divisor = 1
+                for b, (pl, n) in enumerate(zip(r.placements, mesh.shape)):
+                    if b != a and pl.is_shard:
+                        divisor *= n
+                bwd.append(Collective("all_reduce", "backward", mesh.axis_names[a], info.nbytes / divisor, r.producer))
+    return fwd + bwd

@@ -1,0 +1,86 @@
+"""Redistribution: the collectives that turn one placement into another, forward and backward.
+
+Both the cost model and the runtime read these steps, so what is priced is what runs. Per mesh
+axis, ``src → dst``:
+
+==========  ==================  =====================================================
+src → dst   forward             backward (the gradient goes dst → src)
+==========  ==================  =====================================================
+R → S(d)    slice (free)        all_gather
+R → P       keep on one rank    nothing (the gradient of a sum is the same everywhere)
+S(d) → R    all_gather          slice (free)
+S(d)→S(e)   all_to_all          all_to_all
+P → R       all_reduce          nothing
+P → S(d)    reduce_scatter      all_gather
+S(d) → P    not allowed
+==========  ==================  =====================================================
+
+Steps that shrink or keep the tensor run first, gathers last, so collectives move as few bytes as
+the two placements allow.
+
+>>> from autotp.placement import R, S, P
+>>> [str(s) for s in conversion_steps((S(0), P), (R, R), (2, 4))]
+['axis 1: P -> R (forward all_reduce)', 'axis 0: S(0) -> R (forward all_gather)']
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from autotp.placement import Placement
+
+__all__ = ["Step", "conversion_steps", "step_kinds", "is_convertible"]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One axis of a redistribution; ``divisor`` is how many pieces the other axes cut the tensor into."""
+
+    axis: int
+    src: Placement
+    dst: Placement
+    forward: Optional[str]
+    backward: Optional[str]
+    divisor: int
+
+    def __str__(self) -> str:
+        what = f"forward {self.forward}" if self.forward else "free"
+        return f"axis {self.axis}: {self.src} -> {self.dst} ({what})"
+
+
+def step_kinds(src: Placement, dst: Placement) -> tuple[Optional[str], Optional[str]]:
+    """(forward collective, backward collective) of one axis; ValueError for S → P."""
+    if src == dst:
+        return None, None
+    if src.is_replicate:
+        return (None, "all_gather") if dst.is_shard else (None, None)
+    if src.is_shard:
+        if dst.is_replicate:
+            return "all_gather", None
+        if dst.is_shard:
+            return "all_to_all", "all_to_all"
+        raise ValueError(f"cannot redistribute {src} -> {dst}")
+    # src is partial
+    return ("all_reduce", None) if dst.is_replicate else ("reduce_scatter", "all_gather")
+
+
+def is_convertible(src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
+    return not any(s.is_shard and d.is_partial for s, d in zip(src, dst))
+
+
+def conversion_steps(src: Sequence[Placement], dst: Sequence[Placement], mesh_shape: Sequence[int]) -> list[Step]:
+    """The ordered steps that turn ``src`` into ``dst`` (only the axes that change)."""
+    if not is_convertible(src, dst):
+        raise ValueError(f"cannot redistribute {''.join(map(str, src))} -> {''.join(map(str, dst))}")
+    current = list(src)
+    steps: list[Step] = []
+    changing = [a for a in range(len(src)) if src[a] != dst[a]]
+    gathers = [a for a in changing if src[a].is_shard and dst[a].is_replicate]
+    for a in [a for a in changing if a not in gathers] + gathers:
+        current[a] = dst[a]
+        divisor = math.prod(n for b, (p, n) in enumerate(zip(current, mesh_shape)) if b != a and p.is_shard)
+        fwd, bwd = step_kinds(src[a], dst[a])
+        steps.append(Step(a, src[a], dst[a], fwd, bwd, divisor))
+    return steps

@@ -1,0 +1,100 @@
+"""Report: the plan as a person reads it (text table, JSON, or HTML).
+
+Sections: per module its style and the placements of weight, input and output; the collectives of
+one step by kind and phase with bytes; predicted compute and communication time; memory per
+device against the budget; how the solve went.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from autotp.plan import Plan
+
+__all__ = ["render"]
+
+
+def _b(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _t(s: float) -> str:
+    return f"{s * 1e3:.3f} ms" if s >= 1e-3 else f"{s * 1e6:.1f} us"
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return out
+
+
+def _collective_rows(plan: "Plan") -> list[list[str]]:
+    groups: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+    for c in plan.collective_list:
+        groups[(c.phase, c.kind, c.mesh_axis)].append(c.bytes)
+    order = {"forward": 0, "backward": 1}
+    return [[phase, kind, axis, str(len(b)), _b(sum(b))]
+            for (phase, kind, axis), b in sorted(groups.items(), key=lambda kv: (order[kv[0][0]], kv[0][1:]))]
+
+
+def _text(plan: "Plan") -> str:
+    mem, t, st = plan.memory, plan.time, plan.stats
+    lines = [
+        f"autotp plan: {plan.model_type} on mesh {plan.mesh}, {plan.mode} mode, hardware {plan.hardware.name}",
+        "",
+        "Modules",
+    ]
+    lines += _table(["module", "style", "op", "weight", "input", "output"],
+                    [[m.module or "(root)", m.style, m.op, m.weight, m.input, m.output] for m in plan.modules])
+    lines += ["", "Collectives per step"]
+    rows = _collective_rows(plan)
+    lines += _table(["phase", "kind", "axis", "count", "bytes"], rows) if rows else ["(none: every rank works alone)"]
+    budget = f" of {_b(mem.budget_bytes)} budget" if mem.budget_bytes else ""
+    lines += [
+        "",
+        f"Predicted step time: {_t(t.total_s)} (compute {_t(t.compute_s)}, communication {_t(t.communication_s)})",
+        f"Memory per device: {_b(mem.total_bytes)}{budget} (parameters {_b(mem.parameters_bytes)}, gradients "
+        f"{_b(mem.gradients_bytes)}, optimizer {_b(mem.optimizer_bytes)}, activations {_b(mem.activations_bytes)})",
+        f"Solve: {st.solver}, {st.status}; {st.variables} variables, {st.constraints} constraints, "
+        f"{st.representatives} of {st.nodes} nodes after layer tying; capture {st.capture_s:.2f} s, "
+        f"strategies {st.strategies_s:.2f} s, solve {st.solve_s:.2f} s",
+    ]
+    return "\n".join(lines)
+
+
+def _html(plan: "Plan") -> str:
+    def table(headers: list[str], rows: list[list[str]]) -> str:
+        head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+    text = _text(plan).split("\n")
+    summary = "".join(f"<p>{html.escape(line)}</p>" for line in text if line.startswith(("Predicted", "Memory", "Solve")))
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>autotp plan</title></head><body>"
+        f"<h1>{html.escape(text[0])}</h1><h2>Modules</h2>"
+        + table(["module", "style", "op", "weight", "input", "output"],
+                [[m.module or "(root)", m.style, m.op, m.weight, m.input, m.output] for m in plan.modules])
+        + "<h2>Collectives per step</h2>" + table(["phase", "kind", "axis", "count", "bytes"], _collective_rows(plan))
+        + summary + "</body></html>"
+    )
+
+
+def render(plan: "Plan", fmt: str = "text") -> str:
+    """``fmt``: "text" (the table a person reads), "json" (the saved plan) or "html"."""
+    if fmt == "text":
+        return _text(plan)
+    if fmt == "json":
+        return json.dumps(plan.to_dict(), indent=1)
+    if fmt == "html":
+        return _html(plan)
+    raise ValueError(f"report format {fmt!r}: expected 'text', 'json' or 'html'")

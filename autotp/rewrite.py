@@ -1,0 +1,241 @@
+"""Rewrite: an exported graph and its Plan → a ``torch.fx.GraphModule`` that runs on local shards.
+
+The module's parameters are DTensors with the planned placements, registered under the model's
+own names (its ``state_dict`` keys equal the model's). Its graph runs every op on the local shard
+(shape arguments rewritten to local shapes, a row-split embedding as a masked lookup) and holds
+the plan's collectives as ``call_module`` nodes (:mod:`autotp.collectives`), placed exactly where
+:mod:`autotp.program` says. Nothing else communicates: DTensor is the format of the parameters,
+not the engine that runs the ops.
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from autotp.collectives import GradAllReduce, MaskedEmbedding, RedistributeStep, to_local
+from autotp.graph import OpGraph
+from autotp.placement import Placement, local_shape
+from autotp.plan import Plan
+from autotp.program import reads
+from autotp.redistribute import conversion_steps
+
+__all__ = ["build_parallel_module", "local_shard"]
+
+aten = torch.ops.aten
+_SHAPE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
+
+
+def local_shard(full: torch.Tensor, placements: tuple[Placement, ...], coordinate: list[int],
+                mesh_shape: tuple[int, ...]) -> torch.Tensor:
+    """This rank's piece of a full tensor."""
+    out = full
+    for p, c, n in zip(placements, coordinate, mesh_shape):
+        if p.is_shard:
+            out = out.chunk(n, dim=p.dim)[c]
+    return out.contiguous()
+
+
+def _dtensor_placements(placements: tuple[Placement, ...]) -> list:
+    return [Shard(p.dim) if p.is_shard else Replicate() for p in placements]
+
+
+def _set(root: nn.Module, fqn: str, value: Any, kind: str, persistent: bool = True) -> None:
+    *path, leaf = fqn.split(".")
+    mod = root
+    for part in path:
+        if not hasattr(mod, part):
+            mod.add_module(part, nn.Module())
+        mod = getattr(mod, part)
+    if kind == "parameter":
+        mod.register_parameter(leaf, value)
+    else:
+        mod.register_buffer(leaf, value, persistent=persistent)
+
+
+class _Builder:
+    def __init__(self, graph: OpGraph, plan: Plan, mesh: DeviceMesh, model: nn.Module) -> None:
+        self.g, self.plan, self.mesh, self.model = graph, plan, mesh, model
+        self.ep = graph.exported
+        self.mesh_shape = tuple(int(n) for n in mesh.mesh.shape)
+        self.coordinate = mesh.get_coordinate()
+        self.axis_names = plan.mesh.axis_names
+        self.groups = [mesh.get_group(a) for a in range(len(self.mesh_shape))]
+        self.root = nn.Module()
+        self.fx = torch.fx.Graph()
+        self.local: dict[str, torch.fx.Node] = {}  # producer name -> its local value
+        self.read_cache: dict[tuple, torch.fx.Node] = {}
+        self.n_modules = 0
+        train = plan.mode == "train"
+        self.grad_axes = {(r.consumer, r.index): r.grad_axes for r in reads(graph, plan.strategies, plan.mesh, train)}
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def register_state(self) -> None:
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        for p in self.g.parameters:
+            full = params[p.fqn].detach()
+            placements = self.plan.strategy(p.node).output
+            local = local_shard(full, placements, self.coordinate, self.mesh_shape)
+            dt = DTensor.from_local(local, self.mesh, _dtensor_placements(placements), run_check=False)
+            param = nn.Parameter(dt, requires_grad=params[p.fqn].requires_grad)
+            for name in (p.fqn, *p.aliases):
+                _set(self.root, name, param, "parameter")
+        persistent = set(self.model.state_dict().keys())
+        for name, buf in self.model.named_buffers():
+            _set(self.root, name, buf.detach().clone(), "buffer", persistent=name in persistent)
+        for name, const in self.ep.constants.items():
+            if isinstance(const, torch.Tensor):
+                _set(self.root, "_autotp_constants." + name.replace(".", "_"), const.clone(), "buffer", persistent=False)
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def _add_module(self, module: nn.Module, prefix: str) -> str:
+        name = f"autotp_{prefix}_{self.n_modules}"
+        self.n_modules += 1
+        self.root.add_module(name, module)
+        return name
+
+    def read(self, producer: str, q, grad_axes: tuple[int, ...], base: torch.fx.Node | None = None,
+             value_key: str | None = None) -> torch.fx.Node:
+        """The local value of ``producer`` as a consumer needing placements ``q`` sees it.
+
+        Reads of the same value (``value_key``: the producer, or for a getitem the item) with the same
+        ``q`` share one redistribution, and with the same ``grad_axes`` one gradient reduction.
+        """
+        value = base if base is not None else self.local[producer]
+        if q is None:
+            return value
+        vkey = value_key or producer
+        key = (vkey, q)
+        if key not in self.read_cache:
+            p = self.plan.strategy(producer).output
+            for step in conversion_steps(p, q, self.mesh_shape):
+                mod = RedistributeStep(step.src, step.dst, self.axis_names[step.axis], self.groups[step.axis],
+                                       self.mesh_shape[step.axis], self.coordinate[step.axis])
+                value = self.fx.call_module(self._add_module(mod, "redistribute"), (value,))
+            self.read_cache[key] = value
+        value = self.read_cache[key]
+        if grad_axes:
+            gkey = (vkey, q, grad_axes)
+            if gkey not in self.read_cache:
+                for a in grad_axes:
+                    mod = GradAllReduce(self.axis_names[a], self.groups[a])
+                    value = self.fx.call_module(self._add_module(mod, "grad_reduce"), (value,))
+                self.read_cache[gkey] = value
+            value = self.read_cache[gkey]
+        return value
+
+    # -- graph ---------------------------------------------------------------------------------
+
+    def build(self) -> torch.fx.GraphModule:
+        self.register_state()
+        sig = self.ep.graph_signature
+        specs = {s.arg.name: s for s in sig.input_specs if hasattr(s.arg, "name")}
+        alias = dict(self.g.alias_placeholders)
+        for node in self.ep.graph.nodes:
+            if node.op == "placeholder":
+                spec = specs.get(node.name)
+                kind = spec.kind.name if spec is not None else "USER_INPUT"
+                if kind == "USER_INPUT":
+                    self.local[node.name] = self.fx.placeholder(node.name)
+                elif node.name in alias:
+                    continue
+                elif kind == "PARAMETER":
+                    fqn = self.g.parameter(spec.target).fqn
+                    self.local[node.name] = self.fx.call_function(to_local, (self.fx.get_attr(fqn),))
+                elif kind == "BUFFER":
+                    self.local[node.name] = self.fx.get_attr(spec.target)
+                else:
+                    self.local[node.name] = self.fx.get_attr("_autotp_constants." + spec.target.replace(".", "_"))
+            elif node.op == "call_function":
+                if node.name not in self.g:
+                    if node.users:
+                        raise NotImplementedError(f"node {node.name} ({node.target}) returns no tensor but is used by "
+                                                  f"{list(node.users)}; autotp cannot run it on shards yet")
+                    continue
+                self.emit(node, alias)
+            elif node.op == "output":
+                self.emit_output(node, alias)
+        gm = torch.fx.GraphModule(self.root, self.fx, class_name="AutotpParallelModule")
+        # GraphModule copies only what the graph touches: register tied names and unused state too
+        present = set(dict(gm.named_parameters(remove_duplicate=False))) | set(dict(gm.named_buffers()))
+        for name, param in self.root.named_parameters(remove_duplicate=False):
+            if name not in present:
+                _set(gm, name, param, "parameter")
+        persistent = set(self.model.state_dict().keys())
+        for name, buf in self.root.named_buffers():
+            if name not in present:
+                _set(gm, name, buf, "buffer", persistent=name in persistent)
+        gm.graph._codegen = self.ep.module().graph._codegen
+        gm.recompile()
+        return gm
+
+    def emit(self, node: torch.fx.Node, alias: dict[str, str]) -> None:
+        op = self.g[node.name]
+        strat = self.plan.strategy(node.name)
+        if node.target is operator.getitem:
+            src = alias.get(node.args[0].name, node.args[0].name)
+            item = self.fx.call_function(operator.getitem, (self.local[src], node.args[1]))
+            self.local[node.name] = self.read(src, strat.inputs[0], self.grad_axes.get((node.name, 0), ()), base=item,
+                                              value_key=node.name)
+            return
+
+        def mapped(a: Any) -> Any:
+            if isinstance(a, torch.fx.Node):
+                src = alias.get(a.name, a.name)
+                k = op.inputs.index(src)
+                return self.read(src, strat.inputs[k], self.grad_axes.get((node.name, k), ()))
+            return a
+
+        args = torch.fx.node.map_aggregate(node.args, mapped)
+        kwargs = torch.fx.node.map_aggregate(node.kwargs, mapped)
+        target = node.target
+        if target in _SHAPE_ARG_OPS:
+            args = (args[0], list(local_shape(op.output.shape, strat.output, self.mesh_shape)), *args[2:])
+        elif target is aten.slice.Tensor:
+            dim = args[1] if len(args) > 1 else 0
+            dim = dim + op.input_infos[0].ndim if dim < 0 else dim
+            q = strat.inputs[0]
+            if q is not None and any(p.is_shard and p.dim == dim for p in q):
+                args = (args[0], args[1], 0, sys.maxsize, *args[4:])  # a full-range slice of a split dim
+        elif target is aten.embedding.default:
+            w = strat.inputs[0]
+            axes = [a for a, p in enumerate(w) if p.is_shard and p.dim == 0]
+            if axes:
+                a = axes[0]
+                rows = op.input_infos[0].shape[0] // self.mesh_shape[a]
+                name = self._add_module(MaskedEmbedding(self.coordinate[a] * rows, rows), "masked_embedding")
+                self.local[node.name] = self.fx.call_module(name, args, kwargs)
+                return
+        self.local[node.name] = self.fx.call_function(target, args, kwargs)
+
+    def emit_output(self, node: torch.fx.Node, alias: dict[str, str]) -> None:
+        position = {name: i for i, name in enumerate(self.g.outputs)}
+
+        def mapped(a: Any) -> Any:
+            if isinstance(a, torch.fx.Node):
+                src = alias.get(a.name, a.name)
+                if src in position:
+                    return self.read(src, self.plan_output_placement(), ())
+                return self.local[src]
+            return a
+
+        self.fx.output(torch.fx.node.map_aggregate(node.args[0], mapped))
+
+    def plan_output_placement(self) -> tuple[Placement, ...]:
+        return tuple(Placement("R") for _ in self.mesh_shape)
+
+
+def build_parallel_module(graph: OpGraph, plan: Plan, mesh: DeviceMesh, model: nn.Module) -> torch.fx.GraphModule:
+    """The rewritten module for this rank (see the module docstring)."""
+    gm = _Builder(graph, plan, mesh, model).build()
+    gm.plan = plan  # type: ignore[attr-defined]
+    return gm

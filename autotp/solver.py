@@ -1,0 +1,278 @@
+"""The ILP that picks one strategy per node.
+
+Formulation (all costs in seconds, memory in bytes; ``r`` ranges over representative nodes after
+layer tying, ``m_r`` is how many nodes ``r`` stands for):
+
+* **one_hot**: binary ``x[r,s]`` per strategy ``s`` of ``r``; ``Σ_s x[r,s] = 1``.
+* **edges**: for each group of graph edges ``u → v`` (input ``k``) sharing representatives, continuous
+  ``y[e,p,q] ≥ 0`` over the producer's output placements ``p`` and the consumer's required input
+  placements ``q``, tied to the choices by ``Σ_q y[e,p,q] = Σ_{s: out(s)=p} x[u,s]`` and
+  ``Σ_p y[e,p,q] = Σ_{s: in_k(s)=q} x[v,s]``. With one-hot ``x`` the only solution is the product,
+  so the linear cost ``Σ c(p,q) y[e,p,q]`` is the redistribution cost exactly. Pairs that cannot be
+  converted (``S → P``) have ``y`` fixed to 0. Edges whose cost depends on one end only fold into
+  that end's node cost.
+* **grad_reductions**: for a tensor ``t`` that carries a gradient and a mesh axis ``a``, continuous
+  ``z[t,a] ∈ [0,1]`` with ``z[t,a] ≥ Σ_{s ∈ B(c,a)} x[c,s]`` for every consumer ``c``, where
+  ``B(c,a)`` are the strategies that read ``t`` replicated on ``a`` while working on shards there;
+  one backward all_reduce (cost ``g[t,a]``) serves all of them.
+* **memory**: ``Σ_r m_r Σ_s mem(r,s) x[r,s] ≤ budget`` (parameters, gradients, optimizer state,
+  activations kept for backward).
+* **objective**: ``Σ_r m_r Σ_s compute(r,s) x[r,s] + Σ_e Σ c(p,q) y + Σ g z``.
+
+HiGHS (through ``highspy``) solves it; CBC is the fallback. A time limit returns the best plan
+found, marked as not proven optimal. The same inputs always give the same plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+import pulp
+
+from autotp.costing import INFEASIBLE_S, CostModel
+from autotp.graph import OpGraph
+from autotp.placement import Placement, Strategy
+
+__all__ = ["solve", "Solution", "MemoryBudgetError", "SolverError"]
+
+
+class MemoryBudgetError(ValueError):
+    """No plan fits the memory budget; the message states the minimum any plan needs."""
+
+    def __init__(self, message: str, minimum_bytes: float) -> None:
+        super().__init__(message)
+        self.minimum_bytes = minimum_bytes
+
+
+class SolverError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Solution:
+    """Chosen strategy index per node (all nodes, ties expanded) and how the solve went."""
+
+    choice: Mapping[str, int]
+    objective_s: float
+    variables: int
+    constraints: int
+    seconds: float
+    optimal: bool
+    solver: str
+    status: str
+    representatives: int
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.2f} GiB"
+
+
+class _Formulation:
+    def __init__(self, graph: OpGraph, strategies: Mapping[str, Sequence[Strategy]], rep: Mapping[str, str],
+                 cost: CostModel, memory_budget_bytes: Optional[float]) -> None:
+        self.graph, self.strategies, self.rep, self.cost = graph, strategies, rep, cost
+        self.budget = memory_budget_bytes
+        self.prob = pulp.LpProblem("autotp", pulp.LpMinimize)
+        self.reps = [n.name for n in graph.nodes if rep[n.name] == n.name]
+        self.mult: dict[str, int] = defaultdict(int)
+        for n in graph.nodes:
+            self.mult[rep[n.name]] += 1
+        self.node_cost: dict[str, list[float]] = {r: [0.0] * len(strategies[r]) for r in self.reps}
+        self.objective: list = []
+        self.x: dict[str, list[pulp.LpVariable]] = {}
+        self.n_vars = 0
+
+    # -- constraint groups ---------------------------------------------------------------------
+
+    def one_hot(self) -> None:
+        for i, r in enumerate(self.reps):
+            xs = [pulp.LpVariable(f"x{i}_{s}", cat=pulp.LpBinary) for s in range(len(self.strategies[r]))]
+            self.x[r] = xs
+            self.n_vars += len(xs)
+            self.prob += pulp.lpSum(xs) == 1, f"one_hot_{i}"
+        for n in self.graph.nodes:
+            r = self.rep[n.name]
+            for s, strat in enumerate(self.strategies[r]):
+                self.node_cost[r][s] += self.cost.node_compute_s(n, strat)
+        # graph outputs are returned replicated (plain tensors, as the original model returns them)
+        for o in self.graph.outputs:
+            r = self.rep[o]
+            node = self.graph[o]
+            for s, strat in enumerate(self.strategies[r]):
+                self.node_cost[r][s] += self.cost.edge_s(node.outputs[0], strat.output, (_R,) * len(strat.output),
+                                                         node.requires_grad)
+
+    def edges(self) -> None:
+        groups: dict[tuple[str, str, int], list[tuple[str, str]]] = defaultdict(list)
+        for v in self.graph.nodes:
+            for k, u in enumerate(v.inputs):
+                groups[(self.rep[u], self.rep[v.name], k)].append((u, v.name))
+        for e, ((ru, rv, k), pairs) in enumerate(sorted(groups.items())):
+            su, sv = self.strategies[ru], self.strategies[rv]
+            outs = sorted({s.output for s in su})
+            ins = sorted({s.inputs[k] for s in sv}, key=lambda q: (q is None, q or ()))
+            c: dict[tuple, float] = {}
+            for u, v in pairs:
+                info = self.graph[v].input_infos[k]
+                grad = self.graph[u].requires_grad
+                for p in outs:
+                    for q in ins:
+                        c[(p, q)] = c.get((p, q), 0.0) + self.cost.edge_s(info, p, q, grad)
+            if all(val == 0.0 for val in c.values()):
+                continue
+            if len(outs) == 1 or len(ins) == 1:  # the cost depends on one end only: fold it in
+                if len(ins) == 1:
+                    for s, strat in enumerate(su):
+                        self.node_cost[ru][s] += c[(strat.output, ins[0])]
+                else:
+                    for s, strat in enumerate(sv):
+                        self.node_cost[rv][s] += c[(outs[0], strat.inputs[k])]
+                continue
+            y = {}
+            for i, p in enumerate(outs):
+                for j, q in enumerate(ins):
+                    var = pulp.LpVariable(f"y{e}_{i}_{j}", lowBound=0, upBound=0 if c[(p, q)] == INFEASIBLE_S else 1)
+                    y[(p, q)] = var
+                    if c[(p, q)] not in (0.0, INFEASIBLE_S):
+                        self.objective.append(c[(p, q)] * var)
+            self.n_vars += len(y)
+            for i, p in enumerate(outs):
+                self.prob += (pulp.lpSum(y[(p, q)] for q in ins)
+                              == pulp.lpSum(self.x[ru][s] for s, st in enumerate(su) if st.output == p)), f"edge_{e}_out{i}"
+            for j, q in enumerate(ins):
+                self.prob += (pulp.lpSum(y[(p, q)] for p in outs)
+                              == pulp.lpSum(self.x[rv][s] for s, st in enumerate(sv) if st.inputs[k] == q)), f"edge_{e}_in{j}"
+
+    def grad_reductions(self) -> None:
+        if not self.cost.train:
+            return
+        cost: dict[tuple[str, int], float] = defaultdict(float)
+        bad: dict[tuple[str, int], set[tuple[str, tuple[int, ...]]]] = defaultdict(set)
+        for t in self.graph.nodes:
+            if not t.requires_grad:
+                continue
+            rt = self.rep[t.name]
+            for a in range(self.cost.mesh.ndim):
+                seen_rep_consumers: set[str] = set()
+                worst = 0.0
+                for cname in self.graph.consumers(t.name):
+                    rc = self.rep[cname]
+                    c = self.graph[cname]
+                    for k, src in enumerate(c.inputs):
+                        if src != t.name:
+                            continue
+                        idx = tuple(s for s, st in enumerate(self.strategies[rc])
+                                    if st.inputs[k] is not None and st.inputs[k][a].is_replicate and st.sharded_on(a))
+                        for s in idx:
+                            q = self.strategies[rc][s].inputs[k]
+                            worst = max(worst, self.cost.grad_reduce_s(t.outputs[0], q, a))
+                        if idx:
+                            bad[(rt, a)].add((rc, idx))
+                            seen_rep_consumers.add(rc)
+                if seen_rep_consumers:
+                    cost[(rt, a)] += worst
+        for i, key in enumerate(sorted(bad)):
+            z = pulp.LpVariable(f"z{i}", lowBound=0, upBound=1)
+            self.n_vars += 1
+            self.objective.append(cost[key] * z)
+            for j, (rc, idx) in enumerate(sorted(bad[key])):
+                self.prob += z >= pulp.lpSum(self.x[rc][s] for s in idx), f"grad_{i}_{j}"
+
+    def memory(self) -> None:
+        mem = {r: [self.mult[r] * self.cost.node_memory(self.graph[r], st).total_bytes
+                   for st in self.strategies[r]] for r in self.reps}
+        minimum = sum(min(v) for v in mem.values())
+        if self.budget is None:
+            return
+        if minimum > self.budget:
+            raise MemoryBudgetError(
+                f"memory budget {_gib(self.budget)} per device is below the minimum any plan needs on mesh "
+                f"{self.cost.mesh}: {_gib(minimum)} ({minimum:.0f} bytes) in {self.cost.mode} mode; "
+                f"raise the budget to at least that, use more devices, or plan in inference mode", minimum)
+        terms = [m * self.x[r][s] for r in self.reps for s, m in enumerate(mem[r]) if m]
+        self.prob += pulp.lpSum(terms) <= self.budget, "memory"
+
+    def objective_terms(self) -> None:
+        for r in self.reps:
+            for s, c in enumerate(self.node_cost[r]):
+                if c:
+                    self.objective.append(c * self.x[r][s])  # c already sums the tied nodes
+        self.prob += pulp.lpSum(self.objective)
+
+
+_R = Placement("R")
+
+
+@contextlib.contextmanager
+def _quiet_stdout():
+    """HiGHS prints a banner from C when it starts, whatever its options say; keep stdout clean."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(fd)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), fd)
+            yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
+
+
+def _solvers(time_limit_s: float) -> list[tuple[str, pulp.LpSolver]]:
+    out = []
+    highs = pulp.HiGHS(msg=False, timeLimit=time_limit_s, threads=1)
+    if highs.available():
+        out.append(("HiGHS", highs))
+    cbc = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=1)
+    if cbc.available():
+        out.append(("CBC", cbc))
+    if not out:
+        raise SolverError("no ILP solver available: install highspy (pip install highspy) or pulp with CBC")
+    return out
+
+
+def solve(graph: OpGraph, strategies: Mapping[str, Sequence[Strategy]], rep: Mapping[str, str], cost: CostModel,
+          memory_budget_bytes: Optional[float] = None, time_limit_s: float = 60.0) -> Solution:
+    """Choose one strategy per node; see the module docstring for the formulation."""
+    start = time.perf_counter()
+    f = _Formulation(graph, strategies, rep, cost, memory_budget_bytes)
+    f.one_hot()
+    f.edges()
+    f.grad_reductions()
+    f.memory()
+    f.objective_terms()
+    last_error: Optional[str] = None
+    for name, solver in _solvers(time_limit_s):
+        try:
+            with _quiet_stdout():
+                f.prob.solve(solver)
+        except Exception as err:  # noqa: BLE001 - try the next solver
+            last_error = f"{name}: {err}"
+            continue
+        status = pulp.LpStatus[f.prob.status]
+        if status == "Infeasible":
+            raise MemoryBudgetError(
+                f"no plan fits the memory budget {_gib(memory_budget_bytes or 0)} per device on mesh {cost.mesh}", 0.0)
+        if status not in ("Optimal", "Not Solved") or any(v.varValue is None for v in f.x[f.reps[0]]):
+            last_error = f"{name}: status {status}"
+            continue
+        choice_rep = {r: max(range(len(xs)), key=lambda s: (xs[s].varValue or 0.0, -s)) for r, xs in f.x.items()}
+        optimal = f.prob.sol_status == pulp.LpSolutionOptimal
+        return Solution(
+            choice={n.name: choice_rep[rep[n.name]] for n in graph.nodes},
+            objective_s=float(pulp.value(f.prob.objective) or 0.0), variables=f.n_vars,
+            constraints=len(f.prob.constraints), seconds=time.perf_counter() - start, optimal=optimal,
+            solver=name, status="optimal" if optimal else f"best found within {time_limit_s:g} s (not proven optimal)",
+            representatives=len(f.reps),
+        )
+    raise SolverError(f"the ILP solvers failed: {last_error}")

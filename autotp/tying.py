@@ -1,0 +1,93 @@
+"""Layer tying: find structurally identical sibling modules so they share one set of ILP variables.
+
+Two sibling modules (children of the same module in the graph's ``nn_module_stack``) are tied when
+their node sequences are identical: same ops, same non-tensor arguments, same shapes and dtypes,
+same wiring inside the module, and the same parameters used only inside it. Names never matter:
+``layers.3`` ties to ``layers.0`` because their graphs match. Node ``k`` of a tied module then
+takes the strategy of node ``k`` of the first module of its group.
+
+>>> import torch, autotp
+>>> m = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+>>> g = autotp.capture(m, (torch.randn(2, 8),))
+>>> reps = find_repeats(g)
+>>> sorted(set(reps.values())) == sorted({reps[n.name] for n in g.ops()}) and len(set(reps.values())) < len(reps)
+True
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable
+
+from autotp.graph import PARAMETER, OpGraph
+
+__all__ = ["find_repeats"]
+
+
+def _members(graph: OpGraph) -> tuple[dict[str, list[str]], dict[str, list[str]], list[str]]:
+    """Nodes of every module path, children of every path, and the top-level paths."""
+    members: dict[str, list[str]] = defaultdict(list)
+    children: dict[str, list[str]] = defaultdict(list)
+    tops: list[str] = []
+    for node in graph.ops():
+        stack = node.module_stack
+        for i, path in enumerate(stack):
+            members[path].append(node.name)
+            parent = stack[i - 1] if i else None
+            siblings = children[parent] if parent is not None else tops
+            if path not in siblings:
+                siblings.append(path)
+    return members, children, tops
+
+
+def _signature(graph: OpGraph, names: list[str]) -> tuple[tuple, list[str]]:
+    """A hashable description of a module's subgraph, and its private parameters in first-use order."""
+    local = {n: i for i, n in enumerate(names)}
+    inside = set(names)
+    params: list[str] = []
+    entries = []
+    for name in names:
+        node = graph[name]
+        refs = []
+        for src in node.inputs:
+            if src in local:
+                refs.append(("i", local[src]))
+            elif graph[src].role == PARAMETER and all(c in inside for c in graph.consumers(src)):
+                if src not in params:
+                    params.append(src)
+                refs.append(("p", params.index(src), graph[src].output))
+            else:
+                refs.append(("e", graph[src].role))
+        entries.append((node.target, node.args_repr, node.input_infos, node.outputs, node.requires_grad,
+                        tuple(refs)))
+    return tuple(entries), params
+
+
+def find_repeats(graph: OpGraph) -> dict[str, str]:
+    """Map every node name to the name of the node whose strategy it takes (itself when untied)."""
+    rep = {n.name: n.name for n in graph.nodes}
+    members, children, tops = _members(graph)
+
+    def visit(paths: Iterable[str]) -> None:
+        groups: dict[tuple, list[tuple[str, list[str]]]] = {}
+        order: list[tuple] = []
+        for path in paths:
+            sig, params = _signature(graph, members[path])
+            if sig not in groups:
+                groups[sig] = []
+                order.append(sig)
+            groups[sig].append((path, params))
+        for sig in order:
+            group = groups[sig]
+            if len(group) < 2:
+                visit(children.get(group[0][0], []))
+                continue
+            first_path, first_params = group[0]
+            for path, params in group[1:]:
+                for mine, theirs in zip(members[path], members[first_path]):
+                    rep[mine] = theirs
+                for mine, theirs in zip(params, first_params):
+                    rep[mine] = theirs
+
+    visit(tops)
+    return rep

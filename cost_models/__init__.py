@@ -1,0 +1,53 @@
+"""Cost models of autotp, in seconds and bytes: pure numbers, no torch, no autotp.
+
+- ``hardware``: ``HardwareProfile`` (device roofline figures, links per collective kind),
+  JSON in and out, built-in profiles (``load_profile``, ``builtin_profile_names``).
+- ``communication``: alpha-beta time of a collective with nccl-tests' bus factors; which
+  link a mesh axis uses.
+- ``compute``: roofline time of a kernel.
+- ``memory``: parameter, gradient and optimizer bytes per device.
+
+>>> import cost_models as cm
+>>> p = cm.load_profile("a100-sxm")
+>>> t = cm.axis_collective_time_s(p, (2, 8), 1, "all_reduce", 2**20)
+>>> c = p.links["intra_node"].cost("all_reduce")
+>>> t == c.latency_s + 2**20 * 2 * 7 / 8 / c.bus_bandwidth_bytes_per_s
+True
+"""
+
+from cost_models.communication import (
+    COLLECTIVE_KINDS,
+    axis_collective_time_s,
+    axis_link_name,
+    collective_factor,
+    collective_time_s,
+)
+from cost_models.compute import compute_time_s
+from cost_models.hardware import (
+    CollectiveCost,
+    DeviceSpec,
+    HardwareProfile,
+    LinkSpec,
+    ProfileError,
+    builtin_profile_names,
+    load_profile,
+)
+from cost_models.memory import ModelStateBytes, model_state_bytes
+
+__all__ = [
+    "COLLECTIVE_KINDS",
+    "CollectiveCost",
+    "DeviceSpec",
+    "HardwareProfile",
+    "LinkSpec",
+    "ModelStateBytes",
+    "ProfileError",
+    "axis_collective_time_s",
+    "axis_link_name",
+    "builtin_profile_names",
+    "collective_factor",
+    "collective_time_s",
+    "compute_time_s",
+    "load_profile",
+    "model_state_bytes",
+]

@@ -1,0 +1,413 @@
+"""Hardware profiles: the figures the cost model prices with, read from and written to JSON.
+
+A profile is a file a person can read and edit. Its outline (schema ``"autotp.hardware/1"``):
+
+.. code-block:: json
+
+    {"schema": "autotp.hardware/1", "name": "h100-sxm", "source": "where each figure comes from",
+     "device": {"peak_flops": {"float32": 6.7e13, "bfloat16": 9.89e14},
+                "memory_bandwidth_bytes_per_s": 3.35e12, "memory_bytes": 8.0e10,
+                "kernel_overhead_s": 5e-6},
+     "devices_per_node": 8,
+     "links": {"intra_node": {"all_reduce": {"latency_s": 1.5e-5,
+                                             "bus_bandwidth_bytes_per_s": 3.6e11},
+                              "all_gather": {...}, "reduce_scatter": {...},
+                              "all_to_all": {...}, "broadcast": {...}},
+               "inter_node": {...}},
+     "measurements": {...}}
+
+``measurements`` is optional, free-form raw data kept verbatim (the profiler writes its
+timings, ``backend``, ``world_size``, ``mesh``, ``date`` there). Every other field is
+required and checked; an error names the field by its dotted path, shows the bad value
+and says what was expected::
+
+    links.intra_node.all_gather.bus_bandwidth_bytes_per_s: expected a number > 0, got 0
+
+Built-in profiles live in ``cost_models/profiles/NAME.json``.
+
+>>> p = load_profile("h100-sxm")
+>>> p.link_name_for_axis((2, 8), 0), p.link_name_for_axis((2, 8), 1)
+('inter_node', 'intra_node')
+>>> HardwareProfile.from_json(p.to_json()) == p
+True
+>>> slow = p.scaled_links(1e-4)
+>>> slow.links["intra_node"].cost("all_reduce").bus_bandwidth_bytes_per_s
+36000000.0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import numbers
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from cost_models.communication import COLLECTIVE_KINDS, LINK_NAMES, axis_link_name
+
+SCHEMA = "autotp.hardware/1"
+_DEVICE_FIELDS = ("peak_flops", "memory_bandwidth_bytes_per_s", "memory_bytes", "kernel_overhead_s")
+_PROFILE_FIELDS = ("schema", "name", "source", "device", "devices_per_node", "links")
+
+
+class ProfileError(ValueError):
+    """A profile field is missing or wrong; ``field`` is its dotted path ("" for the whole)."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(field, problem)
+        self.field = field
+        self.problem = problem
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.problem}" if self.field else self.problem
+
+    def within(self, prefix: str) -> ProfileError:
+        """The same error seen from the enclosing object: the path gains ``prefix.``."""
+        return ProfileError(f"{prefix}.{self.field}" if self.field else prefix, self.problem)
+
+
+class _FrozenMap(Mapping):
+    """A read-only, hashable mapping that compares equal to a dict with the same items."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Mapping | None = None) -> None:
+        self._items = dict(items or {})
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._items.items()))
+
+    def __repr__(self) -> str:
+        return repr(self._items)
+
+
+@contextmanager
+def _within(prefix: str) -> Iterator[None]:
+    try:
+        yield
+    except ProfileError as e:
+        raise e.within(prefix) from None
+
+
+def _number(value: Any, field: str, *, positive: bool) -> float:
+    want = "a number > 0" if positive else "a number >= 0"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ProfileError(field, f"expected {want}, got {value!r}")
+    out = float(value)
+    if not math.isfinite(out) or out < 0 or (positive and out == 0):
+        raise ProfileError(field, f"expected {want}, got {value!r}")
+    return out
+
+
+def _object(value: Any, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> Mapping:
+    """Check that ``value`` is a JSON object with exactly the ``required`` (+ optional) keys."""
+    if not isinstance(value, Mapping):
+        fields = ", ".join(required)
+        raise ProfileError("", f"expected a JSON object with fields {fields}, got {value!r}")
+    for key in required:
+        if key not in value:
+            raise ProfileError(str(key), f"missing; expected fields {', '.join(required)}")
+    for key in value:
+        if key not in required and key not in optional:
+            allowed = ", ".join(required + optional)
+            raise ProfileError(str(key), f"unknown field; expected one of {allowed}")
+    return value
+
+
+def _freeze_json(value: Any, field: str) -> Any:
+    """Deep copy of JSON-like data as immutable values: objects -> _FrozenMap, arrays -> tuple."""
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ProfileError(field, f"expected a finite number (or null), got {value!r}")
+        return value
+    if isinstance(value, Mapping):
+        for key in value:
+            if not isinstance(key, str):
+                raise ProfileError(field, f"expected string keys, got {key!r}")
+        return _FrozenMap({k: _freeze_json(v, f"{field}.{k}") for k, v in value.items()})
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze_json(v, f"{field}[{i}]") for i, v in enumerate(value))
+    want = "JSON data (object, array, string, number, bool, null)"
+    raise ProfileError(field, f"expected {want}, got {value!r}")
+
+
+def _thaw_json(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _thaw_json(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [_thaw_json(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    """Alpha-beta figures of one collective kind on one link (busbw as nccl-tests prints it)."""
+
+    latency_s: float
+    bus_bandwidth_bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "latency_s", _number(self.latency_s, "latency_s", positive=False))
+        bw = _number(self.bus_bandwidth_bytes_per_s, "bus_bandwidth_bytes_per_s", positive=True)
+        object.__setattr__(self, "bus_bandwidth_bytes_per_s", bw)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> CollectiveCost:
+        d = _object(d, ("latency_s", "bus_bandwidth_bytes_per_s"))
+        return cls(d["latency_s"], d["bus_bandwidth_bytes_per_s"])
+
+    def to_dict(self) -> dict[str, float]:
+        return {"latency_s": self.latency_s, "bus_bandwidth_bytes_per_s": self.bus_bandwidth_bytes_per_s}
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """What one kind of link (intra-node, inter-node) costs, for every collective kind."""
+
+    costs: Mapping[str, CollectiveCost]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.costs, Mapping):
+            raise ProfileError("", f"expected a mapping of collective kind to cost, got {self.costs!r}")
+        for kind in self.costs:
+            if kind not in COLLECTIVE_KINDS:
+                kinds = ", ".join(COLLECTIVE_KINDS)
+                raise ProfileError(str(kind), f"unknown collective; expected {kinds}")
+        for kind in COLLECTIVE_KINDS:
+            if kind not in self.costs:
+                raise ProfileError(kind, f"missing; every link needs {', '.join(COLLECTIVE_KINDS)}")
+            if not isinstance(self.costs[kind], CollectiveCost):
+                raise ProfileError(kind, f"expected a CollectiveCost, got {self.costs[kind]!r}")
+        object.__setattr__(self, "costs", _FrozenMap({k: self.costs[k] for k in COLLECTIVE_KINDS}))
+
+    def cost(self, kind: str) -> CollectiveCost:
+        if kind not in self.costs:
+            kinds = ", ".join(COLLECTIVE_KINDS)
+            raise ValueError(f"unknown collective kind {kind!r}; expected one of {kinds}")
+        return self.costs[kind]
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LinkSpec:
+        d = _object(d, COLLECTIVE_KINDS)
+        costs = {}
+        for kind in COLLECTIVE_KINDS:
+            with _within(kind):
+                costs[kind] = CollectiveCost.from_dict(d[kind])
+        return cls(costs)
+
+    def to_dict(self) -> dict[str, dict[str, float]]:
+        return {kind: self.costs[kind].to_dict() for kind in COLLECTIVE_KINDS}
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator (or CPU rank): roofline figures, memory, and a per-kernel overhead."""
+
+    peak_flops: Mapping[str, float]  # dtype name as torch prints it, without "torch."
+    memory_bandwidth_bytes_per_s: float
+    memory_bytes: float
+    kernel_overhead_s: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.peak_flops, Mapping):
+            want = "a mapping of dtype name to FLOP/s"
+            raise ProfileError("peak_flops", f"expected {want}, got {self.peak_flops!r}")
+        flops = {}
+        for dtype, value in self.peak_flops.items():
+            if not isinstance(dtype, str) or not dtype or dtype.startswith("torch."):
+                want = "a dtype name as torch prints it, without 'torch.' (e.g. 'bfloat16')"
+                raise ProfileError(f"peak_flops.{dtype}", f"expected {want}")
+            flops[dtype] = _number(value, f"peak_flops.{dtype}", positive=True)
+        if "float32" not in flops:
+            why = "missing; the float32 figure is required (it is the fallback)"
+            raise ProfileError("peak_flops.float32", why)
+        object.__setattr__(self, "peak_flops", _FrozenMap(flops))
+        for name in _DEVICE_FIELDS[1:]:
+            positive = name != "kernel_overhead_s"
+            object.__setattr__(self, name, _number(getattr(self, name), name, positive=positive))
+
+    def peak_flops_for(self, dtype: str) -> float:
+        """Peak FLOP/s for ``dtype`` ("bfloat16" or torch.bfloat16); the float32 figure if unlisted."""
+        name = str(dtype).removeprefix("torch.")
+        return self.peak_flops.get(name, self.peak_flops["float32"])
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> DeviceSpec:
+        d = _object(d, _DEVICE_FIELDS)
+        return cls(**{name: d[name] for name in _DEVICE_FIELDS})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "peak_flops": dict(self.peak_flops),
+            "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s,
+            "memory_bytes": self.memory_bytes,
+            "kernel_overhead_s": self.kernel_overhead_s,
+        }
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """A device, how many share a node, and the two links: the whole input of the cost model."""
+
+    name: str
+    source: str
+    device: DeviceSpec
+    devices_per_node: int
+    links: Mapping[str, LinkSpec]  # "intra_node" and "inter_node"
+    measurements: Mapping[str, Any] | None = None  # raw profiler data, kept verbatim
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ProfileError("name", f"expected a non-empty string, got {self.name!r}")
+        if not isinstance(self.source, str):
+            want = "a string saying where the figures come from"
+            raise ProfileError("source", f"expected {want}, got {self.source!r}")
+        if not isinstance(self.device, DeviceSpec):
+            raise ProfileError("device", f"expected a DeviceSpec, got {self.device!r}")
+        dpn = self.devices_per_node
+        if isinstance(dpn, bool) or not isinstance(dpn, numbers.Integral) or dpn < 1:
+            raise ProfileError("devices_per_node", f"expected an integer >= 1, got {dpn!r}")
+        object.__setattr__(self, "devices_per_node", int(dpn))
+        if not isinstance(self.links, Mapping):
+            names = ", ".join(LINK_NAMES)
+            raise ProfileError("links", f"expected a mapping with {names}, got {self.links!r}")
+        for name in self.links:
+            if name not in LINK_NAMES:
+                raise ProfileError(f"links.{name}", f"unknown link; expected {', '.join(LINK_NAMES)}")
+        for name in LINK_NAMES:
+            if name not in self.links:
+                raise ProfileError(f"links.{name}", f"missing; expected links {', '.join(LINK_NAMES)}")
+            if not isinstance(self.links[name], LinkSpec):
+                raise ProfileError(f"links.{name}", f"expected a LinkSpec, got {self.links[name]!r}")
+        object.__setattr__(self, "links", _FrozenMap({n: self.links[n] for n in LINK_NAMES}))
+        if self.measurements is not None:
+            if not isinstance(self.measurements, Mapping):
+                got = self.measurements
+                raise ProfileError("measurements", f"expected a JSON object or null, got {got!r}")
+            object.__setattr__(self, "measurements", _freeze_json(self.measurements, "measurements"))
+
+    # --- mesh axes -------------------------------------------------------------------
+
+    def link_name_for_axis(self, mesh_shape: tuple[int, ...], axis: int) -> str:
+        """``"intra_node"`` or ``"inter_node"``: see ``communication.axis_link_name``."""
+        return axis_link_name(tuple(mesh_shape), axis, self.devices_per_node)
+
+    def link_for_axis(self, mesh_shape: tuple[int, ...], axis: int) -> LinkSpec:
+        return self.links[self.link_name_for_axis(mesh_shape, axis)]
+
+    def scaled_links(self, factor: float, name: str | None = None) -> HardwareProfile:
+        """A copy whose every link bus bandwidth is multiplied by ``factor`` (latencies kept)."""
+        factor = _number(factor, "factor", positive=True)
+        links = {
+            link_name: LinkSpec({
+                kind: CollectiveCost(c.latency_s, c.bus_bandwidth_bytes_per_s * factor)
+                for kind, c in link.costs.items()
+            })
+            for link_name, link in self.links.items()
+        }
+        note = f"Links scaled: every bus bandwidth multiplied by {factor:g}, latencies unchanged."
+        return dataclasses.replace(
+            self,
+            name=name if name is not None else f"{self.name}-links-x{factor:g}",
+            source=f"{self.source}\n{note}" if self.source else note,
+            links=links,
+        )
+
+    # --- JSON ------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> HardwareProfile:
+        if not isinstance(d, Mapping):
+            raise ProfileError("", f"expected a JSON object (a hardware profile), got {d!r}")
+        if "schema" not in d:
+            raise ProfileError("schema", f"missing; expected {SCHEMA!r}")
+        if d["schema"] != SCHEMA:
+            raise ProfileError("schema", f"expected {SCHEMA!r}, got {d['schema']!r}")
+        d = _object(d, _PROFILE_FIELDS, ("measurements",))
+        with _within("device"):
+            device = DeviceSpec.from_dict(d["device"])
+        with _within("links"):
+            links_d = _object(d["links"], LINK_NAMES)
+            links = {}
+            for name in LINK_NAMES:
+                with _within(name):
+                    links[name] = LinkSpec.from_dict(links_d[name])
+        return cls(
+            name=d["name"],
+            source=d["source"],
+            device=device,
+            devices_per_node=d["devices_per_node"],
+            links=links,
+            measurements=d.get("measurements"),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "schema": SCHEMA,
+            "name": self.name,
+            "source": self.source,
+            "device": self.device.to_dict(),
+            "devices_per_node": self.devices_per_node,
+            "links": {name: self.links[name].to_dict() for name in LINK_NAMES},
+        }
+        if self.measurements is not None:
+            out["measurements"] = _thaw_json(self.measurements)
+        return out
+
+    @classmethod
+    def from_json(cls, text: str) -> HardwareProfile:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ProfileError("", f"not valid JSON: {e}") from None
+        return cls.from_dict(data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n"
+
+
+def builtin_profile_names() -> tuple[str, ...]:
+    """Names of the profiles shipped in ``cost_models/profiles/``, sorted."""
+    folder = resources.files("cost_models").joinpath("profiles")
+    return tuple(sorted(p.name[: -len(".json")] for p in folder.iterdir() if p.name.endswith(".json")))
+
+
+def load_profile(name_or_path: str | os.PathLike | HardwareProfile) -> HardwareProfile:
+    """A built-in profile by name, a profile JSON file by path, or a HardwareProfile as is."""
+    if isinstance(name_or_path, HardwareProfile):
+        return name_or_path
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(f"expected a profile name, a path or a HardwareProfile, got {name_or_path!r}")
+    names = builtin_profile_names()
+    if isinstance(name_or_path, str) and name_or_path in names:
+        where = f"built-in profile {name_or_path!r}"
+        folder = resources.files("cost_models").joinpath("profiles")
+        text = folder.joinpath(f"{name_or_path}.json").read_text("utf-8")
+    else:
+        path = Path(name_or_path)
+        if not path.is_file():
+            known = ", ".join(names)
+            raise ProfileError("", f"{str(name_or_path)!r} is neither a built-in profile ({known}) nor a JSON file")
+        where = str(path)
+        text = path.read_text("utf-8")
+    try:
+        return HardwareProfile.from_json(text)
+    except ProfileError as e:
+        raise ProfileError(e.field, f"{e.problem} (in {where})") from None

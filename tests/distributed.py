@@ -1,0 +1,53 @@
+"""Run a function on N local processes with the gloo backend and collect what rank 0 returns."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+        payload = ("ok", result)
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        payload = ("error", traceback.format_exc())
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(payload, f)
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world: int, *args: Any) -> list[Any]:
+    """``fn(rank, world, *args)`` on ``world`` gloo processes; returns every rank's result."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_worker, args=(world, _free_port(), fn, args, out_dir), nprocs=world, join=True,
+                           start_method="spawn")
+        results = []
+        for rank in range(world):
+            with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:
+                status, value = pickle.load(f)
+            if status != "ok":
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            results.append(value)
+        return results

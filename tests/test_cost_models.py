@@ -1,0 +1,411 @@
+"""cost_models: every formula against a figure computed by hand here; profiles and their JSON."""
+
+from __future__ import annotations
+
+import ast
+import copy
+import dataclasses
+import doctest
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+
+import cost_models
+from cost_models import (
+    COLLECTIVE_KINDS,
+    CollectiveCost,
+    DeviceSpec,
+    HardwareProfile,
+    LinkSpec,
+    ModelStateBytes,
+    ProfileError,
+    axis_collective_time_s,
+    axis_link_name,
+    builtin_profile_names,
+    collective_factor,
+    collective_time_s,
+    compute_time_s,
+    load_profile,
+    model_state_bytes,
+)
+from cost_models import communication, compute, hardware, memory
+
+PACKAGE_DIR = Path(cost_models.__file__).parent
+GiB = 2**30
+
+
+def uniform_link(latency_s: float, busbw: float) -> LinkSpec:
+    return LinkSpec({k: CollectiveCost(latency_s, busbw) for k in COLLECTIVE_KINDS})
+
+
+def profile_dict() -> dict:
+    """A valid profile as plain JSON data, for tests that break one field at a time."""
+    def link(lat, bw):
+        return {k: {"latency_s": lat, "bus_bandwidth_bytes_per_s": bw} for k in COLLECTIVE_KINDS}
+
+    return {
+        "schema": "autotp.hardware/1",
+        "name": "test",
+        "source": "made up in the test",
+        "device": {
+            "peak_flops": {"float32": 1e12, "bfloat16": 4e12},
+            "memory_bandwidth_bytes_per_s": 1e11,
+            "memory_bytes": 8e10,
+            "kernel_overhead_s": 5e-6,
+        },
+        "devices_per_node": 8,
+        "links": {"intra_node": link(1e-5, 1e11), "inter_node": link(3e-5, 1e10)},
+    }
+
+
+# --- communication -------------------------------------------------------------------
+
+
+def test_all_reduce_one_gib_on_eight_ranks():
+    link = uniform_link(1e-5, 1e11)
+    expected = 1e-5 + 2**30 * 2 * 7 / 8 / 1e11  # 2(n-1)/n of the full tensor
+    assert collective_time_s(link, "all_reduce", GiB, 8) == pytest.approx(expected, rel=1e-12)
+    # written out: 2**30 * 1.75 = 1,879,048,192 bytes on the bus; / 1e11 B/s = 18.79 ms
+    assert expected == pytest.approx(1e-5 + 1_879_048_192 / 1e11)
+    assert expected == pytest.approx(0.01880048192)
+
+
+@pytest.mark.parametrize(
+    "kind, size_bytes, n, expected_s",
+    [
+        ("all_gather", 2**20, 4, 2e-5 + 2**20 * 3 / 4 / 5e10),  # gathered output, (n-1)/n
+        ("reduce_scatter", 2**20, 4, 2e-5 + 2**20 * 3 / 4 / 5e10),  # unreduced input, (n-1)/n
+        ("all_to_all", 2**24, 2, 2e-5 + 2**24 * 1 / 2 / 5e10),  # per-rank buffer, (n-1)/n
+        ("broadcast", 2**24, 16, 2e-5 + 2**24 * 1 / 5e10),  # factor 1 whatever n
+        ("all_reduce", 1000, 2, 2e-5 + 1000 * 1 / 5e10),  # 2(2-1)/2 = 1
+    ],
+)
+def test_collective_time_by_kind(kind, size_bytes, n, expected_s):
+    link = uniform_link(2e-5, 5e10)
+    assert collective_time_s(link, kind, size_bytes, n) == pytest.approx(expected_s, rel=1e-12)
+
+
+def test_collective_time_uses_the_kinds_own_figures():
+    costs = {k: CollectiveCost(1e-6 * (i + 1), 1e9 * (i + 1)) for i, k in enumerate(COLLECTIVE_KINDS)}
+    link = LinkSpec(costs)
+    # reduce_scatter is the third kind: latency 3e-6, busbw 3e9
+    assert collective_time_s(link, "reduce_scatter", 3e9, 3) == pytest.approx(3e-6 + 3e9 * 2 / 3 / 3e9)
+
+
+def test_collective_factors():
+    assert collective_factor("all_reduce", 8) == 2 * 7 / 8
+    assert collective_factor("all_gather", 8) == 7 / 8
+    assert collective_factor("reduce_scatter", 4) == 3 / 4
+    assert collective_factor("all_to_all", 2) == 1 / 2
+    assert collective_factor("broadcast", 8) == 1.0
+    for kind in COLLECTIVE_KINDS:
+        assert collective_factor(kind, 1) == 0.0
+
+
+def test_one_rank_or_zero_bytes_cost_nothing_not_even_latency():
+    link = uniform_link(1e-3, 1e9)
+    for kind in COLLECTIVE_KINDS:
+        assert collective_time_s(link, kind, GiB, 1) == 0.0
+        assert collective_time_s(link, kind, 0, 8) == 0.0
+
+
+def test_bad_collective_arguments():
+    link = uniform_link(1e-5, 1e11)
+    with pytest.raises(ValueError, match=r"'all_sum'.*all_reduce, all_gather, reduce_scatter, all_to_all, broadcast"):
+        collective_factor("all_sum", 4)
+    with pytest.raises(ValueError, match="n_ranks"):
+        collective_time_s(link, "all_reduce", 10, 0)
+    with pytest.raises(ValueError, match="size_bytes"):
+        collective_time_s(link, "all_reduce", -1, 2)
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, axis, expected",
+    [
+        ((8,), 0, "intra_node"),  # stride 1, 8 ranks: one node
+        ((16,), 0, "inter_node"),  # 16 ranks > 8 per node
+        ((2, 8), 0, "inter_node"),  # stride 8: ranks {i, i+8} on two nodes
+        ((2, 8), 1, "intra_node"),  # stride 1: ranks 8k..8k+7, one node each
+        ((8, 8), 0, "inter_node"),  # stride 8, 64 ranks
+        ((8, 8), 1, "intra_node"),
+        ((4, 2), 0, "intra_node"),  # stride 2 * 4 = 8 ranks: still one node
+        ((2, 2, 4), 1, "intra_node"),  # stride 4 * 2 = 8
+        ((2, 2, 4), 0, "inter_node"),  # stride 8 * 2 = 16
+        ((3, 3), 1, "inter_node"),  # group {6, 7, 8} straddles nodes 0 and 1
+        ((3,), 0, "intra_node"),  # all 3 ranks in node 0
+    ],
+)
+def test_axis_link_name(mesh_shape, axis, expected):
+    assert axis_link_name(mesh_shape, axis, devices_per_node=8) == expected
+
+
+def test_axis_link_name_rejects_bad_axis():
+    with pytest.raises(ValueError, match="axis"):
+        axis_link_name((2, 8), 2, 8)
+
+
+def test_axis_collective_time_picks_the_axis_link_and_group_size():
+    p = HardwareProfile.from_dict(profile_dict())
+    # (2, 8) axis 0: 2 ranks across nodes -> inter_node (3e-5, 1e10)
+    assert axis_collective_time_s(p, (2, 8), 0, "all_reduce", 1e8) == pytest.approx(3e-5 + 1e8 * 1 / 1e10)
+    # axis 1: 8 ranks inside a node -> intra_node (1e-5, 1e11)
+    assert axis_collective_time_s(p, (2, 8), 1, "all_gather", 1e8) == pytest.approx(1e-5 + 1e8 * 7 / 8 / 1e11)
+    assert p.link_for_axis((2, 8), 0) is p.links["inter_node"]
+
+
+# --- compute -------------------------------------------------------------------------
+
+
+def make_device() -> DeviceSpec:
+    return DeviceSpec({"float32": 1e12, "bfloat16": 4e12}, 1e11, 8e10, 5e-6)
+
+
+def test_compute_bound_roofline():
+    # bf16 matmul 4096^3: 1.37e11 FLOPs / 4e12 = 34.4 ms; bytes 3 * 4096^2 * 2 / 1e11 = 1.0 ms
+    t = compute_time_s(make_device(), 2 * 4096**3, 3 * 4096**2 * 2, "bfloat16")
+    assert t == pytest.approx(2 * 4096**3 / 4e12 + 5e-6, rel=1e-12)
+
+
+def test_memory_bound_roofline():
+    # elementwise add of 2^24 floats: 2^24 FLOPs / 1e12 = 17 us; 3 * 2^26 bytes / 1e11 = 2.0 ms
+    t = compute_time_s(make_device(), 2**24, 3 * 2**24 * 4, "float32")
+    assert t == pytest.approx(3 * 2**24 * 4 / 1e11 + 5e-6, rel=1e-12)
+
+
+def test_compute_dtype_fallback_and_no_kernel():
+    dev = make_device()
+    # float16 not listed -> float32 figure
+    assert compute_time_s(dev, 1e12, 0, "float16") == pytest.approx(1.0 + 5e-6)
+    assert compute_time_s(dev, 1e12, 0, "torch.bfloat16") == pytest.approx(0.25 + 5e-6)
+    assert dev.peak_flops_for("int8") == 1e12
+    assert compute_time_s(dev, 0, 0, "float32") == 0.0
+    with pytest.raises(ValueError, match="flops"):
+        compute_time_s(dev, -1, 0, "float32")
+
+
+# --- memory --------------------------------------------------------------------------
+
+
+def test_memory_train_adamw():
+    s = model_state_bytes(numel=1_000_000, param_dtype_bytes=2, shard_fraction=1 / 4)
+    assert s == ModelStateBytes(
+        parameters_bytes=1_000_000 / 4 * 2,  # bf16 shard
+        gradients_bytes=1_000_000 / 4 * 2,  # same as parameters
+        optimizer_bytes=1_000_000 / 4 * 8,  # two fp32 moments
+    )
+    assert s.total_bytes == 500_000 + 500_000 + 2_000_000
+
+
+def test_memory_inference_and_other_optimizers():
+    s = model_state_bytes(1_000_000, 4, 1.0, mode="inference")
+    assert (s.parameters_bytes, s.gradients_bytes, s.optimizer_bytes) == (4_000_000, 0, 0)
+    assert model_state_bytes(1000, 4, 0.5, optimizer=None).total_bytes == 2000 + 2000
+    assert model_state_bytes(1000, 4, 0.5, optimizer="sgd_momentum").optimizer_bytes == 500 * 4
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"shard_fraction": 0.0}, "shard_fraction"),
+        ({"shard_fraction": 1.5}, "shard_fraction"),
+        ({"mode": "eval"}, "mode"),
+        ({"optimizer": "lion"}, "optimizer"),
+    ],
+)
+def test_memory_rejects(kwargs, match):
+    args = {"numel": 10, "param_dtype_bytes": 4, "shard_fraction": 1.0} | kwargs
+    with pytest.raises(ValueError, match=match):
+        model_state_bytes(**args)
+
+
+# --- profiles ------------------------------------------------------------------------
+
+
+def test_builtin_profiles_load_and_round_trip():
+    names = builtin_profile_names()
+    assert set(names) >= {"h100-sxm", "a100-sxm", "a100-pcie", "cpu-gloo"}
+    for name in names:
+        p = load_profile(name)
+        assert p.name == name
+        assert p.source.strip()
+        assert HardwareProfile.from_json(p.to_json()) == p
+        assert p.to_json() == HardwareProfile.from_json(p.to_json()).to_json()
+        assert json.loads((PACKAGE_DIR / "profiles" / f"{name}.json").read_text()) == p.to_dict()
+
+
+def test_builtin_profile_figures():
+    h100 = load_profile("h100-sxm")
+    assert h100.devices_per_node == 8
+    assert h100.device.peak_flops_for("bfloat16") == 9.89e14
+    assert h100.device.peak_flops_for("float32") == 6.7e13
+    intra = h100.links["intra_node"].cost("all_reduce").bus_bandwidth_bytes_per_s
+    inter = h100.links["inter_node"].cost("all_reduce").bus_bandwidth_bytes_per_s
+    assert 3.0e11 <= intra <= 5.0e11 and inter < intra
+    cpu = load_profile("cpu-gloo")
+    assert cpu.devices_per_node == 2
+    assert cpu.links["intra_node"] == cpu.links["inter_node"]
+    assert cpu.measurements["backend"] == "gloo" and cpu.measurements["world_size"] == 2
+
+
+def test_load_profile_path_and_passthrough(tmp_path):
+    p = HardwareProfile.from_dict(profile_dict())
+    assert load_profile(p) is p
+    f = tmp_path / "mine.json"
+    f.write_text(p.to_json())
+    assert load_profile(f) == p
+    assert load_profile(str(f)) == p
+
+
+def test_load_profile_unknown_name_lists_builtins():
+    with pytest.raises(ProfileError, match=r"'no-such-gpu' is neither a built-in profile") as info:
+        load_profile("no-such-gpu")
+    assert ", ".join(builtin_profile_names()) in str(info.value)
+    assert "a100-pcie, a100-sxm, cpu-gloo, h100-sxm" in str(info.value)
+
+
+def test_load_profile_error_names_file_and_field(tmp_path):
+    d = profile_dict()
+    d["device"]["memory_bytes"] = -1
+    f = tmp_path / "bad.json"
+    f.write_text(json.dumps(d))
+    with pytest.raises(ProfileError, match=r"device\.memory_bytes: .*-1.*bad\.json"):
+        load_profile(f)
+
+
+def test_missing_field_rejected_with_its_path():
+    d = profile_dict()
+    del d["links"]["intra_node"]["all_gather"]["bus_bandwidth_bytes_per_s"]
+    with pytest.raises(ProfileError, match=r"^links\.intra_node\.all_gather\.bus_bandwidth_bytes_per_s: missing"):
+        HardwareProfile.from_dict(d)
+    d = profile_dict()
+    del d["device"]
+    with pytest.raises(ProfileError, match=r"^device: missing"):
+        HardwareProfile.from_dict(d)
+    d = profile_dict()
+    del d["links"]["inter_node"]["broadcast"]
+    with pytest.raises(ProfileError, match=r"^links\.inter_node\.broadcast: missing"):
+        HardwareProfile.from_dict(d)
+
+
+@pytest.mark.parametrize(
+    "path, value, match",
+    [
+        (("links", "intra_node", "all_gather", "latency_s"), -1e-5,
+         r"^links\.intra_node\.all_gather\.latency_s: expected a number >= 0, got -1e-05"),
+        (("links", "inter_node", "all_reduce", "bus_bandwidth_bytes_per_s"), 0,
+         r"^links\.inter_node\.all_reduce\.bus_bandwidth_bytes_per_s: expected a number > 0, got 0"),
+        (("device", "peak_flops", "bfloat16"), 0, r"^device\.peak_flops\.bfloat16: expected a number > 0"),
+        (("device", "memory_bandwidth_bytes_per_s"), "fast",
+         r"^device\.memory_bandwidth_bytes_per_s: expected a number > 0, got 'fast'"),
+        (("device", "kernel_overhead_s"), -5e-6, r"^device\.kernel_overhead_s: expected a number >= 0"),
+        (("devices_per_node",), 0, r"^devices_per_node: expected an integer >= 1, got 0"),
+        (("devices_per_node",), True, r"^devices_per_node: expected an integer >= 1"),
+    ],
+)
+def test_bad_value_rejected_with_its_path(path, value, match):
+    d = profile_dict()
+    target = d
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    with pytest.raises(ProfileError, match=match):
+        HardwareProfile.from_json(json.dumps(d))
+
+
+def test_unknown_names_rejected():
+    d = profile_dict()
+    d["links"]["intra_node"]["all_sum"] = {"latency_s": 0, "bus_bandwidth_bytes_per_s": 1}
+    with pytest.raises(ProfileError, match=r"^links\.intra_node\.all_sum: unknown field"):
+        HardwareProfile.from_dict(d)
+    d = profile_dict()
+    d["links"]["rack"] = d["links"]["inter_node"]
+    with pytest.raises(ProfileError, match=r"^links\.rack: unknown field"):
+        HardwareProfile.from_dict(d)
+    d = profile_dict()
+    d["measurment"] = {}
+    with pytest.raises(ProfileError, match=r"^measurment: unknown field"):
+        HardwareProfile.from_dict(d)
+    d = profile_dict()
+    del d["device"]["peak_flops"]["float32"]
+    with pytest.raises(ProfileError, match=r"^device\.peak_flops\.float32: missing"):
+        HardwareProfile.from_dict(d)
+
+
+@pytest.mark.parametrize("schema", ["autotp.hardware/2", None, 1])
+def test_wrong_schema_rejected(schema):
+    d = profile_dict()
+    d["schema"] = schema
+    with pytest.raises(ProfileError, match=r"^schema: expected 'autotp\.hardware/1', got"):
+        HardwareProfile.from_dict(d)
+    del d["schema"]
+    with pytest.raises(ProfileError, match=r"^schema: missing"):
+        HardwareProfile.from_dict(d)
+
+
+def test_invalid_json_rejected():
+    with pytest.raises(ProfileError, match="not valid JSON"):
+        HardwareProfile.from_json("{")
+
+
+def test_direct_construction_is_validated_too():
+    with pytest.raises(ProfileError, match="bus_bandwidth_bytes_per_s"):
+        CollectiveCost(1e-5, 0.0)
+    with pytest.raises(ProfileError, match="reduce_scatter: missing"):
+        LinkSpec({k: CollectiveCost(0, 1) for k in COLLECTIVE_KINDS if k != "reduce_scatter"})
+
+
+def test_profiles_are_frozen_hashable_and_picklable():
+    p = HardwareProfile.from_dict(profile_dict() | {"measurements": {"sizes": [1, 2], "backend": "nccl"}})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.name = "other"
+    with pytest.raises(TypeError):
+        p.links["intra_node"] = p.links["inter_node"]
+    with pytest.raises(TypeError):
+        p.device.peak_flops["float32"] = 1.0
+    with pytest.raises(TypeError):
+        p.measurements["backend"] = "gloo"
+    assert hash(p) == hash(HardwareProfile.from_json(p.to_json()))
+    assert pickle.loads(pickle.dumps(p)) == p
+    assert copy.deepcopy(p) == p
+    assert json.loads(p.to_json())["measurements"] == {"sizes": [1, 2], "backend": "nccl"}
+    assert "measurements" not in json.loads(HardwareProfile.from_dict(profile_dict()).to_json())
+
+
+def test_scaled_links():
+    p = HardwareProfile.from_dict(profile_dict())
+    slow = p.scaled_links(1e-4, name="slow")
+    assert slow.name == "slow" and slow.device == p.device
+    for link_name in ("intra_node", "inter_node"):
+        for kind in COLLECTIVE_KINDS:
+            old, new = p.links[link_name].cost(kind), slow.links[link_name].cost(kind)
+            assert new.latency_s == old.latency_s
+            assert new.bus_bandwidth_bytes_per_s == pytest.approx(old.bus_bandwidth_bytes_per_s * 1e-4)
+    # 1 GiB all_reduce over 8 ranks inside a node: bandwidth term 10,000 times longer
+    assert axis_collective_time_s(slow, (8,), 0, "all_reduce", GiB) == pytest.approx(1e-5 + GiB * 2 * 7 / 8 / 1e7)
+    assert HardwareProfile.from_json(slow.to_json()) == slow
+    with pytest.raises(ProfileError, match="factor"):
+        p.scaled_links(0)
+
+
+# --- hygiene -------------------------------------------------------------------------
+
+
+def test_cost_models_never_imports_autotp():
+    for path in PACKAGE_DIR.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                assert name.split(".")[0] not in {"autotp", "torch"}, f"{path.name} imports {name}"
+
+
+@pytest.mark.parametrize("module", [cost_models, communication, compute, hardware, memory])
+def test_docstring_examples_run(module):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
