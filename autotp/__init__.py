@@ -4,6 +4,7 @@
 ``autotp.parallelize(...)`` runs the model that way. See README.md and DESIGN.md.
 """
 
+from autotp import checkpoint
 from autotp.capture import CaptureError, capture
 from autotp.graph import OpGraph, OpNode, TensorInfo
 from autotp.plan import Plan, PlanError, load_plan
@@ -13,5 +14,5 @@ from autotp.program import Collective
 from autotp.solver import MemoryBudgetError
 
 __all__ = ["capture", "CaptureError", "OpGraph", "OpNode", "TensorInfo", "plan", "Plan", "PlanError", "load_plan",
-           "Collective", "MemoryBudgetError", "parallelize"]
+           "Collective", "MemoryBudgetError", "parallelize", "checkpoint"]
 __version__ = "0.1.0"

@@ -1,14 +1,90 @@
-"""Command line: ``autotp plan ...`` and ``autotp profile ...``."""
+"""Command line: ``autotp plan MODULE:FACTORY ...`` and ``autotp profile ...``.
+
+``autotp plan examples.models:llama3_8b --mesh 8 --hardware h100-sxm`` imports the factory (a
+function returning ``(model, example_inputs)``), plans, and prints the report.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
 import sys
+from typing import Any, Callable
+
+
+def parse_mesh(text: str) -> tuple[int, ...]:
+    """``"8"`` → ``(8,)``; ``"2x4"`` → ``(2, 4)``."""
+    try:
+        shape = tuple(int(part) for part in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if not shape or any(n < 1 for n in shape):
+        raise argparse.ArgumentTypeError(f"mesh {text!r}: expected a shape such as 8 or 2x4")
+    return shape
+
+
+def load_factory(spec: str) -> Callable[[], Any]:
+    """``"package.module:function"`` → the function (the current directory is importable)."""
+    if ":" not in spec:
+        raise SystemExit(f"autotp plan: {spec!r} is not MODULE:FACTORY (e.g. examples.models:llama3_8b)")
+    module_name, attr = spec.split(":", 1)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise SystemExit(f"autotp plan: cannot import module {module_name!r}: {err}") from err
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise SystemExit(f"autotp plan: module {module_name!r} has no {attr!r}") from None
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    import autotp
+
+    factory = load_factory(args.factory)
+    built = factory()
+    if not (isinstance(built, tuple) and len(built) == 2):
+        raise SystemExit(f"autotp plan: {args.factory} returned {type(built).__name__}; expected (model, example_inputs)")
+    model, example_inputs = built
+    names = tuple(args.axis_names.split(",")) if args.axis_names else None
+    from autotp.mesh import MeshSpec
+
+    mesh = MeshSpec.of(args.mesh, names)
+    try:
+        plan = autotp.plan(model, mesh, example_inputs, hardware=args.hardware, mode=args.mode,
+                           memory_budget=args.memory_budget, time_limit_s=args.time_limit)
+    except autotp.MemoryBudgetError as err:
+        print(f"autotp plan: {err}", file=sys.stderr)
+        return 2
+    print(plan.report())
+    if args.json:
+        plan.save(args.json)
+        print(f"\nplan written to {args.json}")
+    if args.html:
+        with open(args.html, "w") as f:
+            f.write(plan.report("html"))
+        print(f"report written to {args.html}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autotp", description="Automatic tensor parallelism for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="plan a model on a mesh and print the report")
+    p.add_argument("factory", help="MODULE:FACTORY, a function returning (model, example_inputs)")
+    p.add_argument("--mesh", type=parse_mesh, required=True, help="mesh shape: 8 or 2x4")
+    p.add_argument("--axis-names", default=None, help="comma-separated axis names (default tp, or dp,tp for 2 axes)")
+    p.add_argument("--hardware", default="h100-sxm", help="built-in profile name or a profile JSON path")
+    p.add_argument("--mode", choices=("train", "inference"), default="train")
+    p.add_argument("--memory-budget", default=None, help="bytes per device, e.g. 40GB or 16GiB")
+    p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit in seconds")
+    p.add_argument("--json", default=None, help="write the plan as JSON to this path")
+    p.add_argument("--html", default=None, help="write the report as HTML to this path")
+    p.set_defaults(run=run_plan)
 
     from autotp.profiling import command as profile_command
 

@@ -6,6 +6,7 @@ raises with the model exactly as it was.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
 import torch
@@ -47,12 +48,13 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
     if device is not None and device != mesh.device_type:
         raise ValueError(f"the model is on {device!r} but the mesh is on {mesh.device_type!r}; "
                          f"move the model to {mesh.device_type!r} or build the mesh on {device!r}")
+    t0 = time.perf_counter()
     try:
         graph = capture(model, example_inputs)
     except CaptureError as err:
         raise ValueError(f"the example inputs do not fit the model:\n{err}") from err
     if plan is None:
-        plan = plan_graph(graph, spec, hardware, mode, memory_budget)
+        plan = plan_graph(graph, spec, hardware, mode, memory_budget, capture_s=time.perf_counter() - t0)
     elif not isinstance(plan, Plan):
         raise TypeError(f"plan is a {type(plan).__name__}; expected an autotp Plan (autotp.plan or autotp.load_plan)")
     else:

@@ -1,7 +1,7 @@
 """``autotp profile``: measure the interconnect and the device, write a hardware profile.
 
     autotp profile [--nproc N] [--backend gloo|nccl] [--mesh 2x4] [-b 1K] [-e 256M] [-f 2]
-                   [-n 20] [-w 5] [--min-time-s 0.1] [--check] [--timeout-s 120] [-o profile.json]
+                   [-n 20] [-w 5] [--min-time-s 0.1] [--rounds 1] [--check] [--timeout-s 120] [-o profile.json]
 
 Under torchrun (``RANK`` and ``WORLD_SIZE`` set) this process is one rank of the group
 torchrun made. Otherwise the command starts ``--nproc`` ranks on this host itself
@@ -98,6 +98,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-time-s", type=_non_negative_seconds, default=0.1, metavar="S",
                         help="repeat blocks of -n iterations until S seconds are timed per size "
                              "(default 0.1; 0 times exactly -n iterations, as nccl-tests)")
+    parser.add_argument("--rounds", type=_int_at_least(1), default=1, metavar="R",
+                        help="spread each size's timing over R rounds through all sizes (default 1)")
     parser.add_argument("--check", action="store_true",
                         help="verify every result on rank-dependent inputs; wrong elements make the exit code 1")
     parser.add_argument("--timeout-s", type=_positive_seconds, default=120.0,
@@ -121,6 +123,7 @@ def config_from_args(args: argparse.Namespace) -> ProfileConfig:
         timeout_s=args.timeout_s,
         output=args.output,
         min_time_s=args.min_time_s,
+        rounds=args.rounds,
     )
 
 

@@ -96,6 +96,7 @@ class ProfileConfig:
     timeout_s: float
     output: str | None
     min_time_s: float = 0.0
+    rounds: int = 1
 
     @property
     def sizes_bytes(self) -> tuple[int, ...]:

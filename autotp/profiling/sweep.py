@@ -1,14 +1,27 @@
-"""Time collectives over a range of message sizes, the way nccl-tests does.
+"""Time collectives over a range of message sizes, the way nccl-tests does (and a bit more).
 
-For every mesh axis, every collective kind and every size: ``warmup_iters`` untimed runs,
-a barrier over all ranks, ``iters`` timed runs back to back, and the mean per run. With
-``min_time_s`` > 0, blocks of ``iters`` runs repeat until that much time has been timed
-(as OSU's benchmarks run more iterations on small messages): on a noisy host (a VM whose
-vCPUs are throttled in milliseconds-long slices) a mean over 10 runs of 1 ms swings by
-half, a mean over 0.1 s does not. All groups of the axis run at the same time. The time of a point is the **maximum over all
-ranks** of their means (the slowest rank decides when a collective is over). With
-``check`` one more run follows on rank-dependent inputs, and the mismatching elements of
-every rank are summed into ``wrong``.
+For every mesh axis and every collective kind, all groups of the axis running at once:
+
+1. every size is prepared: buffers, ``warmup_iters`` untimed runs, and with ``check``
+   one run on rank-dependent inputs whose mismatching elements, summed over all ranks,
+   become the point's ``wrong``;
+2. ``rounds`` rounds over the sizes (ascending, then descending, ...); in each, a size
+   gets timed blocks of ``iters`` runs, each block after a barrier, until
+   ``min_time_s / rounds`` has been timed (a single block when ``min_time_s`` is 0, which
+   is exactly nccl-tests' ``-n``).
+
+A block's time is the mean over its ``iters`` runs, taken on the slowest rank (the
+**maximum over ranks**: the slowest rank decides when a collective is over), which is
+nccl-tests' figure. A point's time is the **median over its blocks**: with a single block
+it is exactly nccl-tests' figure; with many, a block that a stall of the host hit does
+not move it.
+
+Why blocks, rounds and a median: on a shared host (a VM whose vCPUs the host, or other
+programs, take away in slices of milliseconds, for seconds at a time) a mean over 10
+runs of 1 ms swings by half from one moment to the next. The median over many blocks
+ignores the blocks a stall hit; spreading a size's blocks over rounds, in alternating
+order, exposes every size to the same slow drifts, so the sizes stay comparable with each
+other, which is what the fit needs. On a quiet machine they change only the run time.
 
 All ranks must call :func:`sweep` with the same arguments; only the callbacks differ
 (rank 0 prints, every rank reports progress to the launcher's watchdog).
@@ -39,7 +52,7 @@ class SweepPoint:
     count: int
     time_s: float
     wrong: int | None  # None when not checked
-    runs: int = 0  # timed runs per rank: iters, or a multiple of it with a minimum time
+    runs: int = 0  # timed runs: iters times the number of blocks
 
     @property
     def algbw_bytes_per_s(self) -> float:
@@ -95,121 +108,163 @@ def _barrier(device: torch.device) -> None:
     _synchronize(device)
 
 
-def time_call(
+@dataclass(frozen=True)
+class Timing:
+    """How each point is timed (see module doc)."""
+
+    iters: int = 20
+    warmup_iters: int = 5
+    min_time_s: float = 0.0  # per point, over all rounds
+    rounds: int = 1
+
+
+def time_blocks(
     call: collectives.CollectiveCall,
     iters: int,
-    warmup_iters: int,
     device: torch.device,
     min_time_s: float = 0.0,
-    max_blocks: int = 1000,
-) -> tuple[float, int]:
-    """This rank's mean seconds per run of ``call``, and the number of timed runs.
+    max_blocks: int = 100_000,
+) -> list[float]:
+    """This rank's mean seconds per run in each timed block of ``iters`` runs of ``call``.
 
-    Runs ``warmup_iters`` untimed, then timed blocks of ``iters`` runs (each after a
-    barrier) until the slowest rank has timed ``min_time_s`` in all: one block when
-    ``min_time_s`` is 0, as nccl-tests does. The ranks agree on stopping with one small
-    all-reduce between blocks, outside the timed region.
+    Each block starts after a barrier. Blocks repeat until the slowest rank has timed
+    ``min_time_s`` in all (one block when it is 0, as nccl-tests does). The ranks agree
+    on stopping with one small all-reduce between blocks, outside the timed region, so
+    every rank times the same number of blocks.
     """
-    for _ in range(warmup_iters):
-        call.run()
-    timed_s, runs, blocks = 0.0, 0, 0
+    block_means: list[float] = []
+    timed_s = 0.0
     while True:
         _barrier(device)
         start = time.perf_counter()
         for _ in range(iters):
             call.run()
         _synchronize(device)
-        timed_s += time.perf_counter() - start
-        runs += iters
-        blocks += 1
-        if min_time_s <= 0 or blocks >= max_blocks:
-            break
+        elapsed = time.perf_counter() - start
+        block_means.append(elapsed / iters)
+        timed_s += elapsed
+        if min_time_s <= 0 or len(block_means) >= max_blocks:
+            return block_means
         slowest = torch.tensor([timed_s], dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         if slowest.item() >= min_time_s:
-            break
-    return timed_s / runs, runs
+            return block_means
 
 
-def measure_point(
+def check_call(call: collectives.CollectiveCall, device: torch.device) -> int:
+    """Run ``call`` once on check inputs; mismatching elements summed over all ranks."""
+    collectives.fill_for_check(call)
+    call.run()
+    _synchronize(device)
+    total = torch.tensor([collectives.count_wrong(call)], dtype=torch.int64, device=device)
+    dist.all_reduce(total)
+    collectives.reset(call)
+    return int(total.item())
+
+
+OnPoint = Callable[[int, AxisGroup, str, int, str], None]
+
+
+def sweep_kind(
     group: AxisGroup,
     kind: str,
-    size_bytes: int,
+    sizes_bytes: Sequence[int],
+    timing: Timing,
     *,
     rank: int,
     device: torch.device,
-    iters: int,
-    warmup_iters: int,
     check: bool,
     reduce_scatter_native: bool,
-    min_time_s: float = 0.0,
-) -> SweepPoint:
-    """Time (and optionally check) one collective of one size; the result is the same on all ranks."""
-    call = collectives.prepare(
-        kind, size_bytes, group.handle, group.ranks, rank, device, reduce_scatter_native=reduce_scatter_native
-    )
-    mean_s, runs = time_call(call, iters, warmup_iters, device, min_time_s)
-    slowest = torch.tensor([mean_s], dtype=torch.float64, device=device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    wrong = None
-    if check:
-        collectives.fill_for_check(call)
-        call.run()
-        _synchronize(device)
-        total = torch.tensor([collectives.count_wrong(call)], dtype=torch.int64, device=device)
-        dist.all_reduce(total)
-        wrong = int(total.item())
-    return SweepPoint(
-        axis=group.axis.index,
-        kind=kind,
-        group_size=len(group.ranks),
-        size_bytes=call.size_bytes,
-        count=call.count,
-        time_s=float(slowest.item()),
-        wrong=wrong,
-        runs=runs,
-    )
+    on_point: OnPoint,
+    first_step: int = 1,
+) -> list[SweepPoint]:
+    """All sizes of one kind on one axis: prepare (warm up, check) each, then ``rounds``
+    rounds over the sizes, alternating ascending and descending order."""
+    step = first_step
+    calls, wrong = [], []
+    for size in sizes_bytes:
+        on_point(step, group, kind, size, "warm-up" + (" and check" if check else ""))
+        step += 1
+        call = collectives.prepare(
+            kind, size, group.handle, group.ranks, rank, device, reduce_scatter_native=reduce_scatter_native
+        )
+        for _ in range(timing.warmup_iters):
+            call.run()
+        wrong.append(check_call(call, device) if check else None)
+        calls.append(call)
+    blocks: list[list[float]] = [[] for _ in calls]
+    for round_index in range(timing.rounds):
+        order = range(len(calls)) if round_index % 2 == 0 else reversed(range(len(calls)))
+        for i in order:
+            on_point(step, group, kind, sizes_bytes[i], f"round {round_index + 1}/{timing.rounds}")
+            step += 1
+            blocks[i] += time_blocks(calls[i], timing.iters, device, timing.min_time_s / timing.rounds)
+    times_s = [_median(_slowest_rank(b, device)) for b in blocks]
+    runs = [len(b) * timing.iters for b in blocks]
+    return [
+        SweepPoint(
+            axis=group.axis.index,
+            kind=kind,
+            group_size=len(group.ranks),
+            size_bytes=call.size_bytes,
+            count=call.count,
+            time_s=float(mean_s),
+            wrong=w,
+            runs=k,
+        )
+        for call, mean_s, w, k in zip(calls, times_s, wrong, runs)
+    ]
+
+
+def _slowest_rank(block_means: list[float], device: torch.device) -> list[float]:
+    """Per block, the largest mean over all ranks (every rank has the same blocks)."""
+    t = torch.tensor(block_means, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+
+def steps_per_kind(n_sizes: int, timing: Timing) -> int:
+    return n_sizes * (1 + timing.rounds)
 
 
 def sweep(
     groups: Sequence[AxisGroup],
     kinds: Sequence[str],
     sizes_bytes: Sequence[int],
+    timing: Timing,
     *,
     rank: int,
     device: torch.device,
-    iters: int,
-    warmup_iters: int,
     check: bool,
     reduce_scatter_native: bool,
-    min_time_s: float = 0.0,
-    on_point: Callable[[int, AxisGroup, str, int], None] = lambda step, group, kind, size: None,
+    on_point: OnPoint = lambda step, group, kind, size, phase: None,
     on_kind_done: Callable[[AxisGroup, str, list[SweepPoint]], None] = lambda group, kind, points: None,
 ) -> tuple[SweepPoint, ...]:
-    """Every axis x kind x size; ``on_point(step, group, kind, size)`` is called before each
-    point (step counts from 1), ``on_kind_done`` after the last size of a kind."""
+    """Every axis x kind x size. ``on_point(step, group, kind, size, phase)`` is called
+    before each step (counting from 1), ``on_kind_done`` after the last round of a kind."""
     results: list[SweepPoint] = []
-    step = 0
+    step = 1
     for group in groups:
         for kind in kinds:
-            points = []
-            for size in sizes_bytes:
-                step += 1
-                on_point(step, group, kind, size)
-                points.append(
-                    measure_point(
-                        group,
-                        kind,
-                        size,
-                        rank=rank,
-                        device=device,
-                        iters=iters,
-                        warmup_iters=warmup_iters,
-                        check=check,
-                        reduce_scatter_native=reduce_scatter_native,
-                        min_time_s=min_time_s,
-                    )
-                )
+            points = sweep_kind(
+                group,
+                kind,
+                sizes_bytes,
+                timing,
+                rank=rank,
+                device=device,
+                check=check,
+                reduce_scatter_native=reduce_scatter_native,
+                on_point=on_point,
+                first_step=step,
+            )
+            step += steps_per_kind(len(sizes_bytes), timing)
             on_kind_done(group, kind, points)
             results.extend(points)
     return tuple(results)

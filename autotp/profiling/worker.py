@@ -27,7 +27,7 @@ from autotp.profiling.device import measure_device
 from autotp.profiling.heartbeat import Fault, Heartbeat
 from autotp.profiling.launch import CONFIG_ENV, LAUNCHED_ENV
 from autotp.profiling.mesh import mesh_axes
-from autotp.profiling.sweep import AxisGroup, SweepPoint, new_axis_groups, sweep
+from autotp.profiling.sweep import AxisGroup, SweepPoint, Timing, new_axis_groups, steps_per_kind, sweep
 from autotp.profiling.table import Progress, format_table
 
 # What ProcessGroupGloo does for reduce_scatter_tensor in torch 2.13 (read from its source,
@@ -116,16 +116,22 @@ def _profile(config, rank, world_size, local_world_size, shape, device, heartbea
         sys.stderr.flush()
 
     sizes = config.sizes_bytes
-    progress = Progress(len(groups) * len(collectives.KINDS) * len(sizes), enabled=lead)
+    timing = Timing(config.iters, config.warmup_iters, config.min_time_s, config.rounds)
+    total_steps = len(groups) * len(collectives.KINDS) * steps_per_kind(len(sizes), timing)
+    progress = Progress(total_steps, enabled=lead)
 
-    def on_point(step: int, group: AxisGroup, kind: str, size: int) -> None:
-        heartbeat.beat(step, f"{group.axis.name} {kind} {format_size(size)}")
-        progress.update(step, f"{group.axis.name} {kind}", format_size(size))
+    def on_point(step: int, group: AxisGroup, kind: str, size: int, phase: str) -> None:
+        heartbeat.beat(step, f"{group.axis.name} {kind} {format_size(size)} {phase}")
+        progress.update(step, f"{group.axis.name} {kind}", f"{format_size(size)} {phase}")
 
     def on_kind_done(group: AxisGroup, kind: str, points: list[SweepPoint]) -> None:
         if lead:
             progress.clear()
-            title = f"{kind} on {group.axis}, {config.iters} iterations after {config.warmup_iters} warm-up"
+            runs = min(p.runs for p in points), max(p.runs for p in points)
+            title = (
+                f"{kind} on {group.axis}: mean of {runs[0]}..{runs[1]} timed runs per size "
+                f"(blocks of {config.iters}, {config.rounds} rounds), after {config.warmup_iters} warm-up"
+            )
             print(format_table(title, points), flush=True)
 
     if lead:
@@ -134,18 +140,16 @@ def _profile(config, rank, world_size, local_world_size, shape, device, heartbea
         groups,
         collectives.KINDS,
         sizes,
+        timing,
         rank=rank,
         device=device,
-        iters=config.iters,
-        warmup_iters=config.warmup_iters,
         check=config.check,
         reduce_scatter_native=rs_native,
-        min_time_s=config.min_time_s,
         on_point=on_point,
         on_kind_done=on_kind_done,
     )
     progress.clear()
-    step = len(points)
+    step = total_steps
     device_measurement = None
     heartbeat.beat(step + 1, "measuring the device")
     if lead:
