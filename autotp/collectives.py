@@ -59,13 +59,15 @@ class RedistributeStep(nn.Module):
     """One axis of a redistribution ``src → dst`` on a mesh axis (see :mod:`autotp.redistribute`)."""
 
     def __init__(self, src: Placement, dst: Placement, axis_name: str, group: dist.ProcessGroup,
-                 n: int, rank: int) -> None:
+                 n: int, rank: int, reduce_grad: bool = False) -> None:
         super().__init__()
         self.src, self.dst, self.axis_name = src, dst, axis_name
         self.group, self.n, self.rank = group, n, rank
+        self.reduce_grad = reduce_grad  # S -> R whose readers return partial gradients
 
     def extra_repr(self) -> str:
-        return f"{self.src} -> {self.dst} over {self.axis_name}"
+        extra = ", backward reduce_scatter" if self.reduce_grad else ""
+        return f"{self.src} -> {self.dst} over {self.axis_name}{extra}"
 
     def run_forward(self, x: torch.Tensor) -> torch.Tensor:
         s, d = self.src, self.dst
@@ -88,6 +90,8 @@ class RedistributeStep(nn.Module):
         if s.is_replicate and d.is_shard:
             return _gather(g, d.dim, self.group)
         if s.is_shard and d.is_replicate:
+            if self.reduce_grad:
+                return _reduce_scatter(g, s.dim, self.group)
             return _slice(g, s.dim, self.n, self.rank)
         if s.is_shard and d.is_shard:
             return _all_to_all(g, d.dim, s.dim, self.n, self.group)

@@ -76,14 +76,19 @@ class CostModel:
         return self._collective_cached(kind, axis, float(size_bytes))
 
     def edge_s(self, info: TensorInfo, src: Sequence[Placement], dst: Optional[Sequence[Placement]],
-               requires_grad: bool) -> float:
-        """Forward (and, when training a tensor that carries a gradient, backward) redistribution time."""
+               requires_grad: bool, grad_axes: Sequence[int] = ()) -> float:
+        """Forward (and, when training a tensor that carries a gradient, backward) redistribution time.
+
+        ``grad_axes``: axes on which the reader returns a partial gradient; where the edge gathers
+        on such an axis, its backward reduce-scatters (the separate gradient all_reduce is priced by
+        :meth:`grad_reduce_s` only where no gather absorbs it).
+        """
         if dst is None or tuple(src) == tuple(dst):
             return 0.0
         if not is_convertible(src, dst):
             return INFEASIBLE_S
         total = 0.0
-        for step in conversion_steps(src, dst, self.mesh.shape):
+        for step in conversion_steps(src, dst, self.mesh.shape, grad_axes if self.train else ()):
             size = info.nbytes / step.divisor
             if step.forward:
                 total += self.collective_s(step.forward, step.axis, size)

@@ -4,7 +4,8 @@ For every input ``k`` of every node the program names the producer, the placemen
 (``q``) and the mesh axes whose backward gradient must be summed (``grad_axes``: the node reads the
 tensor replicated on that axis while working on shards there). Reads of one producer with the same
 ``q`` share one redistribution, and reads that also share ``grad_axes`` share one gradient
-reduction. The runtime executes exactly this program and :func:`collectives` lists it, so the
+reduction; where the read gathers on a gradient axis, the gather's backward reduce-scatters the
+partial gradient instead (:func:`autotp.redistribute.fused_axes`). The runtime executes exactly this program and :func:`collectives` lists it, so the
 plan's collectives are the ones that run.
 """
 
@@ -16,7 +17,7 @@ from typing import Mapping, Optional
 from autotp.graph import OpGraph
 from autotp.mesh import MeshSpec
 from autotp.placement import Placement, R, Strategy
-from autotp.redistribute import conversion_steps
+from autotp.redistribute import conversion_steps, fused_axes
 
 __all__ = ["Read", "Collective", "reads", "collectives", "OUTPUT"]
 
@@ -81,19 +82,21 @@ def collectives(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, 
         src = graph[r.producer]
         info = src.outputs[0]
         p = chosen[r.producer].output
-        if (r.value, r.placements) not in done_redistribute:
-            done_redistribute.add((r.value, r.placements))
-            for step in conversion_steps(p, r.placements, mesh.shape):
+        fused = fused_axes(p, r.placements, r.grad_axes)
+        if (r.value, r.placements, fused) not in done_redistribute:
+            done_redistribute.add((r.value, r.placements, fused))
+            for step in conversion_steps(p, r.placements, mesh.shape, fused):
                 size = info.nbytes / step.divisor
                 axis = mesh.axis_names[step.axis]
                 if step.forward:
                     fwd.append(Collective(step.forward, "forward", axis, size, r.producer))
                 if step.backward and train and src.requires_grad:
                     bwd.append(Collective(step.backward, "backward", axis, size, r.producer))
+        reduce_axes = tuple(a for a in r.grad_axes if a not in fused)
         key = (r.value, r.placements, r.grad_axes)
-        if r.grad_axes and key not in done_reduce:
+        if reduce_axes and key not in done_reduce:
             done_reduce.add(key)
-            for a in r.grad_axes:
+            for a in reduce_axes:
                 divisor = 1
                 for b, (pl, n) in enumerate(zip(r.placements, mesh.shape)):
                     if b != a and pl.is_shard:

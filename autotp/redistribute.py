@@ -18,6 +18,11 @@ S(d) → P    not allowed
 Steps that shrink or keep the tensor run first, gathers last, so collectives move as few bytes as
 the two placements allow.
 
+When the readers of a gathered tensor (``S(d) → R``) work on shards of that axis, the gradient
+they return is a partial sum; the backward of the gather then reduce-scatters it (``grad_axes``)
+instead of slicing a gradient that would need a separate all_reduce: Megatron's sequence-parallel
+pairing of all_gather forward with reduce_scatter backward.
+
 >>> from autotp.placement import R, S, P
 >>> [str(s) for s in conversion_steps((S(0), P), (R, R), (2, 4))]
 ['axis 1: P -> R (forward all_reduce)', 'axis 0: S(0) -> R (forward all_gather)']
@@ -31,7 +36,7 @@ from typing import Optional, Sequence
 
 from autotp.placement import Placement
 
-__all__ = ["Step", "conversion_steps", "step_kinds", "is_convertible"]
+__all__ = ["Step", "conversion_steps", "step_kinds", "is_convertible", "fused_axes"]
 
 
 @dataclass(frozen=True)
@@ -70,8 +75,17 @@ def is_convertible(src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
     return not any(s.is_shard and d.is_partial for s, d in zip(src, dst))
 
 
-def conversion_steps(src: Sequence[Placement], dst: Sequence[Placement], mesh_shape: Sequence[int]) -> list[Step]:
-    """The ordered steps that turn ``src`` into ``dst`` (only the axes that change)."""
+def fused_axes(src: Sequence[Placement], dst: Sequence[Placement], grad_axes: Sequence[int]) -> tuple[int, ...]:
+    """Axes of ``grad_axes`` whose partial gradient the gather's backward reduce-scatters."""
+    return tuple(a for a in grad_axes if src[a].is_shard and dst[a].is_replicate)
+
+
+def conversion_steps(src: Sequence[Placement], dst: Sequence[Placement], mesh_shape: Sequence[int],
+                     grad_axes: Sequence[int] = ()) -> list[Step]:
+    """The ordered steps that turn ``src`` into ``dst`` (only the axes that change).
+
+    ``grad_axes``: axes on which the readers return partial gradients (see the module docstring).
+    """
     if not is_convertible(src, dst):
         raise ValueError(f"cannot redistribute {''.join(map(str, src))} -> {''.join(map(str, dst))}")
     current = list(src)
@@ -82,5 +96,7 @@ def conversion_steps(src: Sequence[Placement], dst: Sequence[Placement], mesh_sh
         current[a] = dst[a]
         divisor = math.prod(n for b, (p, n) in enumerate(zip(current, mesh_shape)) if b != a and p.is_shard)
         fwd, bwd = step_kinds(src[a], dst[a])
+        if a in grad_axes and src[a].is_shard and dst[a].is_replicate:
+            bwd = "reduce_scatter"
         steps.append(Step(a, src[a], dst[a], fwd, bwd, divisor))
     return steps

@@ -25,7 +25,7 @@ from autotp.graph import OpGraph
 from autotp.placement import Placement, local_shape
 from autotp.plan import Plan
 from autotp.program import reads
-from autotp.redistribute import conversion_steps
+from autotp.redistribute import conversion_steps, fused_axes
 
 __all__ = ["build_parallel_module", "local_shard"]
 
@@ -114,19 +114,22 @@ class _Builder:
         if q is None:
             return value
         vkey = value_key or producer
-        key = (vkey, q)
+        p = self.plan.strategy(producer).output
+        fused = fused_axes(p, q, grad_axes)
+        key = (vkey, q, fused)
         if key not in self.read_cache:
-            p = self.plan.strategy(producer).output
-            for step in conversion_steps(p, q, self.mesh_shape):
+            for step in conversion_steps(p, q, self.mesh_shape, fused):
                 mod = RedistributeStep(step.src, step.dst, self.axis_names[step.axis], self.groups[step.axis],
-                                       self.mesh_shape[step.axis], self.coordinate[step.axis])
+                                       self.mesh_shape[step.axis], self.coordinate[step.axis],
+                                       reduce_grad=step.backward == "reduce_scatter" and step.src.is_shard)
                 value = self.fx.call_module(self._add_module(mod, "redistribute"), (value,))
             self.read_cache[key] = value
         value = self.read_cache[key]
-        if grad_axes:
+        reduce_axes = tuple(a for a in grad_axes if a not in fused)
+        if reduce_axes:
             gkey = (vkey, q, grad_axes)
             if gkey not in self.read_cache:
-                for a in grad_axes:
+                for a in reduce_axes:
                     mod = GradAllReduce(self.axis_names[a], self.groups[a])
                     value = self.fx.call_module(self._add_module(mod, "grad_reduce"), (value,))
                 self.read_cache[gkey] = value

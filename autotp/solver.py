@@ -4,17 +4,25 @@ Formulation (all costs in seconds, memory in bytes; ``r`` ranges over representa
 layer tying, ``m_r`` is how many nodes ``r`` stands for):
 
 * **one_hot**: binary ``x[r,s]`` per strategy ``s`` of ``r``; ``Σ_s x[r,s] = 1``.
-* **edges**: for each group of graph edges ``u → v`` (input ``k``) sharing representatives, continuous
+* **edges** (a value read by one node): for each group of graph edges ``u → v`` (input ``k``) sharing representatives, continuous
   ``y[e,p,q] ≥ 0`` over the producer's output placements ``p`` and the consumer's required input
   placements ``q``, tied to the choices by ``Σ_q y[e,p,q] = Σ_{s: out(s)=p} x[u,s]`` and
   ``Σ_p y[e,p,q] = Σ_{s: in_k(s)=q} x[v,s]``. With one-hot ``x`` the only solution is the product,
   so the linear cost ``Σ c(p,q) y[e,p,q]`` is the redistribution cost exactly. Pairs that cannot be
   converted (``S → P``) have ``y`` fixed to 0. Edges whose cost depends on one end only fold into
   that end's node cost.
+* **shared reads** (a value read by several nodes, e.g. q, k and v reading one normalized input):
+  readers that need the same placement share one redistribution, as at run time, so it is paid
+  once: ``used[t,κ] ≥ Σ_{s: need(s)=κ} x[c,s]`` per reader ``c`` and
+  ``w[t,p,κ] ≥ Σ_{s: out(s)=p} x[t,s] + used[t,κ] − 1`` with cost ``c(p,κ) w``.
 * **grad_reductions**: for a tensor ``t`` that carries a gradient and a mesh axis ``a``, continuous
-  ``z[t,a] ∈ [0,1]`` with ``z[t,a] ≥ Σ_{s ∈ B(c,a)} x[c,s]`` for every consumer ``c``, where
-  ``B(c,a)`` are the strategies that read ``t`` replicated on ``a`` while working on shards there;
-  one backward all_reduce (cost ``g[t,a]``) serves all of them.
+  ``z[t,a] ∈ [0,1]`` with ``z[t,a] ≥ Σ_{s ∈ B(c,a)} x[c,s] − Σ_{s' ∈ S_a(t)} x[t,s']`` for every
+  consumer ``c``, where ``B(c,a)`` are the strategies that read ``t`` replicated on ``a`` while
+  working on shards there (their gradient is partial on ``a``) and ``S_a(t)`` the strategies of
+  ``t`` whose output is split on ``a``; one backward all_reduce (cost ``g[t,a]``) serves all of
+  them. When ``t`` is split on ``a`` the read gathers, and the gather's backward reduce-scatters
+  the partial gradient instead: the edges price that, keyed by the consumer's placement and its
+  partial-gradient axes ``(q, A)`` rather than by ``q`` alone.
 * **memory**: ``Σ_r m_r Σ_s mem(r,s) x[r,s] ≤ budget`` (parameters, gradients, optimizer state,
   activations kept for backward).
 * **objective**: ``Σ_r m_r Σ_s compute(r,s) x[r,s] + Σ_e Σ c(p,q) y + Σ g z``.
@@ -109,21 +117,38 @@ class _Formulation:
                                                          node.requires_grad)
 
     def edges(self) -> None:
-        groups: dict[tuple[str, str, int], list[tuple[str, str]]] = defaultdict(list)
+        """Redistribution costs, grouped by the value read (a producer, or one item of a multi-output op)."""
+        values: dict[tuple, dict[str, list[tuple[str, int]]]] = defaultdict(lambda: defaultdict(list))
         for v in self.graph.nodes:
             for k, u in enumerate(v.inputs):
-                groups[(self.rep[u], self.rep[v.name], k)].append((u, v.name))
-        for e, ((ru, rv, k), pairs) in enumerate(sorted(groups.items())):
+                if v.target == "getitem":  # each item is its own value
+                    values[(self.rep[u], self.rep[v.name])][f"{u}[{v.name}]"].append((v.name, k))
+                else:
+                    values[(self.rep[u],)][u].append((v.name, k))
+        for e, (vkey, instances) in enumerate(sorted(values.items())):
+            if any(len(readers) > 1 for readers in instances.values()):
+                self._shared_value(e, vkey[0], instances)
+            else:
+                self._single_reader(e, vkey[0], instances)
+
+    def _single_reader(self, e: int, ru: str, instances: Mapping[str, list[tuple[str, int]]]) -> None:
+        """Each instance has one reader: the exact product formulation (tight LP relaxation)."""
+        groups: dict[tuple[str, int], list[tuple[str, str]]] = defaultdict(list)
+        for u, readers in instances.items():
+            v, k = readers[0]
+            groups[(self.rep[v], k)].append((u.split("[")[0], v))
+        for g, ((rv, k), pairs) in enumerate(sorted(groups.items())):
             su, sv = self.strategies[ru], self.strategies[rv]
+            grad = self.cost.train and self.graph[pairs[0][0]].requires_grad
+            need = [self._requirement(st, k, grad) for st in sv]
             outs = sorted({s.output for s in su})
-            ins = sorted({s.inputs[k] for s in sv}, key=lambda q: (q is None, q or ()))
-            c: dict[tuple, float] = {}
+            ins = sorted(set(need), key=_key_order)
+            c: dict[tuple, float] = defaultdict(float)
             for u, v in pairs:
                 info = self.graph[v].input_infos[k]
-                grad = self.graph[u].requires_grad
                 for p in outs:
-                    for q in ins:
-                        c[(p, q)] = c.get((p, q), 0.0) + self.cost.edge_s(info, p, q, grad)
+                    for q, axes in ins:
+                        c[(p, (q, axes))] += self.cost.edge_s(info, p, q, grad, axes)
             if all(val == 0.0 for val in c.values()):
                 continue
             if len(outs) == 1 or len(ins) == 1:  # the cost depends on one end only: fold it in
@@ -131,23 +156,82 @@ class _Formulation:
                     for s, strat in enumerate(su):
                         self.node_cost[ru][s] += c[(strat.output, ins[0])]
                 else:
-                    for s, strat in enumerate(sv):
-                        self.node_cost[rv][s] += c[(outs[0], strat.inputs[k])]
+                    for s in range(len(sv)):
+                        self.node_cost[rv][s] += c[(outs[0], need[s])]
                 continue
             y = {}
             for i, p in enumerate(outs):
                 for j, q in enumerate(ins):
-                    var = pulp.LpVariable(f"y{e}_{i}_{j}", lowBound=0, upBound=0 if c[(p, q)] == INFEASIBLE_S else 1)
+                    var = pulp.LpVariable(f"y{e}_{g}_{i}_{j}", lowBound=0, upBound=0 if c[(p, q)] == INFEASIBLE_S else 1)
                     y[(p, q)] = var
                     if c[(p, q)] not in (0.0, INFEASIBLE_S):
                         self.objective.append(c[(p, q)] * var)
             self.n_vars += len(y)
             for i, p in enumerate(outs):
                 self.prob += (pulp.lpSum(y[(p, q)] for q in ins)
-                              == pulp.lpSum(self.x[ru][s] for s, st in enumerate(su) if st.output == p)), f"edge_{e}_out{i}"
+                              == pulp.lpSum(self.x[ru][s] for s, st in enumerate(su) if st.output == p)), f"edge_{e}_{g}_out{i}"
             for j, q in enumerate(ins):
                 self.prob += (pulp.lpSum(y[(p, q)] for p in outs)
-                              == pulp.lpSum(self.x[rv][s] for s, st in enumerate(sv) if st.inputs[k] == q)), f"edge_{e}_in{j}"
+                              == pulp.lpSum(self.x[rv][s] for s in range(len(sv)) if need[s] == q)), f"edge_{e}_{g}_in{j}"
+
+    def _shared_value(self, e: int, ru: str, instances: Mapping[str, list[tuple[str, int]]]) -> None:
+        """Several readers: readers that need the same thing share one redistribution, paid once.
+
+        ``used[κ] ≥ Σ_{s: need(s)=κ} x[c,s]`` for each reader ``c`` (an OR), and
+        ``w[p,κ] ≥ X_u(p) + used[κ] − 1`` pays ``cost(p, κ)`` when the producer outputs ``p``.
+        """
+        su = self.strategies[ru]
+        outs = sorted({s.output for s in su})
+        c: dict[tuple, float] = defaultdict(float)
+        readers_rep: set[tuple[str, int]] = set()
+        keys: set[tuple] = set()
+        for u, readers in instances.items():
+            name = u.split("[")[0]
+            grad = self.cost.train and self.graph[name].requires_grad
+            info = self.graph[readers[0][0]].input_infos[readers[0][1]]
+            mine: set[tuple] = set()
+            for v, k in readers:
+                rv = self.rep[v]
+                readers_rep.add((rv, k))
+                mine.update(self._requirement(st, k, grad) for st in self.strategies[rv])
+            for q, axes in mine:
+                for p in outs:
+                    c[(p, (q, axes))] += self.cost.edge_s(info, p, q, grad, axes)
+            keys |= mine
+        ordered = [kk for kk in sorted(keys, key=_key_order) if any(c[(p, kk)] for p in outs)]
+        if not ordered:
+            return
+        used = {kk: pulp.LpVariable(f"u{e}_{j}", lowBound=0, upBound=1) for j, kk in enumerate(ordered)}
+        self.n_vars += len(used)
+        for i, (rv, k) in enumerate(sorted(readers_rep)):
+            grad = self.cost.train and any(self.graph[u.split("[")[0]].requires_grad for u in instances)
+            need = [self._requirement(st, k, grad) for st in self.strategies[rv]]
+            for j, kk in enumerate(ordered):
+                idx = [s for s in range(len(need)) if need[s] == kk]
+                if idx:
+                    self.prob += used[kk] >= pulp.lpSum(self.x[rv][s] for s in idx), f"read_{e}_{i}_{j}"
+        for i, p in enumerate(outs):
+            chosen_p = pulp.lpSum(self.x[ru][s] for s, st in enumerate(su) if st.output == p)
+            for j, kk in enumerate(ordered):
+                cost = c[(p, kk)]
+                if cost == 0.0:
+                    continue
+                if cost == INFEASIBLE_S:
+                    self.prob += chosen_p + used[kk] <= 1, f"forbid_{e}_{i}_{j}"
+                elif len(outs) == 1:
+                    self.objective.append(cost * used[kk])
+                else:
+                    w = pulp.LpVariable(f"w{e}_{i}_{j}", lowBound=0)
+                    self.n_vars += 1
+                    self.objective.append(cost * w)
+                    self.prob += w >= chosen_p + used[kk] - 1, f"pay_{e}_{i}_{j}"
+
+    def _requirement(self, st: Strategy, k: int, grad: bool) -> tuple:
+        """What a consumer strategy asks of input ``k``: its placements and its partial-gradient axes."""
+        q = st.inputs[k]
+        if not grad or q is None:
+            return (q, ())
+        return (q, tuple(a for a in range(self.cost.mesh.ndim) if q[a].is_replicate and st.sharded_on(a)))
 
     def grad_reductions(self) -> None:
         if not self.cost.train:
@@ -178,11 +262,13 @@ class _Formulation:
                 if seen_rep_consumers:
                     cost[(rt, a)] += worst
         for i, key in enumerate(sorted(bad)):
+            rt, a = key
             z = pulp.LpVariable(f"z{i}", lowBound=0, upBound=1)
             self.n_vars += 1
             self.objective.append(cost[key] * z)
+            split = pulp.lpSum(self.x[rt][s] for s, st in enumerate(self.strategies[rt]) if st.output[a].is_shard)
             for j, (rc, idx) in enumerate(sorted(bad[key])):
-                self.prob += z >= pulp.lpSum(self.x[rc][s] for s in idx), f"grad_{i}_{j}"
+                self.prob += z >= pulp.lpSum(self.x[rc][s] for s in idx) - split, f"grad_{i}_{j}"
 
     def memory(self) -> None:
         mem = {r: [self.mult[r] * self.cost.node_memory(self.graph[r], st).total_bytes
@@ -207,6 +293,11 @@ class _Formulation:
 
 
 _R = Placement("R")
+
+
+def _key_order(kk: tuple) -> tuple:
+    q, axes = kk
+    return (q is None, q or (), axes)
 
 
 @contextlib.contextmanager

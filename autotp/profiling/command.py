@@ -1,7 +1,7 @@
 """``autotp profile``: measure the interconnect and the device, write a hardware profile.
 
     autotp profile [--nproc N] [--backend gloo|nccl] [--mesh 2x4] [-b 1K] [-e 256M] [-f 2]
-                   [-n 20] [-w 5] [--min-time-s 0.1] [--rounds 1] [--check] [--timeout-s 120] [-o profile.json]
+                   [-n 20] [-w 5] [--min-time-s 0.2] [--rounds 3] [--check] [--timeout-s 120] [-o profile.json]
 
 Under torchrun (``RANK`` and ``WORLD_SIZE`` set) this process is one rank of the group
 torchrun made. Otherwise the command starts ``--nproc`` ranks on this host itself
@@ -95,11 +95,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-n", "--iters", type=_int_at_least(1), default=20, help="timed iterations per size (default 20)")
     parser.add_argument("-w", "--warmup-iters", type=_int_at_least(0), default=5,
                         help="untimed iterations before timing (default 5)")
-    parser.add_argument("--min-time-s", type=_non_negative_seconds, default=0.1, metavar="S",
+    parser.add_argument("--min-time-s", type=_non_negative_seconds, default=0.2, metavar="S",
                         help="repeat blocks of -n iterations until S seconds are timed per size "
-                             "(default 0.1; 0 times exactly -n iterations, as nccl-tests)")
-    parser.add_argument("--rounds", type=_int_at_least(1), default=1, metavar="R",
-                        help="spread each size's timing over R rounds through all sizes (default 1)")
+                             "(default 0.2; 0 with --rounds 1 times exactly -n iterations, as nccl-tests)")
+    parser.add_argument("--rounds", type=_int_at_least(1), default=3, metavar="R",
+                        help="spread each size's timing over R rounds through all sizes, the point is the median block (default 3)")
     parser.add_argument("--check", action="store_true",
                         help="verify every result on rank-dependent inputs; wrong elements make the exit code 1")
     parser.add_argument("--timeout-s", type=_positive_seconds, default=120.0,

@@ -13,6 +13,7 @@ Fault injection, for tests of those paths (never set it otherwise)::
     AUTOTP_PROFILE_FAULT=hang:1     rank 1 sleeps forever when it reaches step 1
     AUTOTP_PROFILE_FAULT=die:1      rank 1 exits at once (code 17) at step 1
     AUTOTP_PROFILE_FAULT=die:1:4    ... at step 4 instead
+    AUTOTP_PROFILE_FAULT=corrupt:1  rank 1 feeds one wrong input element to every --check run
 
 Step 0 is "started, before the process group"; step k >= 1 is the k-th sweep point.
 
@@ -34,7 +35,7 @@ DIE_EXIT_CODE = 17
 
 @dataclass(frozen=True)
 class Fault:
-    """An injected failure: ``action`` ("hang" or "die") on ``rank`` when it reaches ``step``."""
+    """An injected failure: ``action`` ("hang", "die", "corrupt") on ``rank`` at ``step``."""
 
     action: str
     rank: int
@@ -43,13 +44,19 @@ class Fault:
     @classmethod
     def parse(cls, text: str) -> "Fault":
         parts = text.strip().split(":")
-        if len(parts) not in (2, 3) or parts[0] not in ("hang", "die"):
-            raise ValueError(f"invalid {FAULT_ENV}={text!r}: expected hang:RANK[:STEP] or die:RANK[:STEP]")
+        if len(parts) not in (2, 3) or parts[0] not in ("hang", "die", "corrupt"):
+            raise ValueError(
+                f"invalid {FAULT_ENV}={text!r}: expected hang:RANK[:STEP], die:RANK[:STEP] or corrupt:RANK"
+            )
         try:
             numbers = [int(p) for p in parts[1:]]
         except ValueError:
             raise ValueError(f"invalid {FAULT_ENV}={text!r}: RANK and STEP must be integers") from None
         return cls(parts[0], *numbers)
+
+    def corrupts(self, rank: int) -> bool:
+        """Whether this rank must spoil its --check inputs."""
+        return self.action == "corrupt" and rank == self.rank
 
     @classmethod
     def from_env(cls) -> "Fault | None":
@@ -58,7 +65,7 @@ class Fault:
 
     def trigger(self, rank: int, step: int) -> None:
         """Hang or die here if this is the rank and step the fault names."""
-        if rank != self.rank or step != self.step:
+        if self.action == "corrupt" or rank != self.rank or step != self.step:
             return
         if self.action == "die":
             os._exit(DIE_EXIT_CODE)

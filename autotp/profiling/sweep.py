@@ -151,9 +151,14 @@ def time_blocks(
             return block_means
 
 
-def check_call(call: collectives.CollectiveCall, device: torch.device) -> int:
-    """Run ``call`` once on check inputs; mismatching elements summed over all ranks."""
+def check_call(call: collectives.CollectiveCall, device: torch.device, corrupt: bool = False) -> int:
+    """Run ``call`` once on check inputs; mismatching elements summed over all ranks.
+
+    ``corrupt`` (a test hook) spoils one input element first, so the check must fail.
+    """
     collectives.fill_for_check(call)
+    if corrupt:
+        call.input.view(-1)[0] += 1000.0
     call.run()
     _synchronize(device)
     total = torch.tensor([collectives.count_wrong(call)], dtype=torch.int64, device=device)
@@ -177,6 +182,7 @@ def sweep_kind(
     reduce_scatter_native: bool,
     on_point: OnPoint,
     first_step: int = 1,
+    corrupt_check: bool = False,
 ) -> list[SweepPoint]:
     """All sizes of one kind on one axis: prepare (warm up, check) each, then ``rounds``
     rounds over the sizes, alternating ascending and descending order."""
@@ -190,7 +196,7 @@ def sweep_kind(
         )
         for _ in range(timing.warmup_iters):
             call.run()
-        wrong.append(check_call(call, device) if check else None)
+        wrong.append(check_call(call, device, corrupt_check) if check else None)
         calls.append(call)
     blocks: list[list[float]] = [[] for _ in calls]
     for round_index in range(timing.rounds):
@@ -245,6 +251,7 @@ def sweep(
     reduce_scatter_native: bool,
     on_point: OnPoint = lambda step, group, kind, size, phase: None,
     on_kind_done: Callable[[AxisGroup, str, list[SweepPoint]], None] = lambda group, kind, points: None,
+    corrupt_check: bool = False,
 ) -> tuple[SweepPoint, ...]:
     """Every axis x kind x size. ``on_point(step, group, kind, size, phase)`` is called
     before each step (counting from 1), ``on_kind_done`` after the last round of a kind."""
@@ -263,6 +270,7 @@ def sweep(
                 reduce_scatter_native=reduce_scatter_native,
                 on_point=on_point,
                 first_step=step,
+                corrupt_check=corrupt_check,
             )
             step += steps_per_kind(len(sizes_bytes), timing)
             on_kind_done(group, kind, points)

@@ -147,6 +147,7 @@ def _profile(config, rank, world_size, local_world_size, shape, device, heartbea
         reduce_scatter_native=rs_native,
         on_point=on_point,
         on_kind_done=on_kind_done,
+        corrupt_check=heartbeat.fault is not None and heartbeat.fault.corrupts(rank),
     )
     progress.clear()
     step = total_steps
