@@ -65,6 +65,7 @@ class CostModel:
         self.train = mode == "train"
         self._links = tuple(profile.link_for_axis(mesh.shape, a) for a in range(mesh.ndim))
         self._collective_cached = lru_cache(maxsize=None)(self._collective_uncached)
+        self._edge_cached = lru_cache(maxsize=None)(self._edge_uncached)
 
     # -- communication -------------------------------------------------------------------------
 
@@ -85,6 +86,10 @@ class CostModel:
         """
         if dst is None or tuple(src) == tuple(dst):
             return 0.0
+        return self._edge_cached(info, tuple(src), tuple(dst), bool(requires_grad), tuple(grad_axes))
+
+    def _edge_uncached(self, info: TensorInfo, src: tuple, dst: tuple, requires_grad: bool,
+                       grad_axes: tuple) -> float:
         if not is_convertible(src, dst):
             return INFEASIBLE_S
         total = 0.0

@@ -13,8 +13,9 @@ layer tying, ``m_r`` is how many nodes ``r`` stands for):
   that end's node cost.
 * **shared reads** (a value read by several nodes, e.g. q, k and v reading one normalized input):
   readers that need the same placement share one redistribution, as at run time, so it is paid
-  once: ``used[t,κ] ≥ Σ_{s: need(s)=κ} x[c,s]`` per reader ``c`` and
-  ``w[t,p,κ] ≥ Σ_{s: out(s)=p} x[t,s] + used[t,κ] − 1`` with cost ``c(p,κ) w``.
+  once: each reader ``c`` has its product variables ``y_c[p,κ]`` (as above, over the reader's
+  requirements ``κ = (q, partial-gradient axes)``) and ``w[t,p,κ] ≥ y_c[p,κ]`` for every reader,
+  with cost ``c(p,κ) w``.
 * **grad_reductions**: for a tensor ``t`` that carries a gradient and a mesh axis ``a``, continuous
   ``z[t,a] ∈ [0,1]`` with ``z[t,a] ≥ Σ_{s ∈ B(c,a)} x[c,s] − Σ_{s' ∈ S_a(t)} x[t,s']`` for every
   consumer ``c``, where ``B(c,a)`` are the strategies that read ``t`` replicated on ``a`` while
@@ -48,6 +49,12 @@ from autotp.graph import OpGraph
 from autotp.placement import Placement, Strategy
 
 __all__ = ["solve", "Solution", "MemoryBudgetError", "SolverError"]
+
+
+# Relative optimality gap at which the MIP stops: plans within 0.1% of the cheapest predicted step
+# time are not worth minutes of branching; the report says "optimal" only within this gap.
+MIP_GAP = float(os.environ.get("AUTOTP_MIP_GAP", "1e-3"))
+OBJECTIVE_SCALE = 1e3  # the objective is handed to the solver in milliseconds
 
 
 class MemoryBudgetError(ValueError):
@@ -91,36 +98,85 @@ class _Formulation:
         self.mult: dict[str, int] = defaultdict(int)
         for n in graph.nodes:
             self.mult[rep[n.name]] += 1
-        self.node_cost: dict[str, list[float]] = {r: [0.0] * len(strategies[r]) for r in self.reps}
+        self.root, self.fmap, self.parent = self._merge_followers()
+        self.roots = [r for r in self.reps if self.root[r] == r]
+        self.node_cost: dict[str, list[float]] = {r: [0.0] * len(strategies[r]) for r in self.roots}
         self.objective: list = []
         self.x: dict[str, list[pulp.LpVariable]] = {}
         self.n_vars = 0
 
+    # -- following ops -------------------------------------------------------------------------
+
+    def _merge_followers(self) -> tuple[dict[str, str], dict[str, list[int]], dict[str, str]]:
+        """Merge a view (or no-op cast) into its input when it can follow every placement the input
+        takes and nothing else reads that input: choosing the producer then fixes the view, and any
+        redistribution the view's readers need can happen after it, on as many bytes. No option is lost.
+
+        Returns, per representative, its group root, the map from the root's strategy index to its
+        own, and (for merged ones) the representative it follows.
+        """
+        root = {r: r for r in self.reps}
+        fmap = {r: list(range(len(self.strategies[r]))) for r in self.reps}
+        parent: dict[str, str] = {}
+        instances: dict[str, list[str]] = defaultdict(list)
+        for n in self.graph.nodes:
+            instances[self.rep[n.name]].append(n.name)
+        outputs = set(self.graph.outputs)
+        for r in self.reps:
+            node = self.graph[r]
+            if not _is_follower(node):
+                continue
+            u = self.rep[node.inputs[0]]
+            if any(self.rep[self.graph[i].inputs[0]] != u or self.graph.consumers(self.graph[i].inputs[0]) != (i,)
+                   or self.graph[i].inputs[0] in outputs for i in instances[r]):
+                continue
+            by_input: dict[tuple, list[int]] = defaultdict(list)
+            for idx, st in enumerate(self.strategies[r]):
+                by_input[st.inputs[0]].append(idx)
+            mine = []
+            for s_root in range(len(self.strategies[root[u]])):
+                match = by_input.get(self.strategies[u][fmap[u][s_root]].output, [])
+                if len(match) != 1:
+                    break
+                mine.append(match[0])
+            else:
+                root[r], fmap[r], parent[r] = root[u], mine, u
+        return root, fmap, parent
+
+    def x_of(self, r: str, idxs) -> pulp.LpAffineExpression:
+        """Σ x over the root strategies under which representative ``r`` takes one of ``idxs``."""
+        wanted = set(idxs)
+        return pulp.lpSum(self.x[self.root[r]][s] for s, mine in enumerate(self.fmap[r]) if mine in wanted)
+
+    def add_cost(self, r: str, cost_of) -> None:
+        """Add ``cost_of(strategy of r)`` to the cost of each strategy of r's root."""
+        root = self.root[r]
+        for s, mine in enumerate(self.fmap[r]):
+            self.node_cost[root][s] += cost_of(self.strategies[r][mine])
+
     # -- constraint groups ---------------------------------------------------------------------
 
     def one_hot(self) -> None:
-        for i, r in enumerate(self.reps):
+        for i, r in enumerate(self.roots):
             xs = [pulp.LpVariable(f"x{i}_{s}", cat=pulp.LpBinary) for s in range(len(self.strategies[r]))]
             self.x[r] = xs
             self.n_vars += len(xs)
             self.prob += pulp.lpSum(xs) == 1, f"one_hot_{i}"
         for n in self.graph.nodes:
-            r = self.rep[n.name]
-            for s, strat in enumerate(self.strategies[r]):
-                self.node_cost[r][s] += self.cost.node_compute_s(n, strat)
+            self.add_cost(self.rep[n.name], lambda st, n=n: self.cost.node_compute_s(n, st))
         # graph outputs are returned replicated (plain tensors, as the original model returns them)
         for o in self.graph.outputs:
-            r = self.rep[o]
             node = self.graph[o]
-            for s, strat in enumerate(self.strategies[r]):
-                self.node_cost[r][s] += self.cost.edge_s(node.outputs[0], strat.output, (_R,) * len(strat.output),
-                                                         node.requires_grad)
+            self.add_cost(self.rep[o], lambda st, node=node: self.cost.edge_s(
+                node.outputs[0], st.output, (_R,) * len(st.output), node.requires_grad))
 
     def edges(self) -> None:
         """Redistribution costs, grouped by the value read (a producer, or one item of a multi-output op)."""
         values: dict[tuple, dict[str, list[tuple[str, int]]]] = defaultdict(lambda: defaultdict(list))
         for v in self.graph.nodes:
             for k, u in enumerate(v.inputs):
+                if self.parent.get(self.rep[v.name]) == self.rep[u]:
+                    continue  # a merged view follows its input: nothing moves
                 if v.target == "getitem":  # each item is its own value
                     values[(self.rep[u], self.rep[v.name])][f"{u}[{v.name}]"].append((v.name, k))
                 else:
@@ -153,11 +209,9 @@ class _Formulation:
                 continue
             if len(outs) == 1 or len(ins) == 1:  # the cost depends on one end only: fold it in
                 if len(ins) == 1:
-                    for s, strat in enumerate(su):
-                        self.node_cost[ru][s] += c[(strat.output, ins[0])]
+                    self.add_cost(ru, lambda st: c[(st.output, ins[0])])
                 else:
-                    for s in range(len(sv)):
-                        self.node_cost[rv][s] += c[(outs[0], need[s])]
+                    self.add_cost(rv, lambda st: c[(outs[0], self._requirement(st, k, grad))])
                 continue
             y = {}
             for i, p in enumerate(outs):
@@ -169,16 +223,16 @@ class _Formulation:
             self.n_vars += len(y)
             for i, p in enumerate(outs):
                 self.prob += (pulp.lpSum(y[(p, q)] for q in ins)
-                              == pulp.lpSum(self.x[ru][s] for s, st in enumerate(su) if st.output == p)), f"edge_{e}_{g}_out{i}"
+                              == self.x_of(ru, (s for s, st in enumerate(su) if st.output == p))), f"edge_{e}_{g}_out{i}"
             for j, q in enumerate(ins):
                 self.prob += (pulp.lpSum(y[(p, q)] for p in outs)
-                              == pulp.lpSum(self.x[rv][s] for s in range(len(sv)) if need[s] == q)), f"edge_{e}_{g}_in{j}"
+                              == self.x_of(rv, (s for s in range(len(sv)) if need[s] == q))), f"edge_{e}_{g}_in{j}"
 
     def _shared_value(self, e: int, ru: str, instances: Mapping[str, list[tuple[str, int]]]) -> None:
         """Several readers: readers that need the same thing share one redistribution, paid once.
 
-        ``used[κ] ≥ Σ_{s: need(s)=κ} x[c,s]`` for each reader ``c`` (an OR), and
-        ``w[p,κ] ≥ X_u(p) + used[κ] − 1`` pays ``cost(p, κ)`` when the producer outputs ``p``.
+        Each reader ``c`` gets the exact product variables ``y_c[p,κ]`` of the single-reader case, and
+        ``w[p,κ] ≥ y_c[p,κ]`` for every reader pays ``cost(p, κ)`` once.
         """
         su = self.strategies[ru]
         outs = sorted({s.output for s in su})
@@ -201,30 +255,31 @@ class _Formulation:
         ordered = [kk for kk in sorted(keys, key=_key_order) if any(c[(p, kk)] for p in outs)]
         if not ordered:
             return
-        used = {kk: pulp.LpVariable(f"u{e}_{j}", lowBound=0, upBound=1) for j, kk in enumerate(ordered)}
-        self.n_vars += len(used)
-        for i, (rv, k) in enumerate(sorted(readers_rep)):
-            grad = self.cost.train and any(self.graph[u.split("[")[0]].requires_grad for u in instances)
-            need = [self._requirement(st, k, grad) for st in self.strategies[rv]]
-            for j, kk in enumerate(ordered):
-                idx = [s for s in range(len(need)) if need[s] == kk]
-                if idx:
-                    self.prob += used[kk] >= pulp.lpSum(self.x[rv][s] for s in idx), f"read_{e}_{i}_{j}"
+        pay: dict[tuple, pulp.LpVariable] = {}
         for i, p in enumerate(outs):
-            chosen_p = pulp.lpSum(self.x[ru][s] for s, st in enumerate(su) if st.output == p)
             for j, kk in enumerate(ordered):
-                cost = c[(p, kk)]
-                if cost == 0.0:
-                    continue
-                if cost == INFEASIBLE_S:
-                    self.prob += chosen_p + used[kk] <= 1, f"forbid_{e}_{i}_{j}"
-                elif len(outs) == 1:
-                    self.objective.append(cost * used[kk])
-                else:
-                    w = pulp.LpVariable(f"w{e}_{i}_{j}", lowBound=0)
-                    self.n_vars += 1
-                    self.objective.append(cost * w)
-                    self.prob += w >= chosen_p + used[kk] - 1, f"pay_{e}_{i}_{j}"
+                if c[(p, kk)] not in (0.0, INFEASIBLE_S):
+                    pay[(p, kk)] = pulp.LpVariable(f"w{e}_{i}_{j}", lowBound=0, upBound=1)
+                    self.objective.append(c[(p, kk)] * pay[(p, kk)])
+        self.n_vars += len(pay)
+        grad = self.cost.train and any(self.graph[u.split("[")[0]].requires_grad for u in instances)
+        for r, (rv, k) in enumerate(sorted(readers_rep)):
+            need = [self._requirement(st, k, grad) for st in self.strategies[rv]]
+            ins = sorted(set(need), key=_key_order)
+            y = {}
+            for i, p in enumerate(outs):
+                for j, kk in enumerate(ins):
+                    infeasible = c.get((p, kk), 0.0) == INFEASIBLE_S
+                    y[(p, kk)] = var = pulp.LpVariable(f"y{e}_{r}_{i}_{j}", lowBound=0, upBound=0 if infeasible else 1)
+                    if (p, kk) in pay:
+                        self.prob += pay[(p, kk)] >= var, f"pay_{e}_{r}_{i}_{j}"
+            self.n_vars += len(y)
+            for i, p in enumerate(outs):
+                self.prob += (pulp.lpSum(y[(p, kk)] for kk in ins)
+                              == self.x_of(ru, (s for s, st in enumerate(su) if st.output == p))), f"share_{e}_{r}_out{i}"
+            for j, kk in enumerate(ins):
+                self.prob += (pulp.lpSum(y[(p, kk)] for p in outs)
+                              == self.x_of(rv, (s for s in range(len(need)) if need[s] == kk))), f"share_{e}_{r}_in{j}"
 
     def _requirement(self, st: Strategy, k: int, grad: bool) -> tuple:
         """What a consumer strategy asks of input ``k``: its placements and its partial-gradient axes."""
@@ -266,13 +321,16 @@ class _Formulation:
             z = pulp.LpVariable(f"z{i}", lowBound=0, upBound=1)
             self.n_vars += 1
             self.objective.append(cost[key] * z)
-            split = pulp.lpSum(self.x[rt][s] for s, st in enumerate(self.strategies[rt]) if st.output[a].is_shard)
+            split = self.x_of(rt, (s for s, st in enumerate(self.strategies[rt]) if st.output[a].is_shard))
             for j, (rc, idx) in enumerate(sorted(bad[key])):
-                self.prob += z >= pulp.lpSum(self.x[rc][s] for s in idx) - split, f"grad_{i}_{j}"
+                self.prob += z >= self.x_of(rc, idx) - split, f"grad_{i}_{j}"
 
     def memory(self) -> None:
-        mem = {r: [self.mult[r] * self.cost.node_memory(self.graph[r], st).total_bytes
-                   for st in self.strategies[r]] for r in self.reps}
+        mem = {r: [0.0] * len(self.strategies[r]) for r in self.roots}
+        for r in self.reps:
+            for s, mine in enumerate(self.fmap[r]):
+                mem[self.root[r]][s] += self.mult[r] * self.cost.node_memory(
+                    self.graph[r], self.strategies[r][mine]).total_bytes
         minimum = sum(min(v) for v in mem.values())
         if self.budget is None:
             return
@@ -281,18 +339,31 @@ class _Formulation:
                 f"memory budget {_gib(self.budget)} per device is below the minimum any plan needs on mesh "
                 f"{self.cost.mesh}: {_gib(minimum)} ({minimum:.0f} bytes) in {self.cost.mode} mode; "
                 f"raise the budget to at least that, use more devices, or plan in inference mode", minimum)
-        terms = [m * self.x[r][s] for r in self.reps for s, m in enumerate(mem[r]) if m]
-        self.prob += pulp.lpSum(terms) <= self.budget, "memory"
+        # in GiB: coefficients near 1 keep the LP well scaled (bytes would reach 1e11)
+        terms = [m / 2**30 * self.x[r][s] for r in self.roots for s, m in enumerate(mem[r]) if m]
+        self.prob += pulp.lpSum(terms) <= self.budget / 2**30, "memory"
 
     def objective_terms(self) -> None:
-        for r in self.reps:
+        for r in self.roots:
             for s, c in enumerate(self.node_cost[r]):
                 if c:
-                    self.objective.append(c * self.x[r][s])  # c already sums the tied nodes
-        self.prob += pulp.lpSum(self.objective)
+                    self.objective.append(c * self.x[r][s])  # c already sums the tied and merged nodes
+        # in milliseconds: step costs span 1e-6..1 s, and the solver's tolerances are absolute
+        self.prob += pulp.lpSum(self.objective) * OBJECTIVE_SCALE
 
 
 _R = Placement("R")
+_NOOP_TARGETS = {"aten.alias.default", "aten.detach.default", "aten.clone.default", "aten.contiguous.default",
+                 "aten.to.dtype", "aten.to.dtype_layout", "aten.to.device", "aten._to_copy.default"}
+
+
+def _is_follower(node) -> bool:
+    """A view, or an op that returns its input unchanged (a cast to the same dtype, a copy)."""
+    if node.is_placeholder or len(node.inputs) != 1 or node.target == "getitem" or len(node.outputs) != 1:
+        return False
+    if node.is_view:
+        return True
+    return node.target in _NOOP_TARGETS and node.input_infos[0] == node.output
 
 
 def _key_order(kk: tuple) -> tuple:
@@ -321,10 +392,10 @@ def _quiet_stdout():
 
 def _solvers(time_limit_s: float) -> list[tuple[str, pulp.LpSolver]]:
     out = []
-    highs = pulp.HiGHS(msg=False, timeLimit=time_limit_s, threads=1)
+    highs = pulp.HiGHS(msg=bool(os.environ.get("AUTOTP_SOLVER_LOG")), timeLimit=time_limit_s, threads=1, gapRel=MIP_GAP)
     if highs.available():
         out.append(("HiGHS", highs))
-    cbc = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=1)
+    cbc = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=1, gapRel=MIP_GAP)
     if cbc.available():
         out.append(("CBC", cbc))
     if not out:
@@ -345,7 +416,7 @@ def solve(graph: OpGraph, strategies: Mapping[str, Sequence[Strategy]], rep: Map
     last_error: Optional[str] = None
     for name, solver in _solvers(time_limit_s):
         try:
-            with _quiet_stdout():
+            with (_quiet_stdout() if not os.environ.get("AUTOTP_SOLVER_LOG") else contextlib.nullcontext()):
                 f.prob.solve(solver)
         except Exception as err:  # noqa: BLE001 - try the next solver
             last_error = f"{name}: {err}"
@@ -354,16 +425,16 @@ def solve(graph: OpGraph, strategies: Mapping[str, Sequence[Strategy]], rep: Map
         if status == "Infeasible":
             raise MemoryBudgetError(
                 f"no plan fits the memory budget {_gib(memory_budget_bytes or 0)} per device on mesh {cost.mesh}", 0.0)
-        if status not in ("Optimal", "Not Solved") or any(v.varValue is None for v in f.x[f.reps[0]]):
+        if status not in ("Optimal", "Not Solved") or any(v.varValue is None for v in f.x[f.roots[0]]):
             last_error = f"{name}: status {status}"
             continue
         choice_rep = {r: max(range(len(xs)), key=lambda s: (xs[s].varValue or 0.0, -s)) for r, xs in f.x.items()}
         optimal = f.prob.sol_status == pulp.LpSolutionOptimal
         return Solution(
-            choice={n.name: choice_rep[rep[n.name]] for n in graph.nodes},
-            objective_s=float(pulp.value(f.prob.objective) or 0.0), variables=f.n_vars,
+            choice={n.name: f.fmap[rep[n.name]][choice_rep[f.root[rep[n.name]]]] for n in graph.nodes},
+            objective_s=float(pulp.value(f.prob.objective) or 0.0) / OBJECTIVE_SCALE, variables=f.n_vars,
             constraints=len(f.prob.constraints), seconds=time.perf_counter() - start, optimal=optimal,
             solver=name, status="optimal" if optimal else f"best found within {time_limit_s:g} s (not proven optimal)",
-            representatives=len(f.reps),
+            representatives=len(f.roots),
         )
     raise SolverError(f"the ILP solvers failed: {last_error}")
