@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 import torch.fx
-import torch.fx.config
 from torch.utils import flop_counter
 
 from autotp.graph import BUFFER, CONSTANT, INPUT, OP, PARAMETER, OpGraph, OpNode, ParameterInfo, TensorInfo
@@ -171,14 +170,20 @@ def capture(model: torch.nn.Module, example_inputs: Any) -> OpGraph:
     _check_devices(model, args, kwargs)
     # Stack traces on every traced node cost about a third of export's time on a large model and
     # autotp never reads them; errors still carry the user's own traceback.
-    saved = torch.fx.config.do_not_emit_stack_traces
-    torch.fx.config.do_not_emit_stack_traces = True
+    try:
+        import torch.fx.config as fx_config
+    except ImportError:  # older torch: no switch, stack traces are recorded
+        fx_config = None
+    saved = getattr(fx_config, "do_not_emit_stack_traces", None)
+    if saved is not None:
+        fx_config.do_not_emit_stack_traces = True
     try:
         exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as err:  # noqa: BLE001 - re-raised with context
         raise CaptureError(_explain_export_failure(err)) from err
     finally:
-        torch.fx.config.do_not_emit_stack_traces = saved
+        if saved is not None:
+            fx_config.do_not_emit_stack_traces = saved
     return graph_from_exported(exported, model)
 
 

@@ -18,15 +18,20 @@ from autotp.placement import Placement
 __all__ = ["RedistributeStep", "GradAllReduce", "MaskedEmbedding", "to_local"]
 
 
+# torch 2.13 names the dim-0 collectives *_single; older releases only have *_tensor
+_all_gather_dim0 = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_reduce_scatter_dim0 = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+
 def _gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     # concatenating along dim 0 of the moved tensors is concatenating along ``dim``
     front = x.movedim(dim, 0).contiguous()
-    return funcol.wait_tensor(funcol.all_gather_single(front, 0, group)).movedim(0, dim)
+    return funcol.wait_tensor(_all_gather_dim0(front, 0, group)).movedim(0, dim)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     front = x.movedim(dim, 0).contiguous()
-    return funcol.wait_tensor(funcol.reduce_scatter_single(front, "sum", 0, group)).movedim(0, dim)
+    return funcol.wait_tensor(_reduce_scatter_dim0(front, "sum", 0, group)).movedim(0, dim)
 
 
 def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

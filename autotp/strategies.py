@@ -368,8 +368,15 @@ class _Warned:
         self.kinds: set[str] = set()
 
 
+def _factory_or_all(node: OpNode) -> tuple:
+    """Input slots of the replicated choice: None where the node reads only dtype and device."""
+    return (None,) * len(node.inputs) if node.target in _FACTORY else (R,) * len(node.inputs)
+
+
 def axis_choices(node: OpNode, n: int, warned: Optional[_Warned] = None) -> list[AxisChoice]:
     """The single-axis choices of ``node`` on an axis of ``n`` ranks."""
+    if n == 1:  # an axis of one rank: splitting across it changes nothing and only adds steps
+        return [(tuple(None if c is None else R for c in _factory_or_all(node)), R)]
     if node.is_placeholder:
         return _placeholder_choices(node, n)
     t = node.target

@@ -1,0 +1,115 @@
+"""Step time of autotp's plan against a hand-written Megatron plan and a single process.
+
+On 2 gloo ranks (CPU), a GPT-2-small-shaped model (4 layers, dim 768, 12 heads, vocab 50304):
+
+* autotp: ``autotp.parallelize(model, mesh, inputs, hardware=...)``, the planner's own choice;
+* hand plan: PyTorch's ``parallelize_module`` with the Megatron plan an expert writes (q/k/v and
+  up ``ColwiseParallel``, o and down ``RowwiseParallel``, attention edited to local head counts);
+* single process: the original model, one process with both cores.
+
+Each measures forward + backward + AdamW step, median of ``--steps`` steps after ``--warmup``,
+interleaved in one run so load on the machine hits both alike. Prints the ratios side by side.
+
+    .venv/bin/python benchmarks/runtime.py [--steps 5] [--hardware cpu-gloo]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from examples.models import GPT, GPTConfig  # noqa: E402
+from tests.distributed import run_ranks  # noqa: E402
+
+CFG = GPTConfig(vocab_size=50304, n_layer=4, n_head=12, dim=768, max_seq_len=1024)
+
+
+def build(batch: int, seq: int, seed: int = 0):
+    torch.manual_seed(seed)
+    model = GPT(CFG)
+    tokens = torch.randint(0, CFG.vocab_size, (batch, seq + 1))
+    return model, (tokens[:, :-1],), tokens[:, 1:]
+
+
+def step_time(model, inputs, targets, steps: int, warmup: int) -> tuple[float, float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    times, loss = [], None
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        logits = model(*inputs)  # (B, T, V)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        loss.backward()
+        opt.step()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times), float(loss)
+
+
+def hand_megatron(model, mesh):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    world = mesh.size()
+    plan = {}
+    for i, layer in enumerate(model.layers):
+        layer.self_attn.n_head = CFG.n_head // world  # the expert's edit: local head count
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.up_proj"):
+            plan[f"layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[f"layers.{i}.{name}"] = RowwiseParallel()
+    return parallelize_module(model, mesh, plan)
+
+
+def _ranks(rank: int, world: int, batch: int, seq: int, steps: int, warmup: int, hardware: str) -> dict:
+    import autotp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model, inputs, targets = build(batch, seq)
+    pmodel = autotp.parallelize(model, mesh, inputs, hardware=hardware)
+    hand_model, _, _ = build(batch, seq)
+    hand = hand_megatron(hand_model, mesh)
+    results = {"autotp": [], "hand": []}
+    for _ in range(2):  # interleave, so the machine's load hits both alike
+        results["autotp"].append(step_time(pmodel, inputs, targets, steps, warmup))
+        results["hand"].append(step_time(hand, inputs, targets, steps, warmup))
+    return {k: min(t for t, _ in v) for k, v in results.items()} | {
+        "styles": sorted(set(pmodel.plan.module_styles().values())),
+        "predicted_s": pmodel.plan.predicted_time().total_s,
+        "loss_autotp": results["autotp"][-1][1], "loss_hand": results["hand"][-1][1]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--hardware", default="cpu-gloo")
+    args = parser.parse_args()
+
+    r = run_ranks(_ranks, 2, args.batch, args.seq, args.steps, args.warmup, args.hardware)[0]
+    model, inputs, targets = build(args.batch, args.seq)
+    torch.set_num_threads(2)
+    single, _ = step_time(model, inputs, targets, args.steps, args.warmup)
+    print(f"GPT-2-small shape, {CFG.n_layer} layers, batch {args.batch} x seq {args.seq}, 2 gloo ranks, "
+          f"profile {args.hardware}; autotp plan styles: {', '.join(r['styles'])}")
+    print(f"{'':28}{'step time':>12}")
+    print(f"{'autotp (2 ranks)':28}{r['autotp'] * 1e3:>10.1f}ms   (predicted {r['predicted_s'] * 1e3:.1f} ms)")
+    print(f"{'hand Megatron (2 ranks)':28}{r['hand'] * 1e3:>10.1f}ms")
+    print(f"{'single process (2 threads)':28}{single * 1e3:>10.1f}ms")
+    print(f"autotp / hand plan     = {r['autotp'] / r['hand']:.2f}x   (goal <= 1.0, aim 0.8)")
+    print(f"autotp / single process = {r['autotp'] / single:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
