@@ -7,8 +7,20 @@ Under torchrun (``RANK`` and ``WORLD_SIZE`` set) this process is one rank of the
 torchrun made. Otherwise the command starts ``--nproc`` ranks on this host itself
 (``launch.py``) and watches them. Either way every rank runs ``worker.run_rank``.
 
+Timing (``sweep.py``): blocks of ``-n`` runs after ``-w`` warm-up runs, each block's mean
+taken on the slowest rank; each size is timed for ``--min-time-s`` over ``--rounds``
+rounds and its figure is the median block. ``--min-time-s 0 --rounds 1`` is exactly one
+block: nccl-tests' measurement.
+
+``--timeout-s``: the longest the run may go without any rank making progress; then
+every rank is stopped and the error names the rank that hung or died. Under torchrun
+there is no watchdog and it is the process group's timeout instead.
+
 Exit codes: 0 success; 1 ``--check`` found wrong results; 2 bad arguments, or a rank
 failed or hung (the message names it).
+
+    autotp profile --nproc 2 -b 1K -e 64M --check -o cpu.json          # two local gloo ranks
+    torchrun --nproc-per-node 8 -m autotp.cli profile --mesh 2x4 -o h100.json
 """
 
 from __future__ import annotations
@@ -69,13 +81,11 @@ def _non_negative_seconds(text: str) -> float:
     return value
 
 
-def _default_backend() -> str:
-    try:
-        import torch
+def default_backend(local_ranks: int) -> str:
+    """nccl when this host has a GPU for each of its ``local_ranks`` ranks, else gloo (CPU)."""
+    import torch
 
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return "gloo"
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks else "gloo"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=_int_at_least(2), default=None,
                         help="ranks to start on this host (default: the mesh's size, else 2); ignored under torchrun")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default=None,
-                        help="process-group backend (default: nccl if CUDA is available, else gloo)")
+                        help="process-group backend (default: nccl if there is a GPU for each local rank, else gloo)")
     parser.add_argument("--mesh", type=_mesh, default=None,
                         help="mesh shape such as 2x4, row-major like DeviceMesh (default: one axis of all ranks)")
     parser.add_argument("-b", "--min-bytes", type=_size, default=parse_size("1K"), metavar="SIZE",
@@ -92,12 +102,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest message (default 256M)")
     parser.add_argument("-f", "--step-factor", type=_int_at_least(2), default=2, metavar="F",
                         help="multiply the size by F at each step (default 2)")
-    parser.add_argument("-n", "--iters", type=_int_at_least(1), default=20, help="timed iterations per size (default 20)")
+    parser.add_argument("-n", "--iters", type=_int_at_least(1), default=20, help="timed runs per block (default 20)")
     parser.add_argument("-w", "--warmup-iters", type=_int_at_least(0), default=5,
-                        help="untimed iterations before timing (default 5)")
+                        help="untimed runs of each size before timing it (default 5)")
     parser.add_argument("--min-time-s", type=_non_negative_seconds, default=0.2, metavar="S",
-                        help="repeat blocks of -n iterations until S seconds are timed per size "
-                             "(default 0.2; 0 with --rounds 1 times exactly -n iterations, as nccl-tests)")
+                        help="repeat blocks of -n runs until S seconds are timed per size "
+                             "(default 0.2; 0 with --rounds 1 times one block of -n runs, as nccl-tests)")
     parser.add_argument("--rounds", type=_int_at_least(1), default=3, metavar="R",
                         help="spread each size's timing over R rounds through all sizes, the point is the median block (default 3)")
     parser.add_argument("--check", action="store_true",
@@ -108,11 +118,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="hardware profile JSON to write (default profile.json)")
 
 
-def config_from_args(args: argparse.Namespace) -> ProfileConfig:
+def config_from_args(args: argparse.Namespace, local_ranks: int) -> ProfileConfig:
     """The run's :class:`ProfileConfig`; ``ValueError`` for options that disagree."""
     size_sweep(args.min_bytes, args.max_bytes, args.step_factor)  # raises if min > max
     return ProfileConfig(
-        backend=args.backend or _default_backend(),
+        backend=args.backend or default_backend(local_ranks),
         mesh=args.mesh,
         min_bytes=args.min_bytes,
         max_bytes=args.max_bytes,
@@ -150,12 +160,13 @@ def _error(message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     """Run the profile (see module doc); returns the exit code."""
     try:
-        config = config_from_args(args)
         if _under_torchrun():
             from autotp.profiling.worker import run_rank
 
-            return run_rank(config, launched=False)
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+            return run_rank(config_from_args(args, local_ranks), launched=False)
         nproc = _nproc(args)
+        config = config_from_args(args, nproc)
         config.mesh_for(nproc)
     except ValueError as exc:
         return _error(str(exc))

@@ -5,9 +5,10 @@ one rank while the others wait. On CPU the figure is for the threads this proces
 (``torch.get_num_threads()``): when N ranks share one host, each is given its share of
 the cores, so the figure is that of one of the N "devices".
 
-* matmul: ``torch.mm`` of square ``n x n`` matrices for each ``n`` in ``sizes`` (1024,
-  2048), ``2 n^3`` FLOPs per product, repeated for at least ``min_time_s``; the best
-  ``n`` gives the dtype's figure.
+* matmul: ``torch.mm`` of square ``n x n`` matrices for each ``n`` in ``matmul_sizes``
+  (1024 and 2048 on CPU; 2048, 4096 and 8192 on a GPU, which 2048 leaves half idle),
+  ``2 n^3`` FLOPs per product, repeated for at least ``min_time_s``; the best ``n``
+  gives the dtype's figure.
 * memory bandwidth: ``dst.copy_(src)`` of a large buffer; bytes read plus bytes written
   over the time, best of several.
 * kernel overhead: mean time of an in-place add on a one-element tensor (nothing to
@@ -115,13 +116,19 @@ def total_memory_bytes(device: torch.device) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
+CPU_MATMUL_SIZES = (1024, 2048)
+GPU_MATMUL_SIZES = (2048, 4096, 8192)
+
+
 def measure_device(
     device: torch.device,
-    matmul_sizes: Sequence[int] = (1024, 2048),
+    matmul_sizes: Sequence[int] | None = None,
     copy_bytes: int = 256 << 20,
     min_time_s: float = 0.2,
 ) -> DeviceMeasurement:
     """All figures of the module docstring for ``device``."""
+    if matmul_sizes is None:
+        matmul_sizes = GPU_MATMUL_SIZES if device.type == "cuda" else CPU_MATMUL_SIZES
     matmuls = []
     peak = {}
     for dtype in DTYPES:

@@ -132,6 +132,9 @@ def measurements_dict(
         "reduce_scatter": info.reduce_scatter,
         "iters": config.iters,
         "warmup_iters": config.warmup_iters,
+        "min_time_s": config.min_time_s,
+        "rounds": config.rounds,
+        "statistic": "median over blocks of the block mean on the slowest rank",
         "check": config.check,
         "wrong": sum(p.wrong or 0 for p in points) if config.check else None,
         "axes": axes,
@@ -174,10 +177,12 @@ def build_profile(
     source = (
         f"measured by `autotp profile` on {host}, torch {torch.__version__}, backend {info.backend}, "
         f"{info.world_size} ranks, mesh {'x'.join(map(str, info.mesh))}. Links: {link_note}. "
-        f"Collectives: float32, {format_size(sizes[0])}..{format_size(sizes[-1])}, {config.iters} timed "
-        f"iterations, max over ranks; alpha-beta fit on busbw (relative least squares over all sizes)"
+        f"Collectives: float32, {format_size(sizes[0])}..{format_size(sizes[-1])}; a point is the median "
+        f"over blocks of {config.iters} runs (each block's mean taken on the slowest rank), timed for "
+        f"{config.min_time_s:g} s over {config.rounds} round(s); alpha-beta fit on busbw (relative least "
+        f"squares over all sizes; leave-one-out errors in measurements)"
         + (f"; {rs_note}" if rs_note else "")
-        + f". Device: {device.device_name} with {device.threads} threads, torch.mm peak over n in "
+        + f". Device: {device.device_name} with {device.threads} thread(s), torch.mm peak over n in "
         f"{sorted({m.n for m in device.matmuls})}, copy bandwidth (read+write), tiny-op overhead; "
         f"memory_bytes = {'device memory' if device.device_type == 'cuda' else 'host RAM'}."
     )
@@ -215,7 +220,7 @@ def report_and_write(
     print(format_fits([(f"axis{axis}", fit) for (axis, _), fit in sorted(fits.items(), key=_fit_order)]))
     flops = ", ".join(f"{k} {v / 1e12:.3g} TFLOP/s" for k, v in device.peak_flops.items())
     print(
-        f"# Device: {device.device_name} ({device.threads} threads): {flops}; memory bandwidth "
+        f"# Device: {device.device_name} ({device.threads} thread(s)): {flops}; memory bandwidth "
         f"{device.memory_bandwidth_bytes_per_s / 1e9:.3g} GB/s; kernel overhead "
         f"{device.kernel_overhead_s * 1e6:.3g} us; memory {format_size(device.memory_bytes)}"
     )

@@ -14,7 +14,9 @@ The watchdog polls the processes and the ranks' heartbeat files (``heartbeat.py`
   others usually fail *because* a peer vanished);
 * if no rank reports progress for ``timeout_s``, the run has stalled: every rank is
   killed and the error names the ranks whose step is behind the others' (the hung ones;
-  the others are waiting for them in a collective).
+  the others are waiting for them in a collective). Until every rank has reported once
+  (Python and torch still loading, which a busy host can stretch to many seconds) the
+  limit is ``max(timeout_s, STARTUP_S)`` instead.
 
 The ranks' process-group timeout is set above ``timeout_s`` so that the watchdog, which
 knows more, speaks first. Nothing is left running: the children are killed by pid.
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 from autotp.profiling.heartbeat import STATUS_DIR_ENV, RankStatus, read_status
 
 CONFIG_ENV = "AUTOTP_PROFILE_CONFIG"
+STARTUP_S = 60.0
 LAUNCHED_ENV = "AUTOTP_PROFILE_LAUNCHED"
 
 
@@ -95,6 +98,10 @@ class _Ranks:
     def status(self, rank: int) -> RankStatus | None:
         return read_status(self.status_dir, rank)
 
+    def finished(self, rank: int) -> bool:
+        status = self.status(rank)
+        return status is not None and status.state == "done"
+
     def kill_all(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
@@ -119,11 +126,11 @@ def _describe_failure(ranks: _Ranks, failed: list[RankExit]) -> str:
     failed = sorted(failed, key=lambda e: (e.seen_at_s, not died_silently(e), e.rank))
     first = failed[0]
     status = ranks.status(first.rank)
-    where = status.describe() if status else "before its first report"
+    where = status.describe() if status else "start-up (no report yet)"
     how = f"exited with code {first.returncode}" if first.returncode >= 0 else f"was killed by signal {-first.returncode}"
     if first.returncode == 0:
         how += " before finishing"
-    lines = [f"rank {first.rank} {how} at {where}; stopped all ranks"]
+    lines = [f"rank {first.rank} {how} after {where}; stopped all ranks"]
     if status and status.error:
         lines.append(f"  rank {first.rank}: {status.error}")
     for other in failed[1:]:
@@ -133,7 +140,7 @@ def _describe_failure(ranks: _Ranks, failed: list[RankExit]) -> str:
     return "\n".join(lines) + ranks.log_tail(first.rank)
 
 
-def _describe_stall(ranks: _Ranks, timeout_s: float, running: list[int]) -> str:
+def _describe_stall(ranks: _Ranks, waited_s: float, running: list[int]) -> str:
     statuses = {r: ranks.status(r) for r in running}
     steps = {r: (s.step if s else -1) for r, s in statuses.items()}
     lowest = min(steps.values())
@@ -141,13 +148,13 @@ def _describe_stall(ranks: _Ranks, timeout_s: float, running: list[int]) -> str:
 
     def where(r: int) -> str:
         s = statuses[r]
-        return s.describe() if s else "before its first report"
+        return s.describe() if s else "start-up (no report yet)"
 
     if len(behind) == len(running) and len(running) > 1:
-        head = f"ranks {', '.join(map(str, behind))} made no progress for {timeout_s:g} s, all at {where(behind[0])}"
+        head = f"ranks {', '.join(map(str, behind))} made no progress for {waited_s:g} s, all at {where(behind[0])}"
     else:
         names = ", ".join(f"rank {r}" for r in behind)
-        head = f"{names} hung: no progress for {timeout_s:g} s at {where(behind[0])}"
+        head = f"{names} hung: no progress for {waited_s:g} s since {where(behind[0])}"
         waiting = [r for r in running if r not in behind]
         if waiting:
             head += "; " + ", ".join(f"rank {r} waits at {where(r)}" for r in waiting)
@@ -192,13 +199,8 @@ def _watch(ranks: _Ranks, timeout_s: float, poll_interval_s: float, start: float
             code = proc.poll()
             if code is not None and rank not in exits:
                 exits[rank] = RankExit(rank, code, now - start)
-        failed = []
-        for e in exits.values():
-            status = ranks.status(e.rank)
-            if e.returncode != 0 and not (status and status.state == "done"):
-                failed.append(e)
-            elif e.returncode == 0 and not (status and status.state == "done"):
-                failed.append(e)  # vanished early without a word: a failure too
+        # A rank that ended without reporting "done" failed, whatever its exit code.
+        failed = [e for e in exits.values() if not ranks.finished(e.rank)]
         if failed:
             ranks.kill_all()
             raise LaunchError(_describe_failure(ranks, failed))
@@ -210,9 +212,11 @@ def _watch(ranks: _Ranks, timeout_s: float, poll_interval_s: float, start: float
             if last_steps.get(rank) != step:
                 last_steps[rank] = step
                 last_progress = now
-        if now - last_progress > timeout_s:
+        started = all(step >= 0 for step in last_steps.values())
+        limit_s = timeout_s if started else max(timeout_s, STARTUP_S)
+        if now - last_progress > limit_s:
             running = [r for r in range(len(ranks.procs)) if r not in exits]
-            message = _describe_stall(ranks, timeout_s, running)
+            message = _describe_stall(ranks, limit_s, running)
             ranks.kill_all()
             raise LaunchError(message)
         time.sleep(poll_interval_s)

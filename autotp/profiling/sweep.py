@@ -50,7 +50,7 @@ class SweepPoint:
     group_size: int
     size_bytes: int
     count: int
-    time_s: float
+    time_s: float  # median over blocks of the block's mean on the slowest rank
     wrong: int | None  # None when not checked
     runs: int = 0  # timed runs: iters times the number of blocks
 
@@ -102,8 +102,8 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _barrier(device: torch.device) -> None:
-    # An all-reduce rather than dist.barrier(): same meaning on gloo and nccl, no device guess.
+def barrier(device: torch.device) -> None:
+    """Wait for all ranks of the default group (an all-reduce: the same on gloo and nccl)."""
     dist.all_reduce(torch.zeros(1, device=device))
     _synchronize(device)
 
@@ -135,7 +135,7 @@ def time_blocks(
     block_means: list[float] = []
     timed_s = 0.0
     while True:
-        _barrier(device)
+        barrier(device)
         start = time.perf_counter()
         for _ in range(iters):
             call.run()
@@ -185,7 +185,11 @@ def sweep_kind(
     corrupt_check: bool = False,
 ) -> list[SweepPoint]:
     """All sizes of one kind on one axis: prepare (warm up, check) each, then ``rounds``
-    rounds over the sizes, alternating ascending and descending order."""
+    rounds over the sizes, alternating ascending and descending order.
+
+    The buffers of all sizes live at once (about 4x the largest message per rank, for
+    all_to_all), so that a round can come back to a size without allocating again.
+    """
     step = first_step
     calls, wrong = [], []
     for size in sizes_bytes:
@@ -214,11 +218,11 @@ def sweep_kind(
             group_size=len(group.ranks),
             size_bytes=call.size_bytes,
             count=call.count,
-            time_s=float(mean_s),
+            time_s=time_s,
             wrong=w,
             runs=k,
         )
-        for call, mean_s, w, k in zip(calls, times_s, wrong, runs)
+        for call, time_s, w, k in zip(calls, times_s, wrong, runs)
     ]
 
 

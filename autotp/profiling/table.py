@@ -19,6 +19,8 @@ from autotp.profiling.collectives import DTYPE_NAME
 from autotp.profiling.fit import AlphaBetaFit
 from autotp.profiling.sweep import SweepPoint
 
+HELD_OUT_TOLERANCE = 0.25  # what the profile aims for on sizes >= 1 MiB
+
 _HEADER = (
     "#       size         count      type     time   algbw   busbw #wrong\n"
     "#        (B)    (elements)               (us)  (GB/s)  (GB/s)       "
@@ -64,6 +66,19 @@ def format_fits(fits: Sequence[tuple[str, AlphaBetaFit]]) -> str:
                 f"#   {name:<6} {fit.kind:<14} {e.size_bytes:>13d}  {e.measured_s * 1e6:12.1f}"
                 f"  {e.predicted_s * 1e6:13.1f}  {100 * e.relative_error:+6.1f}%"
             )
+        errors = [abs(e.relative_error) for _, _, e in held]
+        within = sum(err <= HELD_OUT_TOLERANCE for err in errors)
+        lines.append(
+            f"# Held-out summary: {within} of {len(errors)} points within {100 * HELD_OUT_TOLERANCE:.0f}%, "
+            f"worst {100 * max(errors):.1f}%"
+        )
+        for name, fit in fits:
+            worst = fit.max_held_out_error
+            if worst is not None and worst > HELD_OUT_TOLERANCE:
+                lines.append(
+                    f"# note: {fit.kind} on {name} is not one straight line in size (held-out error up to "
+                    f"{100 * worst:.0f}%); the profile's figures are a compromise over all sizes"
+                )
     return "\n".join(lines)
 
 

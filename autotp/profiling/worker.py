@@ -27,7 +27,7 @@ from autotp.profiling.device import measure_device
 from autotp.profiling.heartbeat import Fault, Heartbeat
 from autotp.profiling.launch import CONFIG_ENV, LAUNCHED_ENV
 from autotp.profiling.mesh import mesh_axes
-from autotp.profiling.sweep import AxisGroup, SweepPoint, Timing, new_axis_groups, steps_per_kind, sweep
+from autotp.profiling.sweep import AxisGroup, SweepPoint, Timing, barrier, new_axis_groups, steps_per_kind, sweep
 from autotp.profiling.table import Progress, format_table
 
 # What ProcessGroupGloo does for reduce_scatter_tensor in torch 2.13 (read from its source,
@@ -94,7 +94,15 @@ def _run(config: ProfileConfig, launched: bool, rank: int, heartbeat: Heartbeat)
         dist.destroy_process_group()
 
 
-def _profile(config, rank, world_size, local_world_size, shape, device, heartbeat) -> int:
+def _profile(
+    config: ProfileConfig,
+    rank: int,
+    world_size: int,
+    local_world_size: int,
+    shape: tuple[int, ...],
+    device: torch.device,
+    heartbeat: Heartbeat,
+) -> int:
     lead = rank == 0
     axes = mesh_axes(shape)
     skipped = [a for a in axes if a.size < 2]
@@ -127,10 +135,11 @@ def _profile(config, rank, world_size, local_world_size, shape, device, heartbea
     def on_kind_done(group: AxisGroup, kind: str, points: list[SweepPoint]) -> None:
         if lead:
             progress.clear()
-            runs = min(p.runs for p in points), max(p.runs for p in points)
+            blocks = sorted({p.runs // config.iters for p in points})
+            span = f"{blocks[0]}" if len(blocks) == 1 else f"{blocks[0]}..{blocks[-1]}"
             title = (
-                f"{kind} on {group.axis}: mean of {runs[0]}..{runs[1]} timed runs per size "
-                f"(blocks of {config.iters}, {config.rounds} rounds), after {config.warmup_iters} warm-up"
+                f"{kind} on {group.axis}: median of {span} blocks of {config.iters} runs per size "
+                f"over {config.rounds} round(s), after {config.warmup_iters} warm-up runs"
             )
             print(format_table(title, points), flush=True)
 
@@ -156,7 +165,7 @@ def _profile(config, rank, world_size, local_world_size, shape, device, heartbea
     if lead:
         print("measuring the device (matmul FLOP/s, memory bandwidth, kernel overhead) ...", file=sys.stderr)
         device_measurement = measure_device(device)
-    dist.barrier()
+    barrier(device)
     heartbeat.beat(step + 2, "writing the profile")
     wrong = sum(p.wrong or 0 for p in points) if config.check else 0
     if lead:
@@ -178,9 +187,16 @@ def _profile(config, rank, world_size, local_world_size, shape, device, heartbea
 
 
 def main() -> int:
+    """Entry of a rank started by ``launch.py``: errors become one line (the launcher,
+    which sees every rank, reports the run's failure)."""
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     config = ProfileConfig.from_json(os.environ[CONFIG_ENV])
-    return run_rank(config, launched=os.environ.get(LAUNCHED_ENV) == "1")
+    try:
+        return run_rank(config, launched=os.environ.get(LAUNCHED_ENV) == "1")
+    except Exception as exc:  # noqa: BLE001 - reported, and the exit code says it failed
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        print(f"[rank {os.environ.get('RANK')}] {type(exc).__name__}: {first_line}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

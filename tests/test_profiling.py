@@ -1,0 +1,319 @@
+"""``autotp profile``: sizes and options, mesh groups, result checks, the alpha-beta fit,
+and real 2-process gloo runs (a sweep with --check, a failing check, a rank that hangs,
+a rank that dies).
+
+The multi-process tests run the command as a user would (``python -m autotp.cli``) with
+tiny sweeps: 1 KiB..64 KiB, 3 timed runs, one block per size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from autotp.profiling import collectives, command
+from autotp.profiling.collectives import CollectiveCall, bus_factor, expected, fill_for_check
+from autotp.profiling.config import parse_mesh, parse_size, size_sweep
+from autotp.profiling.fit import TimedPoint, fit_alpha_beta, fit_collective
+from autotp.profiling.mesh import mesh_axes
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--backend", "gloo", "-b", "1K", "-e", "64K", "-n", "3", "-w", "1", "--min-time-s", "0", "--rounds", "1"]
+
+
+# --- sizes, options --------------------------------------------------------------------------
+
+
+def test_parse_size_reads_binary_suffixes():
+    assert parse_size("1K") == 1024
+    assert parse_size("256M") == 256 * 2**20
+    assert parse_size("1g") == 2**30
+    assert parse_size("4096") == 4096
+    assert parse_size("64MiB") == 64 * 2**20
+    assert size_sweep(1024, 8192, 2) == (1024, 2048, 4096, 8192)
+    assert size_sweep(1024, 5000, 4) == (1024, 4096)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autotp profile")
+    command.add_arguments(parser)
+    return parser
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["-b", "1Q"], "invalid size '1Q'"),
+        (["-e", "-5"], "invalid size '-5'"),
+        (["--mesh", "2xa"], "invalid mesh '2xa'"),
+        (["-f", "1"], "must be at least 2"),
+        (["--nproc", "1"], "must be at least 2"),
+        (["--timeout-s", "0"], "must be > 0 seconds"),
+    ],
+)
+def test_parser_rejects_bad_values_with_a_clear_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _parser().parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+
+
+def test_run_rejects_options_that_disagree(capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    args = _parser().parse_args(["--nproc", "3", "--mesh", "2x2"])
+    assert command.run(args) == 2
+    assert "mesh 2x2 has 4 ranks but --nproc is 3" in capsys.readouterr().err
+    args = _parser().parse_args(["-b", "1M", "-e", "1K"])
+    assert command.run(args) == 2
+    assert "min_bytes <= max_bytes" in capsys.readouterr().err
+
+
+# --- mesh groups ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(8,), (2, 4), (4, 2), (2, 2, 2)])
+def test_mesh_axis_groups_match_device_mesh_layout(shape):
+    # DeviceMesh's groups along dim d: the mesh tensor with d moved last, rows of it.
+    mesh = torch.arange(torch.Size(shape).numel()).reshape(shape)
+    for axis in mesh_axes(shape):
+        reference = mesh.movedim(axis.index, -1).reshape(-1, shape[axis.index]).tolist()
+        assert [list(g) for g in axis.groups] == reference
+    assert parse_mesh("2x4") == (2, 4)
+
+
+# --- collective checks ---------------------------------------------------------------------------
+
+
+def _simulate(kind: str, inputs: list[torch.Tensor], n: int) -> list[torch.Tensor]:
+    """Each collective's textbook result, computed directly from all ranks' inputs."""
+    if kind == "all_reduce":
+        return [sum(inputs)] * n
+    if kind == "all_gather":
+        return [torch.cat(inputs)] * n
+    if kind == "reduce_scatter":
+        return list(sum(inputs).chunk(n))
+    if kind == "all_to_all":
+        return [torch.cat([inputs[src].chunk(n)[dst] for src in range(n)]) for dst in range(n)]
+    if kind == "broadcast":
+        return [inputs[0].clone()] * n
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", collectives.KINDS)
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_check_values_equal_a_direct_simulation(kind, n):
+    size_bytes = 4 * 60  # 60 elements: 30, 20, 15 per rank
+    count = collectives.element_count(size_bytes, n)
+    calls = []
+    for g in range(n):
+        in_numel = count // n if kind == "all_gather" else count
+        out_numel = count // n if kind == "reduce_scatter" else count
+        inp = torch.zeros(in_numel)
+        out = inp if kind in ("all_reduce", "broadcast") else torch.zeros(out_numel)
+        call = CollectiveCall(kind, count, g, n, inp, out, run=lambda: None)
+        fill_for_check(call)
+        calls.append(call)
+    results = _simulate(kind, [c.input.clone() for c in calls], n)
+    for g, call in enumerate(calls):
+        torch.testing.assert_close(expected(call), results[g], rtol=0, atol=0)
+        call.output.copy_(results[g])
+        assert collectives.count_wrong(call) == 0
+        call.output.view(-1)[-1] += 1
+        assert collectives.count_wrong(call) == 1
+
+
+def test_bus_factors_follow_nccl_tests():
+    assert bus_factor("all_reduce", 8) == pytest.approx(2 * 7 / 8)
+    assert bus_factor("all_gather", 4) == pytest.approx(3 / 4)
+    assert bus_factor("reduce_scatter", 2) == pytest.approx(1 / 2)
+    assert bus_factor("all_to_all", 4) == pytest.approx(3 / 4)
+    assert bus_factor("broadcast", 8) == 1.0
+
+
+# --- fit -----------------------------------------------------------------------------------------
+
+SIZES = [2**k for k in range(10, 27)]  # 1 KiB .. 64 MiB
+
+
+@pytest.mark.parametrize("kind, n", [("all_reduce", 2), ("all_gather", 4), ("broadcast", 8)])
+def test_fit_recovers_known_latency_and_bandwidth(kind, n):
+    latency_s, busbw = 2e-5, 3e9
+    factor = bus_factor(kind, n)
+    points = [TimedPoint(s, latency_s + s * factor / busbw) for s in SIZES]
+    fit = fit_collective(kind, n, points)
+    assert fit.latency_s == pytest.approx(latency_s, rel=0.01)
+    assert fit.bus_bandwidth_bytes_per_s == pytest.approx(busbw, rel=0.01)
+    assert [e.size_bytes for e in fit.held_out] == [s for s in SIZES if s >= 2**20]
+    assert fit.max_held_out_error < 1e-6
+
+
+def test_fit_with_noise_stays_close_and_reports_held_out_errors():
+    rng = random.Random(0)
+    latency_s, busbw = 2e-5, 3e9
+    points = [TimedPoint(s, (latency_s + s / busbw) * (1 + rng.uniform(-0.03, 0.03))) for s in SIZES]
+    fit = fit_collective("broadcast", 2, points)
+    assert fit.latency_s == pytest.approx(latency_s, rel=0.05)
+    assert fit.bus_bandwidth_bytes_per_s == pytest.approx(busbw, rel=0.05)
+    assert 0 < fit.max_held_out_error < 0.08
+
+
+def test_fit_clamps_latency_and_bandwidth():
+    # Time proportional to size with a slight negative intercept: latency clamps to 0.
+    a, b = fit_alpha_beta([1e3, 1e6, 1e9], [0.9e-6, 0.999e-3, 0.999999])
+    assert a == 0.0 and b > 0
+    # Time falling with size: no bandwidth to fit; it stays positive and finite.
+    a, b = fit_alpha_beta([1e3, 1e6], [2e-3, 1e-3])
+    assert a >= 0 and 0 < b < float("inf")
+
+
+# --- links, fault hook ---------------------------------------------------------------------------
+
+
+def _groups(shape):
+    from autotp.profiling.sweep import AxisGroup
+
+    return [AxisGroup(axis=a, handle=None, ranks=a.groups[0]) for a in mesh_axes(shape)]
+
+
+def test_axes_map_to_links_by_where_their_groups_live():
+    from autotp.profiling.hardware import axis_links
+
+    # 2 hosts of 4 ranks, mesh 2x4: axis 1 (rows) stays on a host, axis 0 (columns) spans both.
+    links, note = axis_links(_groups((2, 4)), ["a"] * 4 + ["b"] * 4)
+    assert links == {"intra_node": 1, "inter_node": 0}
+    # One host: both links take the largest axis, and the note says no inter-node link was measured.
+    links, note = axis_links(_groups((2, 4)), ["a"] * 8)
+    assert links == {"intra_node": 1, "inter_node": 1} and "no inter-node link" in note
+    # Every axis spans hosts (one rank per host): intra_node is copied, and said to be.
+    links, note = axis_links(_groups((4,)), ["a", "b", "c", "d"])
+    assert links == {"intra_node": 0, "inter_node": 0} and "intra_node not measured" in note
+
+
+def test_fault_hook_parses_and_rejects():
+    from autotp.profiling.heartbeat import Fault
+
+    assert Fault.parse("hang:1") == Fault("hang", 1, 1)
+    assert Fault.parse("die:2:5") == Fault("die", 2, 5)
+    assert Fault.parse("corrupt:1").corrupts(1) and not Fault.parse("corrupt:1").corrupts(0)
+    with pytest.raises(ValueError, match="AUTOTP_PROFILE_FAULT"):
+        Fault.parse("explode:1")
+
+
+# --- real runs (2 gloo processes) ----------------------------------------------------------------
+
+
+def _profile(args: list[str], tmp_path: Path, fault: str | None = None, timeout_s: float = 120):
+    env = dict(os.environ)
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    env.pop("AUTOTP_PROFILE_FAULT", None)
+    if fault:
+        env["AUTOTP_PROFILE_FAULT"] = fault
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "autotp.cli", "profile", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    return proc, time.monotonic() - start
+
+
+def _table_rows(stdout: str) -> list[list[str]]:
+    return [line.split() for line in stdout.splitlines() if line and not line.startswith("#")]
+
+
+def test_two_process_sweep_writes_table_and_loadable_profile(tmp_path):
+    from cost_models import HardwareProfile
+
+    out = tmp_path / "profile.json"
+    proc, _ = _profile(["--nproc", "2", *TINY, "--check", "-o", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    # nccl-tests style tables: one per kind, 7 sizes each, every row checked and right.
+    assert proc.stdout.count("#       size         count      type     time   algbw   busbw #wrong") == 5
+    assert proc.stdout.count("# Avg bus bandwidth") == 5
+    rows = _table_rows(proc.stdout)
+    assert len(rows) == 5 * 7
+    for size, count, dtype, time_us, algbw, busbw, wrong in rows:
+        assert int(count) * 4 == int(size) and dtype == "float"
+        assert float(time_us) > 0 and wrong == "0"
+    assert "# Check: 0 wrong elements in total: OK" in proc.stdout
+    assert "reduce_scatter" in proc.stderr and "all_reduce" in proc.stderr  # the gloo warning
+
+    profile = HardwareProfile.from_json(out.read_text())
+    for link in ("intra_node", "inter_node"):
+        costs = profile.links[link].costs
+        assert sorted(costs) == sorted(collectives.KINDS)
+        for kind in collectives.KINDS:
+            assert costs[kind].latency_s >= 0 and costs[kind].bus_bandwidth_bytes_per_s > 0
+    assert profile.devices_per_node == 2
+    assert set(profile.device.peak_flops) == {"float32", "bfloat16"}
+    assert profile.device.memory_bandwidth_bytes_per_s > 0 and profile.device.kernel_overhead_s > 0
+
+    m = json.loads(out.read_text())["measurements"]
+    assert m["backend"] == "gloo" and m["world_size"] == 2 and m["mesh"] == [2]
+    assert m["torch_version"] == torch.__version__ and m["wrong"] == 0
+    sweep = m["axes"]["axis0"]["sweep"]["all_reduce"]
+    assert [p["size_bytes"] for p in sweep] == [1024 * 2**k for k in range(7)]
+    assert all(p["time_s"] > 0 for p in sweep)
+    # The profile's figures are the fit of exactly these points.
+    fit = fit_collective("all_reduce", 2, [TimedPoint(p["size_bytes"], p["time_s"]) for p in sweep])
+    assert profile.links["intra_node"].costs["all_reduce"].latency_s == pytest.approx(fit.latency_s)
+
+
+@pytest.mark.slow
+def test_check_failure_is_reported_and_sets_exit_code_1(tmp_path):
+    out = tmp_path / "p.json"
+    args = ["--nproc", "2", "--backend", "gloo", "-b", "1K", "-e", "2K", "-n", "2", "-w", "0", "--min-time-s", "0", "--rounds", "1"]
+    proc, _ = _profile([*args, "--check", "-o", str(out)], tmp_path, fault="corrupt:1")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    wrong = [int(row[-1]) for row in _table_rows(proc.stdout)]
+    assert len(wrong) == 5 * 2 and sum(wrong) > 0
+    assert "FAILED" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "fault, expected_message",
+    [("hang:1", "rank 1 hung: no progress for 6 s"), ("die:1", "rank 1 exited with code 17")],
+)
+def test_a_rank_that_hangs_or_dies_ends_the_run_with_its_name(fault, expected_message, tmp_path):
+    timeout_s = 6
+    proc, elapsed_s = _profile(
+        ["--nproc", "2", *TINY, "--timeout-s", str(timeout_s), "-o", str(tmp_path / "p.json")],
+        tmp_path,
+        fault=fault,
+        timeout_s=90,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert expected_message in proc.stderr, proc.stderr
+    assert "autotp profile: error:" in proc.stderr
+    assert elapsed_s < timeout_s + 40  # startup (imports) plus the timeout, never a hang
+    assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.slow
+def test_under_torchrun_uses_the_group_it_is_given(tmp_path):
+    out = tmp_path / "p.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("AUTOTP_PROFILE_FAULT", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "autotp.cli", "profile", *TINY, "--mesh", "2", "-o", str(out)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(out.read_text())["measurements"]["world_size"] == 2
