@@ -247,11 +247,10 @@ def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.
                 target = "getitem"
             else:
                 target = str(node.target)
-                for a in node.all_input_nodes:
+                for a in tensor_arguments(node):
                     src = rename.get(a.name, a.name)
-                    if src in infos and src not in srcs:
-                        srcs.append(src)
-                        src_infos.extend(infos[src][:1] if len(infos[src]) == 1 else infos[src])
+                    srcs.append(src)
+                    src_infos.append(infos[src][0])
             is_view = target in VIEW_TARGETS
             path, mtype, stack = _module_info(node)
             needs_grad = any(grad.get(s, False) for s in srcs) and any(o.is_float for o in outs)
@@ -276,10 +275,44 @@ def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.
         else:
             raise CaptureError(f"unexpected node {node.name} of kind {node.op!r} in the exported graph; "
                                "higher-order ops and submodule calls are not supported yet")
+    _check_operand_dtypes(nodes)
     return OpGraph(
         nodes=tuple(nodes), outputs=tuple(outputs), parameters=tuple(parameters),
         model_type=type(model).__name__, exported=exported, alias_placeholders=rename,
     )
+
+
+_SAME_DTYPE_OPS = {"aten.linear.default", "aten.mm.default", "aten.bmm.default", "aten.matmul.default",
+                   "aten.addmm.default", "aten.baddbmm.default", "aten.convolution.default"}
+
+
+def _check_operand_dtypes(nodes: list[OpNode]) -> None:
+    """Tracing with fake tensors lets ``x.double() @ w.float()`` through; the real kernel would refuse it."""
+    for node in nodes:
+        if node.target in _SAME_DTYPE_OPS and len({i.dtype for i in node.input_infos}) > 1:
+            raise CaptureError(
+                f"{node.target} at {node.module_path or 'the model'} (node {node.name}) gets operands of dtypes "
+                f"{[i.dtype for i in node.input_infos]}; expected one dtype: give example inputs of the dtype the "
+                f"model computes in")
+        if node.target == "aten.embedding.default" and len(node.input_infos) > 1 and node.input_infos[1].is_float:
+            raise CaptureError(
+                f"embedding at {node.module_path or 'the model'} (node {node.name}) gets indices of dtype "
+                f"{node.input_infos[1].dtype}; expected integer token ids (torch.long)")
+
+
+def tensor_arguments(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The tensor arguments of a node, one entry per occurrence (``mul(h, h)`` has two), in the order
+    of its positional then keyword arguments. OpNode.inputs and the rewrite both follow this order."""
+    found: list[torch.fx.Node] = []
+
+    def visit(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node) and _node_outputs(a):
+            found.append(a)
+        return a
+
+    torch.fx.node.map_aggregate(node.args, visit)
+    torch.fx.node.map_aggregate(node.kwargs, visit)
+    return found
 
 
 def _args_repr(node: torch.fx.Node) -> str:

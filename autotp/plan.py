@@ -28,6 +28,7 @@ from autotp.program import Collective
 __all__ = ["Plan", "PredictedTime", "MemoryPerDevice", "SolveStats", "ModuleChoice", "load_plan", "PlanError"]
 
 SCHEMA = "autotp.plan/1"
+_TIMING_FIELDS = ("capture_s", "strategies_s", "solve_s")
 _WEIGHT_INPUT = {"aten.linear.default": 1, "aten.embedding.default": 0, "aten.mm.default": 1,
                  "aten.matmul.default": 1, "aten.addmm.default": 2}
 
@@ -68,9 +69,9 @@ class SolveStats:
     constraints: int
     representatives: int
     nodes: int
-    capture_s: float
-    strategies_s: float
-    solve_s: float
+    capture_s: Optional[float]  # None in a plan loaded from a file: timings are not saved
+    strategies_s: Optional[float]
+    solve_s: Optional[float]
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,8 @@ class Plan:
             "collectives": [asdict(c) for c in self.collective_list],
             "time": asdict(self.time),
             "memory": asdict(self.memory),
-            "stats": asdict(self.stats),
+            # wall-clock timings stay out of the file: the same inputs give byte-identical JSON
+            "stats": {k: v for k, v in asdict(self.stats).items() if k not in _TIMING_FIELDS},
             "modules": [asdict(m) for m in self.modules],
         }
 
@@ -187,7 +189,7 @@ class Plan:
                 collective_list=tuple(Collective(**c) for c in d["collectives"]),
                 time=PredictedTime(**d["time"]),
                 memory=MemoryPerDevice(**d["memory"]),
-                stats=SolveStats(**d["stats"]),
+                stats=SolveStats(**{**{k: None for k in _TIMING_FIELDS}, **d["stats"]}),
                 modules=tuple(ModuleChoice(**m) for m in d["modules"]),
             )
         except (KeyError, TypeError, IndexError) as err:
@@ -203,6 +205,9 @@ class Plan:
         """Raise :class:`PlanError` naming the first difference between this plan and a graph/mesh."""
         if tuple(mesh.shape) != tuple(self.mesh.shape):
             raise PlanError(f"the plan was made for mesh {self.mesh}, but the mesh given is {mesh}")
+        for planned in self.nodes:  # a plan edited by hand may split dims the mesh does not divide
+            self._check_even(planned.name, planned.target, self._strategies[planned.name].output,
+                             planned.shape, mesh)
         if len(graph.nodes) != len(self.nodes):
             pass  # the first differing node is named below
         for i, (planned, node) in enumerate(zip(self.nodes, graph.nodes)):
@@ -214,6 +219,23 @@ class Plan:
         if len(graph.nodes) != len(self.nodes):
             raise PlanError(f"the plan was made for another model: it has {len(self.nodes)} nodes, "
                             f"the model has {len(graph.nodes)}")
+        for node in graph.nodes:
+            strat = self._strategies[node.name]
+            for placements, info in zip(strat.inputs, node.input_infos):
+                self._check_even(node.name, node.target, placements, info.shape, mesh)
+
+    @staticmethod
+    def _check_even(name: str, target: str, placements, shape, mesh: MeshSpec) -> None:
+        for d in {p.dim for p in (placements or ()) if p.is_shard}:
+            ranks = 1
+            for p, n in zip(placements, mesh.shape):
+                if p.is_shard and p.dim == d:
+                    ranks *= n
+            if d >= len(shape) or shape[d] % ranks:
+                size = shape[d] if d < len(shape) else "missing"
+                raise PlanError(
+                    f"the plan splits dim {d} (size {size}) of node {name} ({target}) over {ranks} ranks of "
+                    f"mesh {mesh}, which does not divide it evenly; plan again for this mesh")
 
 
 def load_plan(path: str | os.PathLike) -> Plan:
@@ -236,10 +258,11 @@ def module_choices(graph: OpGraph, chosen: Mapping[str, Strategy]) -> tuple[Modu
         if k_w is not None and k_w in params:
             w = strat.inputs[k_w]
             w_dims = {p.dim for p in (w or ()) if p.is_shard}
-            if node.target == "aten.embedding.default":
-                style = "colwise" if 1 in w_dims else "rowwise" if 0 in w_dims else "replicate"
-            else:
-                style = "colwise" if 0 in w_dims else "rowwise" if 1 in w_dims else "replicate"
+            # the dim of the weight that indexes output features: (out, in) for linear,
+            # (in, out) for mm/addmm (HF Conv1D), (rows, features) for an embedding
+            out_dim = 0 if node.target == "aten.linear.default" else 1
+            in_dim = 1 - out_dim
+            style = "colwise" if out_dim in w_dims else "rowwise" if in_dim in w_dims else "replicate"
         else:
             k_w = params[0]
             w = strat.inputs[k_w]

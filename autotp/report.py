@@ -65,8 +65,9 @@ def _text(plan: "Plan") -> str:
         f"Memory per device: {_b(mem.total_bytes)}{budget} (parameters {_b(mem.parameters_bytes)}, gradients "
         f"{_b(mem.gradients_bytes)}, optimizer {_b(mem.optimizer_bytes)}, activations {_b(mem.activations_bytes)})",
         f"Solve: {st.solver}, {st.status}; {st.variables} variables, {st.constraints} constraints, "
-        f"{st.representatives} of {st.nodes} nodes after layer tying; capture {st.capture_s:.2f} s, "
-        f"strategies {st.strategies_s:.2f} s, solve {st.solve_s:.2f} s",
+        f"{st.representatives} of {st.nodes} nodes to decide after layer tying and merging; " + (
+            f"capture {st.capture_s:.2f} s, strategies {st.strategies_s:.2f} s, solve {st.solve_s:.2f} s"
+            if st.solve_s is not None else "timings not recorded (loaded plan)"),
     ]
     return "\n".join(lines)
 

@@ -57,6 +57,9 @@ def _set(root: nn.Module, fqn: str, value: Any, kind: str, persistent: bool = Tr
     if kind == "parameter":
         mod.register_parameter(leaf, value)
     else:
+        if leaf in mod._buffers:
+            del mod._buffers[leaf]
+            mod._non_persistent_buffers_set.discard(leaf)
         mod.register_buffer(leaf, value, persistent=persistent)
 
 
@@ -138,6 +141,10 @@ class _Builder:
 
     # -- graph ---------------------------------------------------------------------------------
 
+    def is_tensor(self, a: torch.fx.Node) -> bool:
+        name = self.g.alias_placeholders.get(a.name, a.name)
+        return name in self.g
+
     def build(self) -> torch.fx.GraphModule:
         self.register_state()
         sig = self.ep.graph_signature
@@ -175,8 +182,8 @@ class _Builder:
                 _set(gm, name, param, "parameter")
         persistent = set(self.model.state_dict().keys())
         for name, buf in self.root.named_buffers():
-            if name not in present:
-                _set(gm, name, buf, "buffer", persistent=name in persistent)
+            # GraphModule re-registers the buffers it reads as persistent: restore the model's choice
+            _set(gm, name, buf, "buffer", persistent=name in persistent)
         gm.graph._codegen = self.ep.module().graph._codegen
         gm.recompile()
         return gm
@@ -191,10 +198,15 @@ class _Builder:
                                               value_key=node.name)
             return
 
+        position = iter(range(len(op.inputs)))  # tensor arguments in OpNode.inputs order
+
         def mapped(a: Any) -> Any:
             if isinstance(a, torch.fx.Node):
-                src = alias.get(a.name, a.name)
-                k = op.inputs.index(src)
+                if not self.is_tensor(a):
+                    raise NotImplementedError(f"node {node.name} reads {a.name}, which is not a tensor")
+                k = next(position)
+                src = op.inputs[k]
+                assert src == alias.get(a.name, a.name), (node.name, src, a.name)
                 return self.read(src, strat.inputs[k], self.grad_axes.get((node.name, k), ()))
             return a
 

@@ -16,12 +16,13 @@ layer tying, ``m_r`` is how many nodes ``r`` stands for):
   once: each reader ``c`` has its product variables ``y_c[p,κ]`` (as above, over the reader's
   requirements ``κ = (q, partial-gradient axes)``) and ``w[t,p,κ] ≥ y_c[p,κ]`` for every reader,
   with cost ``c(p,κ) w``.
-* **grad_reductions**: for a tensor ``t`` that carries a gradient and a mesh axis ``a``, continuous
-  ``z[t,a] ∈ [0,1]`` with ``z[t,a] ≥ Σ_{s ∈ B(c,a)} x[c,s] − Σ_{s' ∈ S_a(t)} x[t,s']`` for every
-  consumer ``c``, where ``B(c,a)`` are the strategies that read ``t`` replicated on ``a`` while
-  working on shards there (their gradient is partial on ``a``) and ``S_a(t)`` the strategies of
-  ``t`` whose output is split on ``a``; one backward all_reduce (cost ``g[t,a]``) serves all of
-  them. When ``t`` is split on ``a`` the read gathers, and the gather's backward reduce-scatters
+* **grad_reductions**: for a tensor ``t`` that carries a gradient, a mesh axis ``a`` and a placement
+  ``q`` it is read with, continuous ``z[t,a,q] ∈ [0,1]`` with
+  ``z[t,a,q] ≥ Σ_{s ∈ B(c,a,q)} x[c,s] − Σ_{s' ∈ S_a(t)} x[t,s']`` for every consumer ``c``, where
+  ``B(c,a,q)`` are the strategies that read ``t`` as ``q``, replicated on ``a``, while working on
+  shards there (their gradient is partial on ``a``) and ``S_a(t)`` the strategies of ``t`` whose
+  output is split on ``a``; one backward all_reduce of the size ``q`` holds (cost ``g[t,a,q]``)
+  serves all of them. When ``t`` is split on ``a`` the read gathers, and the gather's backward reduce-scatters
   the partial gradient instead: the edges price that, keyed by the consumer's placement and its
   partial-gradient axes ``(q, A)`` rather than by ``q`` alone.
 * **memory**: ``Σ_r m_r Σ_s mem(r,s) x[r,s] ≤ budget`` (parameters, gradients, optimizer state,
@@ -38,6 +39,7 @@ import contextlib
 import os
 import sys
 import time
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
@@ -105,6 +107,12 @@ class _Formulation:
         self.x: dict[str, list[pulp.LpVariable]] = {}
         self.n_vars = 0
 
+    def var(self, name: str, low: float, up: Optional[float], cat: str = pulp.LpContinuous) -> pulp.LpVariable:
+        """A new variable of the problem (PuLP 3.3+ attaches variables to their problem)."""
+        if hasattr(self.prob, "add_variable"):
+            return self.prob.add_variable(name, low, up, cat=cat)
+        return pulp.LpVariable(name, low, up, cat=cat)
+
     # -- following ops -------------------------------------------------------------------------
 
     def _merge_followers(self) -> tuple[dict[str, str], dict[str, list[int]], dict[str, str]]:
@@ -158,7 +166,7 @@ class _Formulation:
 
     def one_hot(self) -> None:
         for i, r in enumerate(self.roots):
-            xs = [pulp.LpVariable(f"x{i}_{s}", cat=pulp.LpBinary) for s in range(len(self.strategies[r]))]
+            xs = [self.var(f"x{i}_{s}", 0, 1, pulp.LpBinary) for s in range(len(self.strategies[r]))]
             self.x[r] = xs
             self.n_vars += len(xs)
             self.prob += pulp.lpSum(xs) == 1, f"one_hot_{i}"
@@ -216,7 +224,7 @@ class _Formulation:
             y = {}
             for i, p in enumerate(outs):
                 for j, q in enumerate(ins):
-                    var = pulp.LpVariable(f"y{e}_{g}_{i}_{j}", lowBound=0, upBound=0 if c[(p, q)] == INFEASIBLE_S else 1)
+                    var = self.var(f"y{e}_{g}_{i}_{j}", 0, 0 if c[(p, q)] == INFEASIBLE_S else 1)
                     y[(p, q)] = var
                     if c[(p, q)] not in (0.0, INFEASIBLE_S):
                         self.objective.append(c[(p, q)] * var)
@@ -259,7 +267,7 @@ class _Formulation:
         for i, p in enumerate(outs):
             for j, kk in enumerate(ordered):
                 if c[(p, kk)] not in (0.0, INFEASIBLE_S):
-                    pay[(p, kk)] = pulp.LpVariable(f"w{e}_{i}_{j}", lowBound=0, upBound=1)
+                    pay[(p, kk)] = self.var(f"w{e}_{i}_{j}", 0, 1)
                     self.objective.append(c[(p, kk)] * pay[(p, kk)])
         self.n_vars += len(pay)
         grad = self.cost.train and any(self.graph[u.split("[")[0]].requires_grad for u in instances)
@@ -270,7 +278,7 @@ class _Formulation:
             for i, p in enumerate(outs):
                 for j, kk in enumerate(ins):
                     infeasible = c.get((p, kk), 0.0) == INFEASIBLE_S
-                    y[(p, kk)] = var = pulp.LpVariable(f"y{e}_{r}_{i}_{j}", lowBound=0, upBound=0 if infeasible else 1)
+                    y[(p, kk)] = var = self.var(f"y{e}_{r}_{i}_{j}", 0, 0 if infeasible else 1)
                     if (p, kk) in pay:
                         self.prob += pay[(p, kk)] >= var, f"pay_{e}_{r}_{i}_{j}"
             self.n_vars += len(y)
@@ -289,36 +297,38 @@ class _Formulation:
         return (q, tuple(a for a in range(self.cost.mesh.ndim) if q[a].is_replicate and st.sharded_on(a)))
 
     def grad_reductions(self) -> None:
+        """One z per (tensor, axis, placement read): reads with the same placement share one reduction,
+        priced at the size that placement holds on the other axes."""
         if not self.cost.train:
             return
-        cost: dict[tuple[str, int], float] = defaultdict(float)
-        bad: dict[tuple[str, int], set[tuple[str, tuple[int, ...]]]] = defaultdict(set)
+        cost: dict[tuple, float] = defaultdict(float)
+        bad: dict[tuple, set[tuple[str, tuple[int, ...]]]] = defaultdict(set)
         for t in self.graph.nodes:
             if not t.requires_grad:
                 continue
             rt = self.rep[t.name]
-            for a in range(self.cost.mesh.ndim):
-                seen_rep_consumers: set[str] = set()
-                worst = 0.0
-                for cname in self.graph.consumers(t.name):
-                    rc = self.rep[cname]
-                    c = self.graph[cname]
-                    for k, src in enumerate(c.inputs):
-                        if src != t.name:
-                            continue
-                        idx = tuple(s for s, st in enumerate(self.strategies[rc])
-                                    if st.inputs[k] is not None and st.inputs[k][a].is_replicate and st.sharded_on(a))
-                        for s in idx:
-                            q = self.strategies[rc][s].inputs[k]
-                            worst = max(worst, self.cost.grad_reduce_s(t.outputs[0], q, a))
-                        if idx:
-                            bad[(rt, a)].add((rc, idx))
-                            seen_rep_consumers.add(rc)
-                if seen_rep_consumers:
-                    cost[(rt, a)] += worst
+            counted: set[tuple] = set()
+            for cname in self.graph.consumers(t.name):
+                rc = self.rep[cname]
+                c = self.graph[cname]
+                for k, src in enumerate(c.inputs):
+                    if src != t.name:
+                        continue
+                    for a in range(self.cost.mesh.ndim):
+                        by_q: dict[tuple, list[int]] = defaultdict(list)
+                        for s, st in enumerate(self.strategies[rc]):
+                            q = st.inputs[k]
+                            if q is not None and q[a].is_replicate and st.sharded_on(a):
+                                by_q[q].append(s)
+                        for q, idx in by_q.items():
+                            key = (rt, a, q)
+                            bad[key].add((rc, tuple(idx)))
+                            if (t.name, a, q) not in counted:  # once per tensor instance, not per reader
+                                counted.add((t.name, a, q))
+                                cost[key] += self.cost.grad_reduce_s(t.outputs[0], q, a)
         for i, key in enumerate(sorted(bad)):
-            rt, a = key
-            z = pulp.LpVariable(f"z{i}", lowBound=0, upBound=1)
+            rt, a, _ = key
+            z = self.var(f"z{i}", 0, 1)
             self.n_vars += 1
             self.objective.append(cost[key] * z)
             split = self.x_of(rt, (s for s, st in enumerate(self.strategies[rt]) if st.output[a].is_shard))
@@ -395,9 +405,13 @@ def _solvers(time_limit_s: float) -> list[tuple[str, pulp.LpSolver]]:
     highs = pulp.HiGHS(msg=bool(os.environ.get("AUTOTP_SOLVER_LOG")), timeLimit=time_limit_s, threads=1, gapRel=MIP_GAP)
     if highs.available():
         out.append(("HiGHS", highs))
-    cbc = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=1, gapRel=MIP_GAP)
-    if cbc.available():
-        out.append(("CBC", cbc))
+    with warnings.catch_warnings():  # PuLP 3 deprecates its bundled CBC in favour of an installed one
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for cls in (getattr(pulp, "COIN_CMD", None), getattr(pulp, "PULP_CBC_CMD", None)):
+            cbc = cls(msg=False, timeLimit=time_limit_s, threads=1, gapRel=MIP_GAP) if cls else None
+            if cbc is not None and cbc.available():
+                out.append(("CBC", cbc))
+                break
     if not out:
         raise SolverError("no ILP solver available: install highspy (pip install highspy) or pulp with CBC")
     return out
@@ -433,7 +447,7 @@ def solve(graph: OpGraph, strategies: Mapping[str, Sequence[Strategy]], rep: Map
         return Solution(
             choice={n.name: f.fmap[rep[n.name]][choice_rep[f.root[rep[n.name]]]] for n in graph.nodes},
             objective_s=float(pulp.value(f.prob.objective) or 0.0) / OBJECTIVE_SCALE, variables=f.n_vars,
-            constraints=len(f.prob.constraints), seconds=time.perf_counter() - start, optimal=optimal,
+            constraints=f.prob.numConstraints(), seconds=time.perf_counter() - start, optimal=optimal,
             solver=name, status="optimal" if optimal else f"best found within {time_limit_s:g} s (not proven optimal)",
             representatives=len(f.roots),
         )

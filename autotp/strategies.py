@@ -167,7 +167,9 @@ def _placeholder_choices(node: OpNode, n: int) -> list[AxisChoice]:
 def _view_choices(node: OpNode, n: int, dim_map: dict[int, int]) -> list[AxisChoice]:
     out = node.output.shape
     extra = (None,) * (len(node.inputs) - 1)
-    choices: list[AxisChoice] = [((R, *extra), R), ((P, *extra), P)]
+    choices: list[AxisChoice] = [((R, *extra), R)]
+    if node.output.is_float:  # integers and booleans are not summed: no partial masks or indices
+        choices.append(((P, *extra), P))
     for o, i in sorted(dim_map.items()):
         if _divisible(out[o], n) and _divisible(node.input_infos[0].shape[i], n):
             choices.append(((S(i), *extra), S(o)))
@@ -199,7 +201,8 @@ def _pointwise_choices(node: OpNode, n: int, no_shard_dims: Iterable[int] = ()) 
     t = node.target
     scalar_operand = len(node.inputs) < node.args_repr.count(",") + 1 and t in _PAIRWISE_ADD
     if t in _UNARY_LINEAR or t in _SCALAR_SCALE:
-        if k == 1:
+        # a cast to an integer or bool dtype truncates each summand: not linear
+        if k == 1 and (out.is_float or not node.input_infos[0].is_float):
             choices.append(((P,), P))
     elif t in _PAIRWISE_ADD and k == 2 and not scalar_operand:
         choices.append(((P, P), P))
@@ -276,6 +279,22 @@ def _matmul_choices(node: OpNode, n: int) -> list[AxisChoice]:
     return choices
 
 
+def _addmm_choices(node: OpNode, n: int) -> list[AxisChoice]:
+    """addmm(bias (N,), a (M, K), b (K, N)): a matmul plus a bias broadcast over rows (HF Conv1D)."""
+    bias, a, b = node.input_infos[0], node.input_infos[1], node.input_infos[2]
+    if a.ndim != 2 or b.ndim != 2:
+        return [((R, R, R), R)]
+    bias_cols = S(bias.ndim - 1) if bias.ndim >= 1 and bias.shape[-1] == b.shape[1] else R
+    choices: list[AxisChoice] = [((R, R, R), R), ((P, P, R), P)]
+    if _divisible(a.shape[0], n):
+        choices.append(((R, S(0), R), S(0)))  # rows
+    if _divisible(b.shape[1], n) and bias_cols != R:
+        choices.append(((bias_cols, R, S(1)), S(1)))  # columns: colwise
+    if _divisible(a.shape[1], n):
+        choices.append(((P, S(1), S(0)), P))  # contraction: rowwise, the bias added once
+    return choices
+
+
 def _embedding_choices(node: OpNode, n: int) -> list[AxisChoice]:
     w, idx = node.input_infos[0], node.input_infos[1]
     out = node.output
@@ -343,6 +362,7 @@ def _factory(node: OpNode, n: int) -> list[AxisChoice]:
 _RULES: dict[str, Callable[[OpNode, int], list[AxisChoice]]] = {
     "aten.linear.default": _linear_choices,
     "aten.mm.default": _matmul_choices,
+    "aten.addmm.default": _addmm_choices,
     "aten.bmm.default": _matmul_choices,
     "aten.matmul.default": _matmul_choices,
     "aten.embedding.default": _embedding_choices,

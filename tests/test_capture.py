@@ -1,0 +1,251 @@
+"""Capture: a model and example inputs → OpGraph, checked against the model itself.
+
+References: the model's own outputs (shapes), ``named_parameters`` (parameters, tying), PyTorch's
+``FlopCounterMode`` (FLOPs) and the model's ``state_dict`` before capture (no side effects).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+import autotp
+from autotp.graph import PARAMETER
+
+from examples import models as M
+
+OWN = ["mlp", "tiny_gpt", "tiny_llama"]
+HF = ["hf_llama", "hf_gpt2", "hf_bert"]
+
+
+def _tensor_leaves(out) -> list[torch.Tensor]:
+    return [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+
+
+def _flops(fn, *args) -> int:
+    # The math backend runs attention as matmuls that FlopCounterMode counts; the fused CPU kernel
+    # (_scaled_dot_product_flash_attention_for_cpu) has no entry in its registry and counts 0.
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter, torch.no_grad():
+        fn(*args)
+    return counter.get_total_flops()
+
+
+_CACHE: dict = {}
+
+
+def _captured(factory: str, device: str):
+    """(model, inputs, graph, state before capture), one capture per factory and device."""
+    key = (factory, device)
+    if key not in _CACHE:
+        model, inputs = getattr(M, factory)(device=device)
+        before = {k: (v.detach().clone(), v.dtype, v.device, v.shape) for k, v in model.state_dict().items()}
+        ids_before = {k: id(v) for k, v in model.named_parameters(remove_duplicate=False)}
+        training = model.training
+        graph = autotp.capture(model, inputs)
+        _CACHE[key] = (model, inputs, graph, (before, ids_before, training))
+    return _CACHE[key]
+
+
+CASES = [(f, d) for f in OWN + HF for d in ("cpu", "meta")]
+
+
+@pytest.fixture(params=CASES, ids=[f"{f}-{d}" for f, d in CASES])
+def captured(request):
+    return _captured(*request.param)
+
+
+@pytest.mark.parametrize("factory, device", CASES, ids=[f"{f}-{d}" for f, d in CASES])
+def test_output_shapes_equal_the_model_outputs(factory, device):
+    graph = _captured(factory, device)[2]
+    cpu_model, cpu_inputs = _captured(factory, "cpu")[:2]  # on meta, the same config on CPU gives the shapes
+    with torch.no_grad():
+        expected = [(tuple(t.shape), t.dtype) for t in _tensor_leaves(cpu_model(*cpu_inputs))]
+    got = [(graph[o].outputs[0].shape, graph[o].outputs[0].dtype) for o in graph.outputs]
+    assert got == [(s, str(d).removeprefix("torch.")) for s, d in expected]
+
+
+def test_every_parameter_appears_once_with_its_shape_and_dtype(captured):
+    model, _, graph, _ = captured
+    groups: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+        tensors[id(p)] = p
+    assert len(graph.parameters) == len(groups)
+    by_name = {}
+    for info in graph.parameters:
+        for n in (info.fqn, *info.aliases):
+            assert n not in by_name, f"{n} appears twice"
+            by_name[n] = info
+    for pid, names in groups.items():
+        info = by_name[names[0]]
+        assert {info.fqn, *info.aliases} == set(names)  # tied names: one ParameterInfo, the rest aliases
+        assert info.info.shape == tuple(tensors[pid].shape)
+        assert info.info.dtype == str(tensors[pid].dtype).removeprefix("torch.")
+        assert graph[info.node].role == PARAMETER and graph[info.node].param_fqn == info.fqn
+    n_param_nodes = sum(1 for n in graph.nodes if n.role == PARAMETER)
+    assert n_param_nodes == len(groups)
+
+
+@pytest.mark.parametrize("factory, tied", [("tiny_gpt", ("embed_tokens.weight", "lm_head.weight")),
+                                           ("hf_gpt2", ("transformer.wte.weight", "lm_head.weight"))])
+def test_tied_embedding_is_one_parameter(factory, tied):
+    model, _, graph, _ = _captured(factory, "meta")
+    assert model.get_parameter(tied[0]) is model.get_parameter(tied[1])
+    info = graph.parameter(tied[1])
+    assert info is graph.parameter(tied[0])
+    assert info.fqn == tied[0] and info.aliases == (tied[1],)
+    # both the lookup and the output head read that one placeholder
+    readers = {graph[c].target for c in graph.consumers(info.node)}
+    assert {"aten.embedding.default", "aten.linear.default"} <= readers
+    own = sum(p.numel() for p in model.parameters())  # each tensor once
+    assert graph.parameter_numel() == own
+
+
+def test_flops_equal_flop_counter_on_the_model(captured):
+    model, inputs, graph, _ = captured
+    device = next(model.parameters()).device.type
+    if device == "meta" and type(model).__name__ in ("LlamaForCausalLM", "GPT2LMHeadModel", "BertModel"):
+        # Hugging Face models call .item() in forward, which meta tensors refuse: count the exported program
+        reference = _flops(graph.exported.module(), *inputs)
+    else:
+        reference = _flops(model, *inputs)
+    assert reference > 0
+    assert graph.total_flops() == pytest.approx(reference, rel=0.01)
+
+
+def test_flops_of_a_linear_by_hand():
+    g = autotp.capture(nn.Linear(32, 48), (torch.randn(5, 7, 32),))
+    assert g.total_flops() == 2 * 5 * 7 * 32 * 48
+    (lin,) = [n for n in g.ops() if n.target == "aten.linear.default"]
+    assert lin.bytes_read == 4 * (5 * 7 * 32 + 48 * 32 + 48) and lin.bytes_written == 4 * 5 * 7 * 48
+
+
+def test_capture_does_not_change_the_model(captured):
+    model, _, _, (before, ids_before, training) = captured
+    after = model.state_dict()
+    assert list(after) == list(before)
+    for k, v in after.items():
+        old, dtype, device, shape = before[k]
+        assert (v.dtype, v.device, v.shape) == (dtype, device, shape), k
+        if device.type != "meta":
+            assert torch.equal(v, old), f"{k} changed"
+    assert {k: id(v) for k, v in model.named_parameters(remove_duplicate=False)} == ids_before
+    assert model.training == training
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_capture_of_a_training_batchnorm_leaves_its_running_stats_alone():
+    """Tracing runs forward on fake tensors: the buffers a training forward would update stay as they were,
+    and the buffer updates are not counted as model outputs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 4)).train()
+    model[1].running_mean.normal_()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    graph = autotp.capture(model, (torch.randn(16, 8),))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert model.training
+    assert [graph[o].outputs[0].shape for o in graph.outputs] == [(16, 4)]
+
+
+def test_capture_on_cpu_and_meta_give_the_same_graph():
+    # (Hugging Face code takes device-dependent paths, e.g. an extra .contiguous() on CPU: own models only)
+    for factory in ("tiny_llama", "tiny_gpt"):
+        g_cpu, g_meta = _captured(factory, "cpu")[2], _captured(factory, "meta")[2]
+        assert [(n.name, n.target, n.outputs) for n in g_cpu.nodes] == [(n.name, n.target, n.outputs) for n in g_meta.nodes]
+        assert g_cpu.total_flops() == g_meta.total_flops()
+
+
+# ------------------------------------------------------------------------------------------------
+# errors
+
+
+@pytest.mark.parametrize("bad, mentions", [
+    ("not a tensor", "tuple of tensors"),
+    ([torch.randn(2, 8), "x"], "torch.Tensor"),
+    (np.zeros((2, 8), dtype=np.float32), "tuple of tensors"),
+])
+def test_wrong_kind_of_example_inputs_is_a_type_error(bad, mentions):
+    with pytest.raises(TypeError) as info:
+        autotp.capture(nn.Linear(8, 8), bad)
+    message = str(info.value)
+    assert "expected" in message and mentions in message
+    assert type(bad).__name__ in message or "str" in message  # says what was given
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.sum() > 0:  # branches on a tensor value
+            return self.fc(x)
+        return -self.fc(x)
+
+
+def test_data_dependent_control_flow_is_a_capture_error():
+    with pytest.raises(autotp.CaptureError) as info:
+        autotp.capture(DataDependent(), (torch.randn(2, 8),))
+    message = str(info.value)
+    assert "torch.export" in message
+    assert "what to do" in message and ("torch.cond" in message or "control flow" in message)
+
+
+def test_meta_model_with_cpu_inputs_is_a_capture_error_about_devices():
+    model, _ = M.tiny_llama(device="meta")
+    with pytest.raises(autotp.CaptureError) as info:
+        autotp.capture(model, (torch.randint(0, 128, (2, 16)),))
+    message = str(info.value)
+    assert "meta" in message and "cpu" in message and "device" in message
+
+
+def test_not_a_module_is_a_type_error():
+    with pytest.raises(TypeError, match="nn.Module"):
+        autotp.capture(lambda x: x, (torch.randn(2),))
+
+
+# ------------------------------------------------------------------------------------------------
+# Llama 3 8B shape (Hugging Face), on meta
+
+
+LLAMA_8B = dict(n_layer=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, vocab=128256, seq=2048, batch=1,
+                device="meta")
+
+
+def _llama_8b_flops_by_hand(n_layer: int) -> float:
+    """2 x (matmul parameters) x tokens, plus attention's two T x T products: 4 T^2 D per layer."""
+    T, D, F, V, KV = 2048, 4096, 14336, 128256, 1024
+    matmul_params = n_layer * (2 * D * D + 2 * D * KV + 3 * D * F) + D * V
+    return 2 * matmul_params * T + n_layer * 4 * T * T * D
+
+
+def test_llama_8b_layer_shapes_flops():
+    """Two layers of the 8B shape: FLOPs against FlopCounterMode and against the formula."""
+    model, inputs = M.hf_llama(**{**LLAMA_8B, "n_layer": 2})
+    graph = autotp.capture(model, inputs)
+    assert graph.total_flops() == pytest.approx(_flops(graph.exported.module(), *inputs), rel=0.01)
+    assert graph.total_flops() == pytest.approx(_llama_8b_flops_by_hand(2), rel=0.01)
+
+
+@pytest.mark.slow
+def test_llama_8b_capture_time_and_flops():
+    model, inputs = M.hf_llama(**LLAMA_8B)
+    start = time.perf_counter()
+    graph = autotp.capture(model, inputs)
+    seconds = time.perf_counter() - start
+    print(f"\ncapture of HF Llama 8B on meta: {seconds:.1f} s, {len(graph)} nodes")
+    assert seconds < 120
+    reference = _flops(graph.exported.module(), *inputs)
+    assert graph.total_flops() == pytest.approx(reference, rel=0.01)
+    assert graph.total_flops() == pytest.approx(_llama_8b_flops_by_hand(32), rel=0.01)
+    n_params = sum(p.numel() for p in model.parameters())
+    assert graph.parameter_numel() == n_params

@@ -1,0 +1,263 @@
+"""``autotp.parallelize`` refuses what it cannot run, before it touches anything.
+
+Each refusal must raise the documented error with a message that says what was wrong, leave the
+user's model exactly as it was (same state_dict values, plain tensors, same requires_grad and
+training flag) and communicate nothing (``CommDebugMode`` sees no collective).
+
+The cases that need a live ``DeviceMesh`` run inside one spawned gloo run per mesh size (one rank,
+or three for the uneven case); the module-scoped fixtures collect every outcome once and the tests
+below read them.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import autotp
+from examples import models
+from tests.distributed import run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+
+# ------------------------------------------------------------------------------- helpers
+
+def _snapshot(model: torch.nn.Module) -> dict:
+    return {
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
+        "training": model.training,
+        "types": {n: type(p) for n, p in model.named_parameters()},
+    }
+
+
+def _unchanged(model: torch.nn.Module, before: dict) -> list[str]:
+    """What differs from ``before`` (empty: the model is exactly as it was)."""
+    after = _snapshot(model)
+    diffs = []
+    if list(after["state"]) != list(before["state"]):
+        diffs.append(f"state_dict keys {list(before['state'])} -> {list(after['state'])}")
+    for k, v in before["state"].items():
+        w = after["state"].get(k)
+        same = (w is not None and type(w) is type(v) and w.shape == v.shape and w.dtype == v.dtype
+                and w.device == v.device and (v.device.type == "meta" or torch.equal(w, v)))
+        if not same:
+            diffs.append(f"state_dict[{k}] changed")
+    for key in ("requires_grad", "training", "types"):
+        if after[key] != before[key]:
+            diffs.append(f"{key} changed")
+    return diffs
+
+
+def _attempt(model, call) -> dict:
+    """Run ``call()``; record the error, whether the model is unchanged and the collectives seen."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    before = _snapshot(model)
+    with CommDebugMode() as comm:
+        try:
+            call()
+            error, message = None, ""
+        except Exception as err:  # noqa: BLE001 - recorded for the test to judge
+            error, message = type(err).__name__, str(err)
+    return {"error": error, "message": message, "changes": _unchanged(model, before),
+            "collectives": comm.get_total_counts()}
+
+
+def _mesh(world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+
+
+def _one_rank_cases(rank, world):
+    """Every refusal that a one-rank mesh can show."""
+    mesh = _mesh(world)
+    out = {}
+
+    model, (x,) = models.mlp()  # Linear(64, 256) -> GELU -> Linear(256, 64), twice; x (8, 64) float32
+    for name, inputs in {
+        "wrong_shape": (torch.randn(8, 63),),
+        "wrong_ndim": (torch.randn(8, 64, 2),),
+        "too_many_inputs": (x, x),
+        "wrong_dtype_float64": (x.double(),),
+        "wrong_dtype_int64": (x.long(),),
+    }.items():
+        out[name] = _attempt(model, lambda inputs=inputs: autotp.parallelize(model, mesh, inputs, hardware="cpu-gloo"))
+
+    llama, (ids,) = models.tiny_llama()
+    out["float_token_ids"] = _attempt(
+        llama, lambda: autotp.parallelize(llama, mesh, (ids.float(),), hardware="cpu-gloo"))
+
+    # a plan made for another model / other inputs / another mesh
+    narrow_plan = autotp.plan(models.mlp(hidden=128)[0], (1,), (x,), hardware="cpu-gloo")
+    out["plan_other_width"] = _attempt(model, lambda: autotp.parallelize(model, mesh, (x,), plan=narrow_plan))
+    deep_plan = autotp.plan(models.mlp(depth=3)[0], (1,), (x,), hardware="cpu-gloo")
+    out["plan_other_depth"] = _attempt(model, lambda: autotp.parallelize(model, mesh, (x,), plan=deep_plan))
+    batch_plan = autotp.plan(model, (1,), (x[:4],), hardware="cpu-gloo")
+    out["plan_other_batch"] = _attempt(model, lambda: autotp.parallelize(model, mesh, (x,), plan=batch_plan))
+    gpt, gpt_inputs = models.tiny_gpt()
+    gpt_plan = autotp.plan(gpt, (1,), gpt_inputs, hardware="cpu-gloo")
+    out["plan_gpt_on_llama"] = _attempt(llama, lambda: autotp.parallelize(llama, mesh, (ids,), plan=gpt_plan))
+    # the same plan through a JSON round trip (what a saved plan is)
+    loaded = autotp.Plan.from_json(gpt_plan.to_json())
+    out["loaded_plan_gpt_on_llama"] = _attempt(llama, lambda: autotp.parallelize(llama, mesh, (ids,), plan=loaded))
+    mesh2_plan = autotp.plan(model, (2,), (x,), hardware="cpu-gloo")
+    out["plan_other_mesh"] = _attempt(model, lambda: autotp.parallelize(model, mesh, (x,), plan=mesh2_plan))
+    mesh1x1_plan = autotp.plan(model, (1, 1), (x,), hardware="cpu-gloo")
+    out["plan_other_mesh_ndim"] = _attempt(model, lambda: autotp.parallelize(model, mesh, (x,), plan=mesh1x1_plan))
+    out["plan_not_a_plan"] = _attempt(
+        model, lambda: autotp.parallelize(model, mesh, (x,), plan=narrow_plan.to_dict()))
+
+    meta_model, meta_inputs = models.mlp(device="meta")
+    out["meta_model"] = _attempt(meta_model, lambda: autotp.parallelize(meta_model, mesh, meta_inputs))
+    meta_inputs_cpu = (torch.randn(8, 64),)
+    out["meta_model_cpu_inputs"] = _attempt(meta_model, lambda: autotp.parallelize(meta_model, mesh, meta_inputs_cpu))
+
+    # the control: the same calls with fitting inputs and the right plan succeed
+    good_plan = autotp.plan(model, (1,), (x,), hardware="cpu-gloo")
+    before = _snapshot(model)
+    pm = autotp.parallelize(model, mesh, (x,), plan=good_plan)
+    out["control"] = {"matches": torch.allclose(pm(x), model(x), rtol=1e-5, atol=1e-6),
+                      "changes": _unchanged(model, before)}
+    return out
+
+
+def _three_rank_cases(rank, world):
+    """A plan for 2 ranks on a 3-rank mesh: 256 hidden units do not split in 3."""
+    from autotp.plan import Plan
+
+    mesh = _mesh(world)
+    model, inputs = models.mlp()
+    try:  # a budget just above the minimum (132 kB today) makes the plan shard the hidden dim
+        plan2 = autotp.plan(model, (2,), inputs, hardware="cpu-gloo", mode="inference", memory_budget=140_000)
+    except autotp.MemoryBudgetError as err:  # the minimum moved: take the new one, plus 5 %
+        minimum = int(re.search(r"\((\d+) bytes\)", str(err)).group(1))
+        plan2 = autotp.plan(model, (2,), inputs, hardware="cpu-gloo", mode="inference",
+                            memory_budget=int(minimum * 1.05) + 1)
+    sharded = {k: v for k, v in plan2.module_styles().items() if v in ("colwise", "rowwise")}
+    out = {"sharded_on_2": sharded}
+    out["plan_2_on_3"] = _attempt(model, lambda: autotp.parallelize(model, mesh, inputs, plan=plan2))
+    # the same plan with its mesh edited to (3,) in the JSON: the mesh check passes, the dims do not divide
+    d = plan2.to_dict()
+    d["mesh"]["shape"] = [world]
+    edited = Plan.from_dict(d)
+    out["edited_plan_uneven"] = _attempt(model, lambda: autotp.parallelize(model, mesh, inputs, plan=edited))
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    return run_ranks(_one_rank_cases, 1)[0]
+
+
+@pytest.fixture(scope="module")
+def three_ranks():
+    return run_ranks(_three_rank_cases, 3)
+
+
+def _assert_refused(outcome: dict, error: str, *fragments: str) -> None:
+    assert outcome["error"] == error, f"expected {error}, got {outcome['error']}: {outcome['message']}"
+    for fragment in fragments:
+        assert fragment in outcome["message"], f"{fragment!r} not in the message:\n{outcome['message']}"
+    assert not outcome["changes"], f"the model was touched: {outcome['changes']}"
+    assert outcome["collectives"] == 0, f"{outcome['collectives']} collectives ran before the refusal"
+
+
+# ----------------------------------------------------------------------- no process needed
+
+def test_tuple_mesh_is_a_type_error_pointing_to_plan():
+    model, inputs = models.mlp()
+    before = _snapshot(model)
+    with pytest.raises(TypeError, match=r"autotp\.plan") as info:
+        autotp.parallelize(model, (2,), inputs)
+    assert "DeviceMesh" in str(info.value) and "tuple" in str(info.value)
+    assert not _unchanged(model, before)
+
+
+@pytest.mark.parametrize("mesh", [8, "tp", [2, 4]])
+def test_other_non_mesh_is_a_type_error(mesh):
+    model, inputs = models.mlp()
+    with pytest.raises(TypeError, match="DeviceMesh"):
+        autotp.parallelize(model, mesh, inputs)
+
+
+# ---------------------------------------------------------------------- inputs that don't fit
+
+@pytest.mark.parametrize("case, fragment", [
+    ("wrong_shape", "63"),
+    ("wrong_ndim", ""),
+    ("too_many_inputs", "positional"),
+    ("float_token_ids", "float32"),
+])
+def test_inputs_that_do_not_fit_are_a_value_error(one_rank, case, fragment):
+    _assert_refused(one_rank[case], "ValueError", "example inputs do not fit", fragment)
+
+
+@pytest.mark.parametrize("case", ["wrong_dtype_float64", "wrong_dtype_int64"])
+def test_input_dtype_that_does_not_fit_is_a_value_error(one_rank, case):
+    _assert_refused(one_rank[case], "ValueError", "example inputs do not fit")
+
+
+# -------------------------------------------------------------------- a plan for something else
+
+def test_plan_for_a_wider_model_names_the_first_differing_node(one_rank):
+    # the first node of both graphs is the first parameter: (128, 64) in the plan, (256, 64) in the model
+    _assert_refused(one_rank["plan_other_width"], "PlanError", "another model", "p_layers_0_up_proj_weight",
+                    "[128, 64]", "[256, 64]")
+
+
+def test_plan_for_a_deeper_model_names_the_first_differing_node(one_rank):
+    # layers 0 and 1 match; the plan's model has a layers.2 where this one has its input
+    _assert_refused(one_rank["plan_other_depth"], "PlanError", "another model", "p_layers_2_up_proj_weight")
+
+
+def test_plan_for_other_input_shapes_names_the_input(one_rank):
+    _assert_refused(one_rank["plan_other_batch"], "PlanError", "[4, 64]", "[8, 64]")
+
+
+@pytest.mark.parametrize("case", ["plan_gpt_on_llama", "loaded_plan_gpt_on_llama"])
+def test_plan_for_another_architecture(one_rank, case):
+    # both start with the token embedding; GPT's second parameter is its position embedding
+    _assert_refused(one_rank[case], "PlanError", "another model", "p_embed_positions_weight",
+                    "p_layers_0_input_layernorm_weight")
+
+
+def test_plan_for_another_mesh_names_both_meshes(one_rank):
+    _assert_refused(one_rank["plan_other_mesh"], "PlanError", "2 (tp)", "1 (tp)")
+
+
+def test_plan_for_a_2d_mesh_on_a_1d_mesh(one_rank):
+    _assert_refused(one_rank["plan_other_mesh_ndim"], "PlanError", "1x1", "1 (tp)")
+
+
+def test_plan_that_is_not_a_plan_is_a_type_error(one_rank):
+    _assert_refused(one_rank["plan_not_a_plan"], "TypeError", "dict", "load_plan")
+
+
+# ----------------------------------------------------------------------------------- meta model
+
+@pytest.mark.parametrize("case", ["meta_model", "meta_model_cpu_inputs"])
+def test_meta_model_is_refused_with_a_clear_message(one_rank, case):
+    _assert_refused(one_rank[case], "ValueError", "meta device", "autotp.plan")
+
+
+def test_control_fitting_inputs_and_plan_succeed(one_rank):
+    assert one_rank["control"]["matches"]
+    assert not one_rank["control"]["changes"]
+
+
+# ---------------------------------------------------------------------------------- uneven mesh
+
+def test_plan_for_2_ranks_on_a_3_rank_mesh_is_refused(three_ranks):
+    for result in three_ranks:
+        assert result["sharded_on_2"], "the 2-rank plan shards nothing: the case would be vacuous"
+        _assert_refused(result["plan_2_on_3"], "PlanError", "2 (tp)", "3 (tp)")
+
+
+def test_plan_whose_dims_do_not_divide_the_mesh_is_refused(three_ranks):
+    for result in three_ranks:
+        _assert_refused(result["edited_plan_uneven"], "PlanError", "3")
