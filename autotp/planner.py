@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 from cost_models import HardwareProfile, load_profile
@@ -19,7 +19,7 @@ from autotp.capture import capture
 from autotp.costing import MODES, CostModel
 from autotp.graph import OpGraph
 from autotp.mesh import MeshSpec
-from autotp.placement import format_placements
+from autotp.placement import format_placements, parse_placements
 from autotp.plan import MemoryPerDevice, NodeChoice, Plan, PredictedTime, SolveStats, module_choices
 from autotp.program import collectives
 from autotp.solver import solve
@@ -63,8 +63,50 @@ def resolve_hardware(hardware: Any) -> HardwareProfile:
     return load_profile(hardware)
 
 
+def _apply_pins(graph: OpGraph, spec: MeshSpec, rep: Mapping[str, str], strat_rep: dict[str, list],
+                pin: Optional[Mapping[str, str]]) -> None:
+    """Keep only the strategies that give each pinned parameter its pinned placements."""
+    if not pin:
+        return
+    wanted: dict[str, tuple] = {}
+    for fqn, text in pin.items():
+        try:
+            info = graph.parameter(fqn)
+        except KeyError:
+            raise ValueError(f"pin: the model has no parameter {fqn!r}") from None
+        try:
+            placements = parse_placements(text)
+        except ValueError as err:
+            raise ValueError(f"pin {fqn}: {err}; expected placements such as 'S(0)' or, on 2 axes, 'RS(0)'") from None
+        if placements is None or len(placements) != spec.ndim:
+            raise ValueError(f"pin {fqn}: {text!r} gives {0 if placements is None else len(placements)} placements; "
+                             f"the mesh {spec} has {spec.ndim} axes")
+        node = rep[info.node]
+        if wanted.get(node, placements) != placements:
+            raise ValueError(f"pin {fqn}: {text!r} conflicts with the pin of a structurally identical layer "
+                             f"({format_placements(wanted[node])}); pin repeated layers alike")
+        wanted[node] = placements
+    for node, placements in wanted.items():
+        kept = [s for s in strat_rep[node] if s.output == placements]
+        if not kept:
+            options = ", ".join(sorted({format_placements(s.output) for s in strat_rep[node]}))
+            raise ValueError(f"pin: {format_placements(placements)} is not a placement of {graph[node].param_fqn} "
+                             f"(shape {list(graph[node].output.shape)}) on mesh {spec}; it can take {options}")
+        strat_rep[node] = kept
+        # the ops that read the weight compute with that shard (a pin is a layout, not only storage)
+        for consumer in graph.consumers(node):
+            c = rep[consumer]
+            ks = [k for k, src in enumerate(graph[consumer].inputs) if src == node]
+            reading = [s for s in strat_rep[c] if all(s.inputs[k] == placements for k in ks)]
+            if not reading:
+                raise ValueError(f"pin {graph[node].param_fqn}: {format_placements(placements)} cannot be read by "
+                                 f"{graph[consumer].target} at {graph[consumer].module_path or 'the model'}")
+            strat_rep[c] = reading
+
+
 def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "train",
-               memory_budget: Any = None, time_limit_s: float = 60.0, capture_s: float = 0.0) -> Plan:
+               memory_budget: Any = None, time_limit_s: float = 60.0, capture_s: float = 0.0,
+               pin: Optional[Mapping[str, str]] = None) -> Plan:
     """Plan an already captured graph (see :func:`plan`)."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: expected one of {MODES}")
@@ -78,6 +120,7 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
     rep = find_repeats(graph)
     reps = [n for n in graph.nodes if rep[n.name] == n.name]
     strat_rep = all_strategies(graph, spec.shape, reps)
+    _apply_pins(graph, spec, rep, strat_rep, pin)
     strategies = {n.name: strat_rep[rep[n.name]] for n in graph.nodes}
     strategies_s = time.perf_counter() - t0
 
@@ -110,13 +153,15 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
 
 
 def plan(model: torch.nn.Module, mesh: Any, example_inputs: Any, hardware: Any = None, mode: str = "train",
-         memory_budget: Any = None, time_limit_s: float = 60.0) -> Plan:
+         memory_budget: Any = None, time_limit_s: float = 60.0, pin: Optional[Mapping[str, str]] = None) -> Plan:
     """Choose how to split every op of ``model`` over ``mesh``.
 
     ``mesh`` is a ``DeviceMesh`` or a shape such as ``(8,)`` or ``(2, 4)`` (no processes needed);
     ``hardware`` a built-in profile name, a profile JSON path or a ``HardwareProfile`` (default
     ``"h100-sxm"``); ``mode`` ``"train"`` or ``"inference"``; ``memory_budget`` bytes per device
-    (a number or a string like ``"40GB"``; default: the profile's device memory).
+    (a number or a string like ``"40GB"``; default: the profile's device memory). ``pin`` fixes the
+    placements of chosen parameters, and the ops that read them compute with those shards, e.g.
+    ``{"layers.0.mlp.up_proj.weight": "S(0)"}`` (colwise); the solver decides the rest.
     """
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: expected one of {MODES}")
@@ -125,4 +170,5 @@ def plan(model: torch.nn.Module, mesh: Any, example_inputs: Any, hardware: Any =
     parse_bytes(memory_budget)
     t0 = time.perf_counter()
     graph = capture(model, example_inputs)
-    return plan_graph(graph, mesh, hardware, mode, memory_budget, time_limit_s, capture_s=time.perf_counter() - t0)
+    return plan_graph(graph, mesh, hardware, mode, memory_budget, time_limit_s, capture_s=time.perf_counter() - t0,
+                      pin=pin)

@@ -356,7 +356,9 @@ class _Formulation:
     def objective_terms(self) -> None:
         for r in self.roots:
             for s, c in enumerate(self.node_cost[r]):
-                if c:
+                if c == INFEASIBLE_S:  # e.g. a placement its only reader cannot be given
+                    self.prob += self.x[r][s] == 0, f"infeasible_{r}_{s}"
+                elif c:
                     self.objective.append(c * self.x[r][s])  # c already sums the tied and merged nodes
         # in milliseconds: step costs span 1e-6..1 s, and the solver's tolerances are absolute
         self.prob += pulp.lpSum(self.objective) * OBJECTIVE_SCALE
