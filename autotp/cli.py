@@ -53,10 +53,16 @@ def run_plan(args: argparse.Namespace) -> int:
     from autotp.mesh import MeshSpec
 
     mesh = MeshSpec.of(args.mesh, names)
+    pins = {}
+    for item in args.pin:
+        if "=" not in item:
+            raise SystemExit(f"autotp plan: --pin {item!r}: expected PARAM=PLACEMENTS, e.g. lm_head.weight=R")
+        name, placements = item.split("=", 1)
+        pins[name] = placements
     try:
         plan = autotp.plan(model, mesh, example_inputs, hardware=args.hardware, mode=args.mode,
-                           memory_budget=args.memory_budget, time_limit_s=args.time_limit)
-    except autotp.MemoryBudgetError as err:
+                           memory_budget=args.memory_budget, time_limit_s=args.time_limit, pin=pins or None)
+    except (autotp.MemoryBudgetError, ValueError) as err:
         print(f"autotp plan: {err}", file=sys.stderr)
         return 2
     print(plan.report())
@@ -82,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=("train", "inference"), default="train")
     p.add_argument("--memory-budget", default=None, help="bytes per device, e.g. 40GB or 16GiB")
     p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit in seconds")
+    p.add_argument("--pin", action="append", default=[], metavar="PARAM=PLACEMENTS",
+                   help="fix a weight's layout, e.g. lm_head.weight=R or layers.0.mlp.up_proj.weight=S(0) (repeatable)")
     p.add_argument("--json", default=None, help="write the plan as JSON to this path")
     p.add_argument("--html", default=None, help="write the report as HTML to this path")
     p.set_defaults(run=run_plan)

@@ -1,0 +1,42 @@
+"""``autotp plan`` on the command line: report, JSON, HTML, and clear refusals."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+import autotp
+from autotp.cli import main, parse_mesh
+
+
+def test_plan_prints_the_report_and_writes_json_and_html(tmp_path, capsys):
+    out_json, out_html = tmp_path / "plan.json", tmp_path / "plan.html"
+    rc = main(["plan", "examples.models:tiny_llama", "--mesh", "2", "--hardware", "cpu-gloo", "--mode", "inference",
+               "--json", str(out_json), "--html", str(out_html)])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    plan = autotp.load_plan(out_json)
+    assert plan.mesh.shape == (2,) and plan.mode == "inference" and plan.hardware.name == "cpu-gloo"
+    for module in plan.module_styles():
+        assert module in printed
+    assert out_html.read_text().startswith("<!doctype html>")
+
+
+def test_two_axis_mesh_and_memory_budget(capsys):
+    rc = main(["plan", "examples.models:tiny_gpt", "--mesh", "2x2", "--memory-budget", "1GB"])
+    assert rc == 0
+    assert "2x2 (dp, tp)" in capsys.readouterr().out
+
+
+def test_refusals(capsys):
+    assert main(["plan", "examples.models:tiny_gpt", "--mesh", "2", "--pin", "no.such=R"]) == 2
+    assert "no parameter 'no.such'" in capsys.readouterr().err
+    assert main(["plan", "examples.models:tiny_gpt", "--mesh", "2", "--memory-budget", "1KB"]) == 2
+    assert "below the minimum" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="MODULE:FACTORY"):
+        main(["plan", "examples.models", "--mesh", "2"])
+    with pytest.raises(SystemExit, match="no 'nope'"):
+        main(["plan", "examples.models:nope", "--mesh", "2"])
+    with pytest.raises(argparse.ArgumentTypeError, match="expected a shape such as 8 or 2x4"):
+        parse_mesh("2xq")
