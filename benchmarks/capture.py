@@ -1,0 +1,78 @@
+"""Capture time and FLOP agreement on Llama 3 8B and 70B shapes (Hugging Face LlamaForCausalLM, meta device).
+
+For each shape: build the model on meta, ``autotp.capture`` it, and count FLOPs three ways, side by
+side in one run: autotp's graph (``OpGraph.total_flops``), PyTorch's ``FlopCounterMode`` over the
+exported program run on meta inputs, and the closed formula ``2 * matmul params * tokens +
+4 * T^2 * D`` per layer (attention's two products, counted without the causal mask as
+FlopCounterMode does).
+
+    .venv/bin/python benchmarks/capture.py            # both shapes
+    .venv/bin/python benchmarks/capture.py 8b         # one
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+import autotp  # noqa: E402
+from examples import models as M  # noqa: E402
+
+SHAPES = {
+    "8b": dict(n_layer=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, vocab=128256),
+    "70b": dict(n_layer=80, hidden=8192, ffn=28672, heads=64, kv_heads=8, vocab=128256),
+}
+SEQ, BATCH = 2048, 1
+
+
+def formula_flops(n_layer: int, hidden: int, ffn: int, heads: int, kv_heads: int, vocab: int) -> float:
+    kv = hidden // heads * kv_heads
+    matmul_params = n_layer * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * ffn) + hidden * vocab
+    return 2.0 * matmul_params * SEQ * BATCH + n_layer * 4.0 * BATCH * SEQ * SEQ * hidden
+
+
+def run(name: str) -> dict:
+    import transformers.models.llama.modeling_llama  # noqa: F401 - import time is not build time
+
+    shape = SHAPES[name]
+    t0 = time.perf_counter()
+    model, inputs = M.hf_llama(**shape, seq=SEQ, batch=BATCH, device="meta")
+    build_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    graph = autotp.capture(model, inputs)
+    capture_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        graph.exported.module()(*inputs)
+    reference_s = time.perf_counter() - t0
+    return dict(
+        name=name, layers=shape["n_layer"], params=sum(p.numel() for p in model.parameters()), nodes=len(graph),
+        build_s=build_s, capture_s=capture_s, reference_s=reference_s, autotp=graph.total_flops(),
+        counter=float(counter.get_total_flops()), formula=formula_flops(**shape),
+    )
+
+
+def main(names: list[str]) -> None:
+    rows = [run(n) for n in names]
+    head = (f"{'shape':<6} {'layers':>6} {'params':>8} {'nodes':>6} {'build s':>8} {'capture s':>10} "
+            f"{'autotp TFLOP':>13} {'FlopCounter TFLOP':>18} {'autotp/counter':>15} {'formula TFLOP':>14} "
+            f"{'autotp/formula':>15}")
+    print(f"HF LlamaForCausalLM on meta, batch {BATCH} x seq {SEQ}, float32; FLOPs of one forward")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['name']:<6} {r['layers']:>6} {r['params'] / 1e9:>7.2f}B {r['nodes']:>6} {r['build_s']:>8.1f} "
+              f"{r['capture_s']:>10.1f} {r['autotp'] / 1e12:>13.2f} {r['counter'] / 1e12:>18.2f} "
+              f"{r['autotp'] / r['counter']:>15.6f} {r['formula'] / 1e12:>14.2f} {r['autotp'] / r['formula']:>15.6f}")
+    took = ", ".join(f"{r['name']} {r['reference_s']:.1f} s" for r in rows)
+    print(f"(FlopCounter: FlopCounterMode over graph.exported.module() run on meta inputs; took {took})")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or list(SHAPES))

@@ -1,0 +1,590 @@
+"""Planner: plan-only tests (models on meta, meshes as shapes or DeviceMeshes on a fake process group).
+
+What a plan must do comes from DESIGN.md ("What correct means" 4): on a fast interconnect a
+transformer block gets the Megatron layout with two all-reduces of the (B, T, D) activation per
+block forward; on very slow links it stays replicated; under a tight memory budget it shards what
+it must. Expected collectives and bytes are counted by hand from the model's shapes and from the
+styles the plan chose, never copied from an earlier plan.
+"""
+
+from __future__ import annotations
+
+import collections
+import html.parser
+import json
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import autotp
+from autotp.planner import plan_graph
+from cost_models import load_profile
+
+from examples import models as M
+
+FAST = "h100-sxm"
+B, T = 1, 2048
+F32 = 4
+
+
+def _slow():
+    return load_profile(FAST).scaled_links(1e-4)
+
+
+def _gpt_4096(n_layer: int = 2, batch: int = B, seq: int = T):
+    """A GPT with the 8B width: dim 4096, 32 heads, tied embedding and lm_head, on meta."""
+    cfg = M.GPTConfig(vocab_size=50304, n_layer=n_layer, n_head=32, dim=4096, max_seq_len=seq)
+    with torch.device("meta"):
+        model = M.GPT(cfg)
+        ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+    return model, (ids,)
+
+
+MODELS = {
+    "llama": lambda: M.llama3_8b(n_layer=2),
+    "gpt": lambda: _gpt_4096(),
+}
+COLWISE = {"llama": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
+           "gpt": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.up_proj")}
+ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+DIM = 4096
+VOCAB = {"llama": 128256, "gpt": 50304}
+
+_cache: dict = {}
+
+
+def _cached(key, make):
+    if key not in _cache:
+        _cache[key] = make()
+    return _cache[key]
+
+
+def _model(name):
+    return _cached(("model", name), MODELS[name])
+
+
+def _graph(name):
+    model, inputs = _model(name)
+    return _cached(("graph", name), lambda: autotp.capture(model, inputs))
+
+
+def _fast_plan(name):
+    """Through the public API, as a user calls it."""
+    model, inputs = _model(name)
+    return _cached(("fast", name), lambda: autotp.plan(model, (8,), inputs, hardware=FAST, mode="train"))
+
+
+def _slow_plan(name):
+    return _cached(("slow", name), lambda: plan_graph(_graph(name), (8,), _slow(), mode="train"))
+
+
+def _module_of(plan) -> dict[str, str]:
+    return {n.name: n.module for n in plan.nodes}
+
+
+def _block(module: str) -> int | None:
+    parts = module.split(".")
+    return int(parts[1]) if len(parts) > 1 and parts[0] == "layers" else None
+
+
+# ------------------------------------------------------------------------------------------------
+# fast interconnect: Megatron
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt"])
+def test_megatron_styles_on_fast_interconnect(name):
+    plan = _fast_plan(name)
+    styles = plan.module_styles()
+    for i in range(2):
+        for m in COLWISE[name]:
+            assert styles[f"layers.{i}.{m}"] == "colwise", (m, styles)
+        for m in ROWWISE:
+            assert styles[f"layers.{i}.{m}"] == "rowwise", (m, styles)
+    # the weights of those modules are split on the dims the style names
+    for i in range(2):
+        for m in COLWISE[name]:
+            assert plan.parameter_placements[f"layers.{i}.{m}.weight"] == "S(0)"
+        for m in ROWWISE:
+            assert plan.parameter_placements[f"layers.{i}.{m}.weight"] == "S(1)"
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt"])
+def test_forward_communication_per_block_is_two_all_reduces_of_the_activation(name):
+    """Per block forward: 2 all_reduce of (B, T, D), or its sequence-parallel twin 2 reduce_scatter + 2 all_gather."""
+    plan = _fast_plan(name)
+    module = _module_of(plan)
+    activation_bytes = B * T * DIM * F32  # (B, T, D) float32, by hand
+    per_block: dict[int, list] = collections.defaultdict(list)
+    for c in plan.collectives():
+        if c.phase == "forward" and _block(module[c.at]) is not None:
+            per_block[_block(module[c.at])].append(c)
+    assert sorted(per_block) == [0, 1]
+    for i, colls in per_block.items():
+        kinds = collections.Counter(c.kind for c in colls)
+        assert kinds in (collections.Counter(all_reduce=2), collections.Counter(reduce_scatter=2, all_gather=2)), \
+            (i, [str(c) for c in colls])
+        assert all(c.bytes == activation_bytes for c in colls), [str(c) for c in colls]
+        assert all(c.mesh_axis == "tp" for c in colls)
+
+
+def _hand_count_gpt(plan) -> collections.Counter:
+    """Every collective of one training step of the GPT, counted by hand from the module table.
+
+    The residual stream of a pre-LayerNorm GPT runs embeddings -> [norm -> q,k,v .. o_proj -> add ->
+    norm -> up .. down -> add] x n_layer -> norm -> lm_head. Per placement pair, by hand:
+
+    * a partial output (rowwise linear, row-split embeddings) entering the next norm: forward
+      all_reduce when the norm runs replicated; reduce_scatter (backward all_gather) when it runs on
+      sequence shards;
+    * a norm's output read by colwise linears (q, k, v share one read): replicated -> backward all_reduce
+      of the input's gradient; sequence shards -> forward all_gather, backward reduce_scatter;
+    * a norm on sequence shards reads its weight and bias replicated: backward all_reduce of each gradient;
+    * colwise lm_head: its logits are gathered, the model returns them whole.
+    Keys: (phase, kind, bytes).
+    """
+    mods = {m.module: m for m in plan.modules}
+    act, logits = B * T * DIM * F32, B * T * VOCAB["gpt"] * F32
+    param = DIM * F32
+    count: collections.Counter = collections.Counter()
+
+    def partial_into(norm: str) -> None:
+        q = mods[norm].input
+        assert q in ("R", "S(1)"), (norm, q)
+        if q == "R":
+            count[("forward", "all_reduce", act)] += 1
+        else:
+            count[("forward", "reduce_scatter", act)] += 1
+            count[("backward", "all_gather", act)] += 1
+        if q == "S(1)":
+            count[("backward", "all_reduce", param)] += 2  # weight and bias gradients
+
+    def norm_into_colwise(norm: str, readers: list[str]) -> None:
+        out = mods[norm].output
+        assert all(mods[r].style == "colwise" and mods[r].input == "R" for r in readers), readers
+        if out == "R":
+            count[("backward", "all_reduce", act)] += 1  # one for all readers
+        else:
+            assert out == "S(1)", (norm, out)
+            count[("forward", "all_gather", act)] += 1
+            count[("backward", "reduce_scatter", act)] += 1
+
+    assert mods["embed_tokens"].style == mods["embed_positions"].style == "rowwise", mods  # what this count covers
+    partial_into("layers.0.input_layernorm")
+    for i in range(2):
+        blk = f"layers.{i}"
+        norm_into_colwise(f"{blk}.input_layernorm", [f"{blk}.self_attn.{p}_proj" for p in "qkv"])
+        assert mods[f"{blk}.self_attn.o_proj"].style == "rowwise"
+        partial_into(f"{blk}.post_attention_layernorm")
+        norm_into_colwise(f"{blk}.post_attention_layernorm", [f"{blk}.mlp.up_proj"])
+        assert mods[f"{blk}.mlp.down_proj"].style == "rowwise"
+        partial_into(f"layers.{i + 1}.input_layernorm" if i == 0 else "norm")
+    norm_into_colwise("norm", ["lm_head"])
+    count[("forward", "all_gather", logits)] += 1
+    return count
+
+
+def test_collectives_equal_a_hand_count_from_the_styles():
+    """GPT, 2 layers, train: every collective of the step, with its bytes, counted by hand."""
+    plan = _fast_plan("gpt")
+    got = collections.Counter((c.phase, c.kind, c.bytes) for c in plan.collectives())
+    assert got == _hand_count_gpt(plan)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt"])
+def test_q_k_v_share_one_backward_reduction(name):
+    """The gradient of the tensor q, k and v all read is reduced once, not three times.
+
+    (An all_reduce when the three read a replicated input; a reduce_scatter, the backward of the
+    all_gather, when they read a sequence-parallel input gathered once.)"""
+    plan, graph = _fast_plan(name), _graph(name)
+    linears = {n.module_path: n for n in graph.ops() if n.target == "aten.linear.default"}
+    module = _module_of(plan)
+    reductions = [c for c in plan.collectives() if c.phase == "backward" and c.kind in ("all_reduce", "reduce_scatter")]
+    for i in range(2):
+        (x,) = {linears[f"layers.{i}.self_attn.{p}_proj"].inputs[0] for p in "qkv"}  # one input for all three
+        at_x = [c for c in reductions if c.at == x]
+        assert len(at_x) == 1, [str(c) for c in reductions]
+        assert at_x[0].bytes == B * T * DIM * F32
+        in_attention = [c for c in reductions if module[c.at].startswith(f"layers.{i}.self_attn")]
+        assert in_attention == [], [str(c) for c in in_attention]
+
+
+def test_hf_gpt2_blocks_get_megatron_on_fast_interconnect():
+    model, inputs = M.hf_gpt2(hidden=DIM, heads=32, n_layer=2, vocab=50304, seq=T, batch=B, device="meta")
+    plan = autotp.plan(model, (8,), inputs, hardware=FAST, mode="train")
+    for i in range(2):
+        h = f"transformer.h.{i}"
+        # Conv1D weights are (in, out): colwise splits dim 1, rowwise dim 0
+        assert plan.parameter_placements[f"{h}.attn.c_attn.weight"] == "S(1)"
+        assert plan.parameter_placements[f"{h}.mlp.c_fc.weight"] == "S(1)"
+        assert plan.parameter_placements[f"{h}.attn.c_proj.weight"] == "S(0)"
+        assert plan.parameter_placements[f"{h}.mlp.c_proj.weight"] == "S(0)"
+        styles = plan.module_styles()
+        assert styles[f"{h}.attn.c_attn"] == styles[f"{h}.mlp.c_fc"] == "colwise"
+        assert styles[f"{h}.attn.c_proj"] == styles[f"{h}.mlp.c_proj"] == "rowwise"
+
+
+# ------------------------------------------------------------------------------------------------
+# slow links: replicated
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt"])
+def test_slow_links_stay_replicated(name):
+    plan = _slow_plan(name)
+    styles = plan.module_styles()
+    assert styles and set(styles.values()) == {"replicate"}, styles
+    assert plan.collectives() == []
+    assert set(plan.parameter_placements.values()) == {"R"}
+    assert plan.predicted_time().communication_s == 0.0
+
+
+# ------------------------------------------------------------------------------------------------
+# memory
+
+
+def _state_bytes_by_hand(graph, sharded_over: int) -> float:
+    """Parameters + gradients (float32, 4 + 4 bytes) + AdamW (two float32 moments, 8 bytes) per element,
+    each parameter split over ``sharded_over`` ranks when one of its dims divides evenly."""
+    total = 0.0
+    for p in graph.parameters:
+        ways = sharded_over if any(d % sharded_over == 0 for d in p.info.shape) else 1
+        total += p.info.numel * (4 + 4 + 8) / ways
+    return total
+
+
+def test_replicated_memory_equals_the_hand_count():
+    plan, graph = _slow_plan("llama"), _graph("llama")
+    mem = plan.memory_per_device()
+    numel = sum(p.numel() for p in _model("llama")[0].parameters())
+    assert mem.parameters_bytes == numel * 4
+    assert mem.gradients_bytes == numel * 4
+    assert mem.optimizer_bytes == numel * 8
+    assert mem.activations_bytes > 0
+    assert mem.total_bytes == pytest.approx(_state_bytes_by_hand(graph, 1) + mem.activations_bytes)
+
+
+def test_a_tight_budget_shards_what_it_must():
+    replicated = _slow_plan("llama").memory_per_device().total_bytes
+    budget = 0.5 * replicated
+    plan = plan_graph(_graph("llama"), (8,), _slow(), mode="train", memory_budget=budget)
+    mem = plan.memory_per_device()
+    assert mem.total_bytes <= budget
+    assert mem.budget_bytes == budget
+    assert any(p != "R" for p in plan.parameter_placements.values())
+    _cache[("budget", "llama")] = plan
+
+
+def test_a_budget_below_the_minimum_raises_with_the_minimum():
+    graph = _graph("llama")
+    with pytest.raises(autotp.MemoryBudgetError) as info:
+        plan_graph(graph, (8,), _slow(), mode="train", memory_budget=2**30)
+    err = info.value
+    minimum = err.minimum_bytes
+    message = str(err)
+    assert f"{minimum:.0f}" in message or f"{minimum / 2**30:.2f} GiB" in message
+    # a real lower bound: no plan holds less model state than every parameter split 8 ways ...
+    assert minimum >= _state_bytes_by_hand(graph, 8)
+    # ... and no plan actually found holds less than the minimum
+    plans = [p for k, p in _cache.items() if k[0] in ("fast", "slow", "budget") and k[1] == "llama"]
+    assert plans
+    for p in plans:
+        assert p.memory_per_device().total_bytes >= minimum * (1 - 1e-9)
+
+
+def test_memory_budget_as_a_string():
+    model, inputs = M.mlp(batch=8, dim=64, hidden=256, device="meta")
+    with pytest.raises(autotp.MemoryBudgetError):
+        autotp.plan(model, (8,), inputs, hardware=FAST, memory_budget="1KB")
+
+
+# ------------------------------------------------------------------------------------------------
+# a 2-axis mesh
+
+
+@pytest.fixture()
+def fake_group():
+    """A fake process group of ``n`` ranks; destroyed after the test."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def init(n: int):
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
+
+    yield init
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_two_axis_mesh_device_mesh_names_reach_the_plan(fake_group):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    fake_group(8)
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("data", "model"))
+    model, inputs = M.mlp(batch=16, dim=256, hidden=1024, depth=1, device="meta")
+    plan = autotp.plan(model, mesh, inputs, hardware=FAST, mode="train")
+    assert plan.mesh.shape == (2, 4) and plan.mesh.axis_names == ("data", "model")
+    assert all(len(autotp.placement.parse_placements(p)) == 2 for p in plan.parameter_placements.values())
+    assert {c.mesh_axis for c in plan.collectives()} <= {"data", "model"}
+
+
+def _gpt_2d_graph():
+    model, inputs = _cached(("model", "gpt-b8"), lambda: _gpt_4096(n_layer=1, batch=8))
+    return _cached(("graph", "gpt-b8"), lambda: autotp.capture(model, inputs))
+
+
+def _predicted_s(graph, chosen, spec, cost) -> float:
+    """Compute of every node plus every collective the program runs, each priced by the cost model."""
+    from autotp.program import collectives
+
+    colls = collectives(graph, chosen, spec, cost.train)
+    return (sum(cost.node_compute_s(n, chosen[n.name]) for n in graph.nodes)
+            + sum(cost.collective_s(c.kind, spec.axis_names.index(c.mesh_axis), c.bytes) for c in colls))
+
+
+def _dp_tp_layout(graph, shape):
+    """The layout a person writes by hand: batch split over "dp" (every tensor with the batch dim
+    S(0) there, everything else R), the planner free on "tp" only. Returns (chosen, predicted seconds)."""
+    from autotp.costing import CostModel
+    from autotp.mesh import MeshSpec
+    from autotp.placement import R, S
+    from autotp.solver import solve
+    from autotp.strategies import all_strategies
+    from autotp.tying import find_repeats
+
+    batch = 8
+
+    def on_dp(node, st) -> bool:
+        tensors = list(zip(st.inputs, node.input_infos))
+        if node.role not in ("input", "buffer", "constant"):
+            tensors.append((st.output, node.outputs[0]))
+        return all(p is None or p[0] == (S(0) if info.ndim and info.shape[0] == batch else R) for p, info in tensors)
+
+    spec = MeshSpec.of(shape)
+    strategies = {k: [st for st in v if on_dp(graph[k], st)] for k, v in all_strategies(graph, spec.shape).items()}
+    cost = CostModel(spec, load_profile(FAST), "train")
+    solution = solve(graph, strategies, find_repeats(graph), cost, None)
+    chosen = {k: strategies[k][i] for k, i in solution.choice.items()}
+    return chosen, _predicted_s(graph, chosen, spec, cost)
+
+
+def _plan_2d():
+    return _cached(("plan2d",), lambda: plan_graph(_gpt_2d_graph(), (2, 4), FAST, mode="train"))
+
+
+def test_two_axis_plan_is_no_slower_than_data_parallel_times_tensor_parallel():
+    """On (2, 4) = ("dp", "tp"), batch 8: the plan is at least as fast (by the cost model) as
+    batch-over-dp x best-tensor-parallel-over-tp, the layout a person would write."""
+    plan = _plan_2d()
+    assert plan.mesh.shape == (2, 4) and plan.mesh.axis_names == ("dp", "tp")
+    _, hand_s = _dp_tp_layout(_gpt_2d_graph(), (2, 4))
+    assert plan.predicted_time().total_s <= hand_s * (1 + 1e-3)  # the solver's optimality gap
+    assert {c.mesh_axis for c in plan.collectives()} == {"dp", "tp"}
+    for placement in plan.parameter_placements.values():
+        pl = autotp.placement.parse_placements(placement)
+        assert len(pl) == 2 and not any(p.is_partial for p in pl)
+
+
+def test_two_axis_data_parallel_layout_reduces_gradients_over_dp():
+    """The hand layout itself: parameters R on dp, batch S(0) on dp, so every weight gradient is
+    all-reduced over dp in backward, at the size of the weight's tp shard."""
+    from autotp.mesh import MeshSpec
+    from autotp.program import collectives
+
+    graph = _gpt_2d_graph()
+    chosen, _ = _dp_tp_layout(graph, (2, 4))
+    colls = collectives(graph, chosen, MeshSpec.of((2, 4)), True)
+    reduced = {c.at: c.bytes for c in colls if c.phase == "backward" and c.kind == "all_reduce" and c.mesh_axis == "dp"}
+    for p in graph.parameters:
+        if p.fqn == "embed_positions.weight":
+            continue  # its lookup has no batch dim; the gradient is summed at the lookup's output instead
+        tp = chosen[p.node].output[1]
+        assert p.node in reduced, p.fqn
+        assert reduced[p.node] == p.info.nbytes / (4 if tp.is_shard else 1), p.fqn
+
+
+@pytest.mark.xfail(reason="design gap (not a DESIGN violation): the planner gives axis names no role; on (2, 4) "
+                          "('dp', 'tp') it splits the batch over the 4-rank 'tp' axis and the weights over 'dp', "
+                          "which its cost model rates cheaper than data parallel over 'dp'", strict=True)
+def test_two_axis_mesh_uses_dp_for_data_and_tp_for_weights():
+    plan, graph = _plan_2d(), _gpt_2d_graph()
+    for fqn, placement in plan.parameter_placements.items():
+        assert autotp.placement.parse_placements(placement)[0].is_replicate, (fqn, placement)
+    (emb,) = [n for n in graph.ops() if n.target == "aten.embedding.default" and n.module_path == "embed_tokens"]
+    assert str(plan.strategy(emb.name).output[0]) == "S(0)"
+    styles = plan.module_styles()
+    assert styles["layers.0.self_attn.q_proj"] == "colwise" and styles["layers.0.mlp.down_proj"] == "rowwise"
+    assert any(c.phase == "backward" and c.kind == "all_reduce" and c.mesh_axis == "dp" for c in plan.collectives())
+
+
+# ------------------------------------------------------------------------------------------------
+# the ILP prices what runs
+
+
+def test_ilp_objective_equals_the_predicted_step_time():
+    """1 axis: the solver's objective for its own choice equals compute + collectives of the plan."""
+    from autotp.costing import CostModel
+    from autotp.mesh import MeshSpec
+    from autotp.solver import solve
+    from autotp.strategies import all_strategies
+    from autotp.tying import find_repeats
+
+    graph = _graph("gpt")
+    spec = MeshSpec.of((8,))
+    cost = CostModel(spec, load_profile(FAST), "train")
+    strategies = all_strategies(graph, spec.shape)
+    solution = solve(graph, strategies, find_repeats(graph), cost, None)
+    chosen = {k: strategies[k][i] for k, i in solution.choice.items()}
+    assert solution.objective_s == pytest.approx(_predicted_s(graph, chosen, spec, cost), rel=1e-6)
+    assert solution.objective_s == pytest.approx(_fast_plan("gpt").predicted_time().total_s, rel=1e-3)
+
+
+class _LinearSum(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4096, 4096, bias=False)
+
+    def forward(self, x):  # (8192, 4096)
+        return self.fc(x).sum()
+
+
+def test_ilp_prices_the_gradient_reduction_of_the_chosen_read():
+    """(2, 4) mesh, one Linear then sum. Choices left to the solver: the weight stored R,S(0) or R,R, the
+    linear batch-over-dp with the weight split over tp or whole. Splitting wins (4x less compute); then the
+    only backward collective is the dp all_reduce of the weight's tp shard: 4096 * 4096 * 4 / 4 bytes."""
+    from autotp.costing import CostModel
+    from autotp.mesh import MeshSpec
+    from autotp.solver import solve
+    from autotp.strategies import all_strategies
+
+    graph = autotp.capture(_LinearSum().to("meta"), (torch.randn(8192, 4096, device="meta"),))
+    spec = MeshSpec.of((2, 4))
+    allowed = {"p_fc_weight": {"() -> RS(0)", "() -> RR"},
+               "linear": {"(S(0)R, RS(0)) -> S(0)S(1)", "(S(0)R, RR) -> S(0)R"}}
+    strategies = {k: [st for st in v if k not in allowed or str(st) in allowed[k]]
+                  for k, v in all_strategies(graph, spec.shape).items()}
+    cost = CostModel(spec, load_profile(FAST), "train")
+    solution = solve(graph, strategies, {n.name: n.name for n in graph.nodes}, cost, None)
+    chosen = {k: strategies[k][i] for k, i in solution.choice.items()}
+    assert str(chosen["linear"]) == "(S(0)R, RS(0)) -> S(0)S(1)"
+    by_hand = (sum(cost.node_compute_s(n, chosen[n.name]) for n in graph.nodes)
+               + cost.collective_s("all_reduce", 0, 4) + cost.collective_s("all_reduce", 1, 4)  # the loss, PP -> RR
+               + cost.collective_s("all_reduce", 0, 4096 * 4096 * 4 / 4))  # weight gradient over dp
+    assert _predicted_s(graph, chosen, spec, cost) == pytest.approx(by_hand, rel=1e-9)  # the program agrees
+    assert solution.objective_s == pytest.approx(by_hand, rel=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# determinism, save / load, report
+
+
+def test_planning_twice_gives_identical_json():
+    """Capture and solve again from scratch: byte-identical JSON (wall-clock timings are not saved)."""
+    model, inputs = _model("gpt")
+    again = autotp.plan(model, (8,), inputs, hardware=FAST, mode="train")
+    assert again.to_json() == _fast_plan("gpt").to_json()
+    graph = _graph("gpt")
+    assert plan_graph(graph, (8,), FAST).to_json() == plan_graph(graph, (8,), FAST).to_json()
+
+
+def test_save_and_load_round_trip(tmp_path):
+    plan = _fast_plan("gpt")
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    loaded = autotp.load_plan(path)
+    assert loaded.to_json() == plan.to_json()
+    assert loaded.module_styles() == plan.module_styles()
+    assert [str(c) for c in loaded.collectives()] == [str(c) for c in plan.collectives()]
+    assert loaded.memory_per_device() == plan.memory_per_device()
+    assert loaded.predicted_time() == plan.predicted_time()
+    assert {n.name: str(loaded.strategy(n.name)) for n in loaded.nodes} == {n.name: n.strategy for n in plan.nodes}
+    assert json.loads(path.read_text())["schema"] == "autotp.plan/1"  # JSON, not pickle
+
+
+def test_load_plan_rejects_another_schema(tmp_path):
+    path = tmp_path / "plan.json"
+    d = _fast_plan("gpt").to_dict()
+    d["schema"] = "autotp.plan/0"
+    path.write_text(json.dumps(d))
+    with pytest.raises(autotp.PlanError, match="schema"):
+        autotp.load_plan(path)
+
+
+def test_report_text_names_every_module_and_both_phases():
+    plan = _fast_plan("gpt")
+    text = plan.report()
+    for module in plan.module_styles():
+        assert module in text
+    assert "forward" in text and "backward" in text
+    for style in set(plan.module_styles().values()):
+        assert style in text
+
+
+class _Parser(html.parser.HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.open: list[str] = []
+        self.tags: collections.Counter = collections.Counter()
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags[tag] += 1
+        if tag not in ("meta", "br", "hr", "img", "input", "link"):
+            self.open.append(tag)
+
+    def handle_endtag(self, tag):
+        assert self.open and self.open[-1] == tag, f"</{tag}> closes {self.open[-1:]}"
+        self.open.pop()
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+def test_report_html_is_html():
+    plan = _fast_plan("gpt")
+    page = plan.report("html")
+    assert page.lstrip().lower().startswith(("<!doctype html", "<html"))
+    parser = _Parser()
+    parser.feed(page)
+    parser.close()
+    assert parser.open == [], f"unclosed tags {parser.open}"
+    assert parser.tags["table"] >= 1
+    text = " ".join(parser.text)
+    for module in plan.module_styles():
+        assert module in text
+
+
+def test_report_json_parses_to_the_plan():
+    plan = _fast_plan("gpt")
+    d = json.loads(plan.report("json"))
+    assert d == json.loads(plan.to_json())
+    assert autotp.Plan.from_dict(d).module_styles() == plan.module_styles()
+
+
+# ------------------------------------------------------------------------------------------------
+# meshes of many ranks on a fake process group
+
+
+@pytest.mark.parametrize("n", [8, 64, 256])
+def test_fake_process_group_meshes(fake_group, n):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    fake_group(n)
+    mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
+    model, inputs = M.tiny_llama(dim=512, n_head=8, n_kv_head=8, ffn_dim=2048, vocab=1024, seq=256, batch=2,
+                                 n_layer=1, device="meta")
+    plan = autotp.plan(model, mesh, inputs, hardware=FAST, mode="train")
+    assert plan.mesh.shape == (n,) and plan.mesh.axis_names == ("tp",)
+    graph = autotp.capture(model, inputs)
+    assert set(plan.parameter_placements) == {p.fqn for p in graph.parameters}
+    for fqn, placement in plan.parameter_placements.items():
+        (p,) = autotp.placement.parse_placements(placement)
+        shape = graph.parameter(fqn).info.shape
+        assert not p.is_partial
+        assert not p.is_shard or shape[p.dim] % n == 0, (fqn, placement, shape)
+    # memory per device never exceeds the replicated footprint
+    replicated = _state_bytes_by_hand(graph, 1)
+    mem = plan.memory_per_device()
+    assert mem.parameters_bytes + mem.gradients_bytes + mem.optimizer_bytes <= replicated
+    assert all(c.mesh_axis == "tp" for c in plan.collectives())
+    assert math.isfinite(plan.predicted_time().total_s)
