@@ -221,20 +221,10 @@ class _Formulation:
                 else:
                     self.add_cost(rv, lambda st: c[(outs[0], self._requirement(st, k, grad))])
                 continue
-            y = {}
-            for i, p in enumerate(outs):
-                for j, q in enumerate(ins):
-                    var = self.var(f"y{e}_{g}_{i}_{j}", 0, 0 if c[(p, q)] == INFEASIBLE_S else 1)
-                    y[(p, q)] = var
-                    if c[(p, q)] not in (0.0, INFEASIBLE_S):
-                        self.objective.append(c[(p, q)] * var)
-            self.n_vars += len(y)
-            for i, p in enumerate(outs):
-                self.prob += (pulp.lpSum(y[(p, q)] for q in ins)
-                              == self.x_of(ru, (s for s, st in enumerate(su) if st.output == p))), f"edge_{e}_{g}_out{i}"
-            for j, q in enumerate(ins):
-                self.prob += (pulp.lpSum(y[(p, q)] for p in outs)
-                              == self.x_of(rv, (s for s in range(len(sv)) if need[s] == q))), f"edge_{e}_{g}_in{j}"
+            y = self._product(f"{e}_{g}", ru, outs, rv, need, ins, c)
+            for pq, var in y.items():
+                if c[pq] not in (0.0, INFEASIBLE_S):
+                    self.objective.append(c[pq] * var)
 
     def _shared_value(self, e: int, ru: str, instances: Mapping[str, list[tuple[str, int]]]) -> None:
         """Several readers: readers that need the same thing share one redistribution, paid once.
@@ -273,21 +263,32 @@ class _Formulation:
         grad = self.cost.train and any(self.graph[u.split("[")[0]].requires_grad for u in instances)
         for r, (rv, k) in enumerate(sorted(readers_rep)):
             need = [self._requirement(st, k, grad) for st in self.strategies[rv]]
-            ins = sorted(set(need), key=_key_order)
-            y = {}
-            for i, p in enumerate(outs):
-                for j, kk in enumerate(ins):
-                    infeasible = c.get((p, kk), 0.0) == INFEASIBLE_S
-                    y[(p, kk)] = var = self.var(f"y{e}_{r}_{i}_{j}", 0, 0 if infeasible else 1)
-                    if (p, kk) in pay:
-                        self.prob += pay[(p, kk)] >= var, f"pay_{e}_{r}_{i}_{j}"
-            self.n_vars += len(y)
-            for i, p in enumerate(outs):
-                self.prob += (pulp.lpSum(y[(p, kk)] for kk in ins)
-                              == self.x_of(ru, (s for s, st in enumerate(su) if st.output == p))), f"share_{e}_{r}_out{i}"
+            y = self._product(f"{e}_r{r}", ru, outs, rv, need, sorted(set(need), key=_key_order), c)
+            for n, (pq, var) in enumerate(y.items()):
+                if pq in pay:
+                    self.prob += pay[pq] >= var, f"pay_{e}_{r}_{n}"
+
+    def _product(self, tag: str, ru: str, outs: list, rv: str, need: list, ins: list,
+                 c: Mapping[tuple, float]) -> dict[tuple, pulp.LpVariable]:
+        """Variables y[p,κ] equal to (producer outputs p) × (reader needs κ), by their two marginals.
+
+        With one-hot choices the marginals leave exactly one y at 1: the pair that was chosen. Pairs
+        that cannot be converted are fixed at 0.
+        """
+        su = self.strategies[ru]
+        y = {}
+        for i, p in enumerate(outs):
             for j, kk in enumerate(ins):
-                self.prob += (pulp.lpSum(y[(p, kk)] for p in outs)
-                              == self.x_of(rv, (s for s in range(len(need)) if need[s] == kk))), f"share_{e}_{r}_in{j}"
+                infeasible = c.get((p, kk), 0.0) == INFEASIBLE_S
+                y[(p, kk)] = self.var(f"y{tag}_{i}_{j}", 0, 0 if infeasible else 1)
+        self.n_vars += len(y)
+        for i, p in enumerate(outs):
+            self.prob += (pulp.lpSum(y[(p, kk)] for kk in ins)
+                          == self.x_of(ru, (s for s, st in enumerate(su) if st.output == p))), f"out_{tag}_{i}"
+        for j, kk in enumerate(ins):
+            self.prob += (pulp.lpSum(y[(p, kk)] for p in outs)
+                          == self.x_of(rv, (s for s in range(len(need)) if need[s] == kk))), f"in_{tag}_{j}"
+        return y
 
     def _requirement(self, st: Strategy, k: int, grad: bool) -> tuple:
         """What a consumer strategy asks of input ``k``: its placements and its partial-gradient axes."""
