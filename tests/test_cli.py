@@ -40,3 +40,22 @@ def test_refusals(capsys):
         main(["plan", "examples.models:nope", "--mesh", "2"])
     with pytest.raises(argparse.ArgumentTypeError, match="expected a shape such as 8 or 2x4"):
         parse_mesh("2xq")
+
+
+def test_a_profile_file_drives_plan_and_cli(tmp_path, capsys):
+    """A profile written to disk (as `autotp profile` writes one) is what the planner prices with."""
+    from cost_models import load_profile
+
+    from examples import models
+
+    slow = load_profile("h100-sxm").scaled_links(1e-4, name="slow-links")
+    path = tmp_path / "slow.json"
+    path.write_text(slow.to_json())
+    model, inputs = models.llama3_8b(device="meta", n_layer=1)
+    fast_plan = autotp.plan(model, (8,), inputs, hardware="h100-sxm")
+    slow_plan = autotp.plan(model, (8,), inputs, hardware=str(path))
+    assert slow_plan.hardware == slow
+    assert "colwise" in fast_plan.module_styles().values()
+    assert set(slow_plan.module_styles().values()) == {"replicate"}
+    assert main(["plan", "examples.models:tiny_gpt", "--mesh", "2", "--hardware", str(path)]) == 0
+    assert "hardware slow-links" in capsys.readouterr().out
