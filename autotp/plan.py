@@ -208,8 +208,6 @@ class Plan:
         for planned in self.nodes:  # a plan edited by hand may split dims the mesh does not divide
             self._check_even(planned.name, planned.target, self._strategies[planned.name].output,
                              planned.shape, mesh)
-        if len(graph.nodes) != len(self.nodes):
-            pass  # the first differing node is named below
         for i, (planned, node) in enumerate(zip(self.nodes, graph.nodes)):
             if (planned.name, planned.target, tuple(planned.shape)) != (node.name, node.target, node.outputs[0].shape):
                 raise PlanError(

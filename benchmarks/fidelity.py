@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 import autotp  # noqa: E402
 from benchmarks.runtime import CFG, build  # noqa: E402
-from tests.distributed import run_ranks  # noqa: E402
+from examples.ranks import run_ranks  # noqa: E402
 
 _QKV_UP = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.up_proj")
 _O_DOWN = ("self_attn.o_proj", "mlp.down_proj")

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from examples.models import GPT, GPTConfig  # noqa: E402
-from tests.distributed import run_ranks  # noqa: E402
+from examples.ranks import run_ranks  # noqa: E402
 
 CFG = GPTConfig(vocab_size=50304, n_layer=4, n_head=12, dim=768, max_seq_len=1024)
 

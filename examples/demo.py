@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 import autotp  # noqa: E402
 from examples.train_gpt import build, train, train_parallel  # noqa: E402
-from tests.distributed import run_ranks  # noqa: E402
+from examples.ranks import run_ranks  # noqa: E402
 
 WORLD, STEPS = 2, 5
 

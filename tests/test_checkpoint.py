@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.distributed import run_ranks
+from examples.ranks import run_ranks
 
 
 def _save_load_gather(rank: int, world: int, path: str) -> dict:

@@ -18,7 +18,7 @@ import torch
 
 import autotp
 from examples import models
-from tests.distributed import run_ranks
+from examples.ranks import run_ranks
 
 pytestmark = pytest.mark.timeout(300)
 

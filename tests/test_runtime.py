@@ -24,7 +24,7 @@ from collections import Counter
 import pytest
 import torch
 
-from tests.distributed import run_ranks
+from examples.ranks import run_ranks
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -1,4 +1,10 @@
-"""Run a function on N local processes with the gloo backend and collect what rank 0 returns."""
+"""Run a function on N local processes with the gloo backend and collect what each rank returns.
+
+Used by the demo, the benchmarks and the multi-process tests:
+``run_ranks(fn, 2, *args)`` calls ``fn(rank, world, *args)`` on 2 spawned processes, each in its
+own gloo process group, and returns the ranks' results (a rank that raises fails the call with
+its traceback). ``fn`` must be importable (a module-level function) for spawn to find it.
+"""
 
 from __future__ import annotations
 
