@@ -40,7 +40,7 @@ import os
 import sys
 import time
 import warnings
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
@@ -170,8 +170,9 @@ class _Formulation:
             self.x[r] = xs
             self.n_vars += len(xs)
             self.prob += pulp.lpSum(xs) == 1, f"one_hot_{i}"
-        for n in self.graph.nodes:
-            self.add_cost(self.rep[n.name], lambda st, n=n: self.cost.node_compute_s(n, st))
+        for r in self.reps:  # tied nodes are identical: price the representative once, times its count
+            node, m = self.graph[r], self.mult[r]
+            self.add_cost(r, lambda st, node=node, m=m: m * self.cost.node_compute_s(node, st))
         # graph outputs are returned replicated (plain tensors, as the original model returns them)
         for o in self.graph.outputs:
             node = self.graph[o]
@@ -208,11 +209,10 @@ class _Formulation:
             outs = sorted({s.output for s in su})
             ins = sorted(set(need), key=_key_order)
             c: dict[tuple, float] = defaultdict(float)
-            for u, v in pairs:
-                info = self.graph[v].input_infos[k]
+            for info, count in Counter(self.graph[v].input_infos[k] for _, v in pairs).items():
                 for p in outs:
                     for q, axes in ins:
-                        c[(p, (q, axes))] += self.cost.edge_s(info, p, q, grad, axes)
+                        c[(p, (q, axes))] += count * self.cost.edge_s(info, p, q, grad, axes)
             if all(val == 0.0 for val in c.values()):
                 continue
             if len(outs) == 1 or len(ins) == 1:  # the cost depends on one end only: fold it in
@@ -237,18 +237,20 @@ class _Formulation:
         c: dict[tuple, float] = defaultdict(float)
         readers_rep: set[tuple[str, int]] = set()
         keys: set[tuple] = set()
+        alike: Counter = Counter()  # instances with the same tensor, grad flag and readers cost the same
         for u, readers in instances.items():
             name = u.split("[")[0]
             grad = self.cost.train and self.graph[name].requires_grad
             info = self.graph[readers[0][0]].input_infos[readers[0][1]]
+            alike[(info, grad, tuple(sorted((self.rep[v], k) for v, k in readers)))] += 1
+        for (info, grad, reps_read), count in alike.items():
             mine: set[tuple] = set()
-            for v, k in readers:
-                rv = self.rep[v]
+            for rv, k in reps_read:
                 readers_rep.add((rv, k))
                 mine.update(self._requirement(st, k, grad) for st in self.strategies[rv])
             for q, axes in mine:
                 for p in outs:
-                    c[(p, (q, axes))] += self.cost.edge_s(info, p, q, grad, axes)
+                    c[(p, (q, axes))] += count * self.cost.edge_s(info, p, q, grad, axes)
             keys |= mine
         ordered = [kk for kk in sorted(keys, key=_key_order) if any(c[(p, kk)] for p in outs)]
         if not ordered:
