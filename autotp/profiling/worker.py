@@ -12,6 +12,7 @@ Exit code: 0, or 1 when ``--check`` found wrong elements (rank 0 only).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import sys
@@ -58,6 +59,17 @@ def _device(backend: str, local_rank: int) -> torch.device:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def _slowest_rank(mine, world_size: int):
+    """The device figures of the slowest rank: least FLOP/s and bandwidth, most kernel overhead."""
+    every = [None] * world_size
+    dist.all_gather_object(every, mine)
+    peak = {dtype: min(m.peak_flops[dtype] for m in every) for dtype in mine.peak_flops}
+    return dataclasses.replace(
+        mine, peak_flops=peak,
+        memory_bandwidth_bytes_per_s=min(m.memory_bandwidth_bytes_per_s for m in every),
+        kernel_overhead_s=max(m.kernel_overhead_s for m in every))
 
 
 def run_rank(config: ProfileConfig, launched: bool) -> int:
@@ -160,11 +172,12 @@ def _profile(
     )
     progress.clear()
     step = total_steps
-    device_measurement = None
     heartbeat.beat(step + 1, "measuring the device")
     if lead:
         print("measuring the device (matmul FLOP/s, memory bandwidth, kernel overhead) ...", file=sys.stderr)
-        device_measurement = measure_device(device)
+    # every rank measures at once, as every rank computes at once in a training step: ranks that share
+    # a host share its cores and memory bandwidth, and the profile keeps the slowest rank's figures
+    device_measurement = _slowest_rank(measure_device(device), world_size)
     barrier(device)
     heartbeat.beat(step + 2, "writing the profile")
     wrong = sum(p.wrong or 0 for p in points) if config.check else 0
