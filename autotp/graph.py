@@ -69,8 +69,9 @@ class TensorInfo:
 class OpNode:
     """One node of the graph.
 
-    ``inputs`` names the tensor-producing nodes read, in the order they appear in the op's
-    arguments (flattened); ``input_infos`` gives their tensors. ``outputs`` holds one
+    ``inputs`` names the tensor-producing node behind each tensor argument, one entry per
+    occurrence (``mul(h, h)`` lists ``h`` twice), positional then keyword arguments;
+    ``input_infos`` gives their tensors. ``outputs`` holds one
     :class:`TensorInfo` per tensor the op returns (usually one). ``flops`` is the forward FLOP
     count as ``torch.utils.flop_counter`` counts it; ``bytes_read``/``bytes_written`` are zero
     for ops that only create views.

@@ -61,24 +61,19 @@ def _int_at_least(minimum: int):
     return parse
 
 
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number of seconds {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
-    return value
+def _seconds(allow_zero: bool):
+    """An argparse type for a duration in seconds: > 0, or >= 0 when ``allow_zero``."""
 
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid number of seconds {text!r}") from None
+        if not (value >= 0 if allow_zero else value > 0):
+            raise argparse.ArgumentTypeError(f"must be {'>=' if allow_zero else '>'} 0 seconds, got {text}")
+        return value
 
-def _non_negative_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number of seconds {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
-    return value
+    return parse
 
 
 def default_backend(local_ranks: int) -> str:
@@ -105,14 +100,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-n", "--iters", type=_int_at_least(1), default=20, help="timed runs per block (default 20)")
     parser.add_argument("-w", "--warmup-iters", type=_int_at_least(0), default=5,
                         help="untimed runs of each size before timing it (default 5)")
-    parser.add_argument("--min-time-s", type=_non_negative_seconds, default=0.2, metavar="S",
+    parser.add_argument("--min-time-s", type=_seconds(allow_zero=True), default=0.2, metavar="S",
                         help="repeat blocks of -n runs until S seconds are timed per size "
                              "(default 0.2; 0 with --rounds 1 times one block of -n runs, as nccl-tests)")
     parser.add_argument("--rounds", type=_int_at_least(1), default=3, metavar="R",
                         help="spread each size's timing over R rounds through all sizes, the point is the median block (default 3)")
     parser.add_argument("--check", action="store_true",
                         help="verify every result on rank-dependent inputs; wrong elements make the exit code 1")
-    parser.add_argument("--timeout-s", type=_positive_seconds, default=120.0,
+    parser.add_argument("--timeout-s", type=_seconds(allow_zero=False), default=120.0,
                         help="stop the run if no rank makes progress for this long (default 120)")
     parser.add_argument("-o", "--output", default="profile.json",
                         help="hardware profile JSON to write (default profile.json)")
