@@ -25,6 +25,7 @@ from cost_models.communication import (
 from cost_models.compute import compute_time_s
 from cost_models.hardware import (
     CollectiveCost,
+    CostSegment,
     DeviceSpec,
     HardwareProfile,
     LinkSpec,
@@ -37,6 +38,7 @@ from cost_models.memory import ModelStateBytes, model_state_bytes
 __all__ = [
     "COLLECTIVE_KINDS",
     "CollectiveCost",
+    "CostSegment",
     "DeviceSpec",
     "HardwareProfile",
     "LinkSpec",

@@ -6,7 +6,9 @@ A collective of ``size_bytes`` over ``n_ranks`` takes
 
 where ``bus_bandwidth_bytes_per_s`` is nccl-tests' *busbw* (the figure its tables print),
 so one fitted bandwidth serves every group size. ``size_bytes`` is always the FULL
-(unsharded) tensor, as nccl-tests counts it:
+(unsharded) tensor, as nccl-tests counts it. ``latency_s`` and the bandwidth are those of
+the size range of the link's figures that holds ``size_bytes`` (``CollectiveCost.segments``;
+one range for all sizes unless the profile says otherwise):
 
 =============== ===================================== =================
 kind            size_bytes                            factor
@@ -29,6 +31,11 @@ when every such group lies inside one node of ``devices_per_node`` ranks.
 >>> from cost_models.communication import COLLECTIVE_KINDS
 >>> link = LinkSpec({k: CollectiveCost(1e-5, 1e11) for k in COLLECTIVE_KINDS})
 >>> collective_time_s(link, "all_reduce", 2**30, 8) == 1e-5 + 2**30 * 2 * 7 / 8 / 1e11
+True
+>>> from cost_models.hardware import CostSegment
+>>> big = CollectiveCost(1e-5, 1e11, (CostSegment(2**25, 0.0, 5e10),))  # slower from 32 MiB
+>>> link = LinkSpec({k: big for k in COLLECTIVE_KINDS})
+>>> collective_time_s(link, "all_gather", 2**25, 2) == 2**25 * 1 / 2 / 5e10
 True
 >>> collective_factor("all_gather", 4)
 0.75
@@ -75,8 +82,8 @@ def collective_time_s(link: LinkSpec, kind: str, size_bytes: float, n_ranks: int
         raise ValueError(f"size_bytes must be finite and >= 0, got {size_bytes!r}")
     if factor == 0.0 or size_bytes == 0:
         return 0.0
-    cost = link.cost(kind)
-    return cost.latency_s + size_bytes * factor / cost.bus_bandwidth_bytes_per_s
+    latency_s, bus_bandwidth_bytes_per_s = link.cost(kind).figures_for(size_bytes)
+    return latency_s + size_bytes * factor / bus_bandwidth_bytes_per_s
 
 
 def axis_link_name(mesh_shape: tuple[int, ...], axis: int, devices_per_node: int) -> str:

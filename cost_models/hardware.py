@@ -16,12 +16,30 @@ A profile is a file a person can read and edit. Its outline (schema ``"autotp.ha
                "inter_node": {...}},
      "measurements": {...}}
 
+A collective of S bytes (the full buffer, as nccl-tests counts it) over n ranks takes
+``latency_s + S * factor(kind, n) / bus_bandwidth_bytes_per_s`` (``communication.py``).
+Where one line does not fit every size (NCCL switches protocol and algorithm by size;
+gloo on CPU page-faults a freshly allocated output buffer from 32 MiB on), a collective
+may carry an optional ``segments`` array of further size ranges. Each holds from its
+``from_bytes`` (an integer >= 1) up to the next one's, with its own two figures; the
+object's own ``latency_s`` and ``bus_bandwidth_bytes_per_s`` hold below the first
+``from_bytes``. Without ``segments`` (every built-in profile) it is one line for all sizes:
+
+.. code-block:: json
+
+    "all_gather": {"latency_s": 1.2e-4, "bus_bandwidth_bytes_per_s": 2.1e9,
+                   "segments": [{"from_bytes": 33554432, "latency_s": 0.0,
+                                 "bus_bandwidth_bytes_per_s": 7.1e8}]}
+
+``from_bytes`` must rise strictly from one segment to the next.
+
 ``measurements`` is optional, free-form raw data kept verbatim (the profiler writes its
-timings, ``backend``, ``world_size``, ``mesh``, ``date`` there). Every other field is
-required and checked; an error names the field by its dotted path, shows the bad value
-and says what was expected::
+timings, ``backend``, ``world_size``, ``mesh``, ``date`` there). Every other field (but
+``segments``) is required, and all are checked; an error names the field by its dotted
+path, shows the bad value and says what was expected::
 
     links.intra_node.all_gather.bus_bandwidth_bytes_per_s: expected a number > 0, got 0
+    links.inter_node.all_gather.segments[1].from_bytes: expected more than segments[0].from_bytes ...
 
 Built-in profiles live in ``cost_models/profiles/NAME.json``.
 
@@ -156,25 +174,111 @@ def _thaw_json(value: Any) -> Any:
     return value
 
 
-@dataclass(frozen=True)
-class CollectiveCost:
-    """Alpha-beta figures of one collective kind on one link (busbw as nccl-tests prints it)."""
+_COST_FIELDS = ("latency_s", "bus_bandwidth_bytes_per_s")
 
+
+def _alpha_beta(obj: Any) -> None:
+    """Validate (and turn into floats) ``obj.latency_s`` >= 0 and ``obj.bus_bandwidth_bytes_per_s`` > 0."""
+    object.__setattr__(obj, "latency_s", _number(obj.latency_s, "latency_s", positive=False))
+    bw = _number(obj.bus_bandwidth_bytes_per_s, "bus_bandwidth_bytes_per_s", positive=True)
+    object.__setattr__(obj, "bus_bandwidth_bytes_per_s", bw)
+
+
+@dataclass(frozen=True)
+class CostSegment:
+    """Alpha-beta figures that hold from ``from_bytes`` (full buffer) up to the next segment's."""
+
+    from_bytes: int
     latency_s: float
     bus_bandwidth_bytes_per_s: float
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "latency_s", _number(self.latency_s, "latency_s", positive=False))
-        bw = _number(self.bus_bandwidth_bytes_per_s, "bus_bandwidth_bytes_per_s", positive=True)
-        object.__setattr__(self, "bus_bandwidth_bytes_per_s", bw)
+        fb = self.from_bytes
+        if isinstance(fb, bool) or not isinstance(fb, numbers.Integral) or fb < 1:
+            raise ProfileError("from_bytes", f"expected an integer number of bytes >= 1, got {fb!r}")
+        object.__setattr__(self, "from_bytes", int(fb))
+        _alpha_beta(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> CostSegment:
+        d = _object(d, ("from_bytes", *_COST_FIELDS))
+        return cls(d["from_bytes"], d["latency_s"], d["bus_bandwidth_bytes_per_s"])
+
+    def to_dict(self) -> dict[str, float]:
+        return {
+            "from_bytes": self.from_bytes,
+            "latency_s": self.latency_s,
+            "bus_bandwidth_bytes_per_s": self.bus_bandwidth_bytes_per_s,
+        }
+
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    """Alpha-beta figures of one collective kind on one link (busbw as nccl-tests prints it).
+
+    ``latency_s`` and ``bus_bandwidth_bytes_per_s`` hold below the first of ``segments``
+    (for every size when there are none); each segment's figures hold from its
+    ``from_bytes`` up to the next one's. ``figures_for(size_bytes)`` picks the range.
+
+    >>> c = CollectiveCost(1e-5, 1e9, (CostSegment(1 << 25, 0.0, 5e8),))
+    >>> c.figures_for((1 << 25) - 1), c.figures_for(1 << 25)
+    ((1e-05, 1000000000.0), (0.0, 500000000.0))
+    """
+
+    latency_s: float
+    bus_bandwidth_bytes_per_s: float
+    segments: tuple[CostSegment, ...] = ()
+
+    def __post_init__(self) -> None:
+        _alpha_beta(self)
+        if not isinstance(self.segments, (list, tuple)):
+            want = "a list of segments (from_bytes, latency_s, bus_bandwidth_bytes_per_s)"
+            raise ProfileError("segments", f"expected {want}, got {self.segments!r}")
+        for i, seg in enumerate(self.segments):
+            if not isinstance(seg, CostSegment):
+                raise ProfileError(f"segments[{i}]", f"expected a CostSegment, got {seg!r}")
+            if i and seg.from_bytes <= self.segments[i - 1].from_bytes:
+                prev = self.segments[i - 1].from_bytes
+                why = f"expected more than segments[{i - 1}].from_bytes ({prev}): ranges go in ascending order"
+                raise ProfileError(f"segments[{i}].from_bytes", f"{why}, got {seg.from_bytes}")
+        object.__setattr__(self, "segments", tuple(self.segments))
+
+    def figures_for(self, size_bytes: float) -> tuple[float, float]:
+        """``(latency_s, bus_bandwidth_bytes_per_s)`` of the size range holding ``size_bytes``."""
+        figures = (self.latency_s, self.bus_bandwidth_bytes_per_s)
+        for seg in self.segments:
+            if size_bytes < seg.from_bytes:
+                break
+            figures = (seg.latency_s, seg.bus_bandwidth_bytes_per_s)
+        return figures
+
+    def scaled(self, factor: float) -> CollectiveCost:
+        """A copy with every range's bus bandwidth multiplied by ``factor`` (latencies kept)."""
+        return CollectiveCost(
+            self.latency_s,
+            self.bus_bandwidth_bytes_per_s * factor,
+            tuple(dataclasses.replace(s, bus_bandwidth_bytes_per_s=s.bus_bandwidth_bytes_per_s * factor)
+                  for s in self.segments),
+        )
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> CollectiveCost:
-        d = _object(d, ("latency_s", "bus_bandwidth_bytes_per_s"))
-        return cls(d["latency_s"], d["bus_bandwidth_bytes_per_s"])
+        d = _object(d, _COST_FIELDS, ("segments",))
+        raw = d.get("segments", [])
+        if not isinstance(raw, (list, tuple)):
+            want = "a JSON array of {from_bytes, latency_s, bus_bandwidth_bytes_per_s}"
+            raise ProfileError("segments", f"expected {want}, got {raw!r}")
+        segments = []
+        for i, item in enumerate(raw):
+            with _within(f"segments[{i}]"):
+                segments.append(CostSegment.from_dict(item))
+        return cls(d["latency_s"], d["bus_bandwidth_bytes_per_s"], tuple(segments))
 
-    def to_dict(self) -> dict[str, float]:
-        return {"latency_s": self.latency_s, "bus_bandwidth_bytes_per_s": self.bus_bandwidth_bytes_per_s}
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"latency_s": self.latency_s, "bus_bandwidth_bytes_per_s": self.bus_bandwidth_bytes_per_s}
+        if self.segments:
+            out["segments"] = [s.to_dict() for s in self.segments]
+        return out
 
 
 @dataclass(frozen=True)
@@ -212,7 +316,7 @@ class LinkSpec:
                 costs[kind] = CollectiveCost.from_dict(d[kind])
         return cls(costs)
 
-    def to_dict(self) -> dict[str, dict[str, float]]:
+    def to_dict(self) -> dict[str, dict[str, Any]]:
         return {kind: self.costs[kind].to_dict() for kind in COLLECTIVE_KINDS}
 
 
@@ -316,10 +420,7 @@ class HardwareProfile:
         """A copy whose every link bus bandwidth is multiplied by ``factor`` (latencies kept)."""
         factor = _number(factor, "factor", positive=True)
         links = {
-            link_name: LinkSpec({
-                kind: CollectiveCost(c.latency_s, c.bus_bandwidth_bytes_per_s * factor)
-                for kind, c in link.costs.items()
-            })
+            link_name: LinkSpec({kind: c.scaled(factor) for kind, c in link.costs.items()})
             for link_name, link in self.links.items()
         }
         note = f"Links scaled: every bus bandwidth multiplied by {factor:g}, latencies unchanged."

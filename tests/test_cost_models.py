@@ -389,6 +389,97 @@ def test_scaled_links():
         p.scaled_links(0)
 
 
+# --- size ranges (segments) ----------------------------------------------------------
+
+MiB = 2**20
+SEGMENTS_JSON = [
+    {"from_bytes": MiB, "latency_s": 5e-5, "bus_bandwidth_bytes_per_s": 2e10},
+    {"from_bytes": 32 * MiB, "latency_s": 0.0, "bus_bandwidth_bytes_per_s": 5e9},
+]
+
+
+def segmented_profile_dict() -> dict:
+    d = profile_dict()
+    d["links"]["intra_node"]["all_gather"]["segments"] = copy.deepcopy(SEGMENTS_JSON)
+    return d
+
+
+def test_collective_time_picks_the_size_range():
+    from cost_models import CostSegment
+
+    cost = CollectiveCost(1e-5, 1e11, (CostSegment(MiB, 5e-5, 2e10), CostSegment(32 * MiB, 0.0, 5e9)))
+    link = LinkSpec({k: cost for k in COLLECTIVE_KINDS})
+    # all_gather over 4 ranks: factor 3/4. Below 1 MiB the base line, from 1 MiB the second,
+    # from 32 MiB the third; the bus factor applies in every range.
+    assert collective_time_s(link, "all_gather", MiB - 4, 4) == pytest.approx(1e-5 + (MiB - 4) * 0.75 / 1e11, rel=1e-12)
+    assert collective_time_s(link, "all_gather", MiB, 4) == pytest.approx(5e-5 + MiB * 0.75 / 2e10, rel=1e-12)
+    assert collective_time_s(link, "all_gather", 16 * MiB, 4) == pytest.approx(5e-5 + 16 * MiB * 0.75 / 2e10, rel=1e-12)
+    assert collective_time_s(link, "all_gather", 32 * MiB, 4) == pytest.approx(32 * MiB * 0.75 / 5e9, rel=1e-12)
+    assert collective_time_s(link, "all_gather", GiB, 4) == pytest.approx(GiB * 0.75 / 5e9, rel=1e-12)
+    assert collective_time_s(link, "all_reduce", 64 * MiB, 8) == pytest.approx(64 * MiB * 2 * 7 / 8 / 5e9, rel=1e-12)
+    assert collective_time_s(link, "all_gather", 32 * MiB, 1) == 0.0  # one rank: nothing, as before
+
+
+def test_segments_round_trip_and_stay_optional():
+    p = HardwareProfile.from_dict(segmented_profile_dict())
+    cost = p.links["intra_node"].cost("all_gather")
+    assert [(s.from_bytes, s.latency_s, s.bus_bandwidth_bytes_per_s) for s in cost.segments] == [
+        (MiB, 5e-5, 2e10), (32 * MiB, 0.0, 5e9)]
+    assert cost.figures_for(32 * MiB) == (0.0, 5e9)
+    text = p.to_json()
+    assert json.loads(text)["links"]["intra_node"]["all_gather"]["segments"] == SEGMENTS_JSON
+    assert HardwareProfile.from_json(text) == p and hash(HardwareProfile.from_json(text)) == hash(p)
+    assert pickle.loads(pickle.dumps(p)) == p
+    # A collective without segments is written as before: the two figures, no "segments" key.
+    plain = {"latency_s": 1e-5, "bus_bandwidth_bytes_per_s": 1e11}
+    assert json.loads(text)["links"]["intra_node"]["all_reduce"] == plain
+    assert "segments" not in HardwareProfile.from_dict(profile_dict()).to_json()
+    # scaled_links scales every range's bandwidth.
+    slow = p.scaled_links(0.5).links["intra_node"].cost("all_gather")
+    assert [s.bus_bandwidth_bytes_per_s for s in slow.segments] == [1e10, 2.5e9]
+    assert [s.latency_s for s in slow.segments] == [5e-5, 0.0]
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda segs: segs.reverse(),
+         r"^links\.intra_node\.all_gather\.segments\[1\]\.from_bytes: expected more than "
+         r"segments\[0\]\.from_bytes \(33554432\).*, got 1048576"),
+        (lambda segs: segs[1].update(from_bytes=MiB),
+         r"^links\.intra_node\.all_gather\.segments\[1\]\.from_bytes: expected more than"),
+        (lambda segs: segs[0].update(bus_bandwidth_bytes_per_s=-1e9),
+         r"^links\.intra_node\.all_gather\.segments\[0\]\.bus_bandwidth_bytes_per_s: expected a number > 0, got -1"),
+        (lambda segs: segs[1].update(latency_s=-1e-6),
+         r"^links\.intra_node\.all_gather\.segments\[1\]\.latency_s: expected a number >= 0"),
+        (lambda segs: segs[0].update(from_bytes=0),
+         r"^links\.intra_node\.all_gather\.segments\[0\]\.from_bytes: expected an integer number of bytes >= 1, got 0"),
+        (lambda segs: segs[0].update(from_bytes=1.5e6),
+         r"^links\.intra_node\.all_gather\.segments\[0\]\.from_bytes: expected an integer"),
+        (lambda segs: segs[0].pop("latency_s"),
+         r"^links\.intra_node\.all_gather\.segments\[0\]\.latency_s: missing"),
+        (lambda segs: segs[0].update(until_bytes=5),
+         r"^links\.intra_node\.all_gather\.segments\[0\]\.until_bytes: unknown field"),
+    ],
+)
+def test_bad_segment_rejected_with_its_path(change, match):
+    d = segmented_profile_dict()
+    change(d["links"]["intra_node"]["all_gather"]["segments"])
+    with pytest.raises(ProfileError, match=match):
+        HardwareProfile.from_json(json.dumps(d))
+
+
+def test_segments_must_be_a_list():
+    d = profile_dict()
+    d["links"]["inter_node"]["broadcast"]["segments"] = {"from_bytes": 1}
+    with pytest.raises(ProfileError, match=r"^links\.inter_node\.broadcast\.segments: expected a JSON array"):
+        HardwareProfile.from_dict(d)
+    from cost_models import CostSegment
+
+    with pytest.raises(ProfileError, match=r"^segments\[1\]\.from_bytes: expected more than"):
+        CollectiveCost(1e-5, 1e9, (CostSegment(8, 0.0, 1e9), CostSegment(4, 0.0, 1e9)))
+
+
 # --- hygiene -------------------------------------------------------------------------
 
 

@@ -155,6 +155,7 @@ def test_fit_recovers_known_latency_and_bandwidth(kind, n):
     assert fit.bus_bandwidth_bytes_per_s == pytest.approx(busbw, rel=0.01)
     assert [e.size_bytes for e in fit.held_out] == [s for s in SIZES if s >= 2**20]
     assert fit.max_held_out_error < 1e-6
+    assert len(fit.segments) == 1  # one line fits: no breakpoint
 
 
 def test_fit_with_noise_stays_close_and_reports_held_out_errors():
@@ -165,6 +166,62 @@ def test_fit_with_noise_stays_close_and_reports_held_out_errors():
     assert fit.latency_s == pytest.approx(latency_s, rel=0.05)
     assert fit.bus_bandwidth_bytes_per_s == pytest.approx(busbw, rel=0.05)
     assert 0 < fit.max_held_out_error < 0.08
+    assert len(fit.segments) == 1  # a few percent of noise never buys a breakpoint
+
+
+def _two_lines(kind, n, sizes, break_bytes, low, high):
+    """Exact times of ``low`` = (latency_s, busbw) below ``break_bytes`` and ``high`` from it."""
+    factor = bus_factor(kind, n)
+    return [TimedPoint(s, (low if s < break_bytes else high)[0] + s * factor / (low if s < break_bytes else high)[1])
+            for s in sizes]
+
+
+@pytest.mark.parametrize("break_bytes", [2**17, 2**22, 2**25])
+def test_fit_recovers_a_breakpoint_and_both_lines(break_bytes):
+    # A protocol switch (NCCL) or a page-faulting step (gloo): the busbw drops from break_bytes.
+    low, high = (2e-5, 3e9), (1e-4, 0.8e9)
+    fit = fit_collective("all_gather", 4, _two_lines("all_gather", 4, SIZES, break_bytes, low, high))
+    assert [seg.from_bytes for seg in fit.segments] == [0, break_bytes]
+    for seg, (latency_s, busbw) in zip(fit.segments, (low, high)):
+        assert seg.latency_s == pytest.approx(latency_s, rel=1e-6)
+        assert seg.bus_bandwidth_bytes_per_s == pytest.approx(busbw, rel=1e-6)
+    assert max(abs(e.relative_error) for e in fit.residuals) < 1e-9
+    assert fit.predict_s(break_bytes - 1) == pytest.approx(low[0] + (break_bytes - 1) * 0.75 / low[1])
+    assert fit.predict_s(2 * SIZES[-1]) == pytest.approx(high[0] + 2 * SIZES[-1] * 0.75 / high[1])
+
+
+def test_fit_with_noise_still_finds_the_step():
+    rng = random.Random(1)
+    exact = _two_lines("all_reduce", 2, SIZES, 2**25, (1.5e-3, 2e9), (0.0, 0.35e9))
+    points = [TimedPoint(p.size_bytes, p.time_s * (1 + rng.uniform(-0.03, 0.03))) for p in exact]
+    fit = fit_collective("all_reduce", 2, points)
+    assert [seg.from_bytes for seg in fit.segments] == [0, 2**25]
+    assert fit.segments[1].bus_bandwidth_bytes_per_s == pytest.approx(0.35e9, rel=0.05)
+
+
+def test_held_out_redoes_the_choice_of_ranges():
+    # The step at 32 MiB is seen by two sizes, 32 and 64 MiB. Left out, either one is alone
+    # above the step, a range needs two sizes, so the honest prediction is (close to) the
+    # lower line's: far off. Reusing the full fit's ranges would hide that (~0% error).
+    low, high = (2e-5, 3e9), (0.0, 0.5e9)
+    points = _two_lines("broadcast", 2, SIZES, 2**25, low, high)
+    fit = fit_collective("broadcast", 2, points)
+    assert [seg.from_bytes for seg in fit.segments] == [0, 2**25]
+    held = {e.size_bytes: e for e in fit.held_out}
+    for size in (2**25, 2**26):
+        assert held[size].predicted_s == pytest.approx(low[0] + size / low[1], rel=0.05)
+        assert held[size].relative_error < -0.8
+    assert all(abs(held[s].relative_error) < 1e-6 for s in held if s < 2**25)
+
+
+def test_fit_is_deterministic_and_order_free():
+    rng = random.Random(2)
+    points = [TimedPoint(s, (2e-5 + s / 3e9) * (1 + rng.uniform(-0.3, 0.3))) for s in SIZES]
+    fits = [fit_collective("all_to_all", 2, order) for order in (points, points[::-1], sorted(points, key=id))]
+    assert fits[0] == fits[1] == fits[2]
+    assert 1 <= len(fits[0].segments) <= 3
+    starts = [seg.from_bytes for seg in fits[0].segments]
+    assert starts == sorted(starts) and all(seg.points >= 2 for seg in fits[0].segments)
 
 
 def test_fit_clamps_latency_and_bandwidth():
@@ -174,6 +231,23 @@ def test_fit_clamps_latency_and_bandwidth():
     # Time falling with size: no bandwidth to fit; it stays positive and finite.
     a, b = fit_alpha_beta([1e3, 1e6], [2e-3, 1e-3])
     assert a >= 0 and 0 < b < float("inf")
+
+
+def test_fit_summary_prints_every_range_and_held_out_errors_per_kind():
+    from autotp.profiling.table import format_fits
+
+    step = fit_collective("broadcast", 2, _two_lines("broadcast", 2, SIZES, 2**25, (2e-5, 3e9), (0.0, 0.5e9)))
+    line = fit_collective("all_reduce", 2, _two_lines("all_reduce", 2, SIZES, 2**40, (2e-5, 3e9), (0.0, 1.0)))
+    text = format_fits([("axis0", line), ("axis0", step)])
+    lines = text.splitlines()
+    assert all(l.startswith("#") for l in lines)
+    kind_lines = [l for l in lines if "held-out max |err|" in l]
+    assert [l.split()[2] for l in kind_lines] == ["all_reduce", "broadcast"]
+    assert "held-out max |err| 0.0%" in kind_lines[0]
+    range_lines = [l for l in lines if "from 32 MiB" in l]
+    assert len(range_lines) == 1 and "busbw    0.500 GB/s" in range_lines[0]
+    assert "# Held-out summary: 12 of 14 points within 25%" in text
+    assert "# note: broadcast on axis0: held-out error up to" in text
 
 
 # --- links, fault hook ---------------------------------------------------------------------------
@@ -272,7 +346,10 @@ def test_two_process_sweep_writes_table_and_loadable_profile(tmp_path):
     assert all(p["time_s"] > 0 for p in sweep)
     # The profile's figures are the fit of exactly these points.
     fit = fit_collective("all_reduce", 2, [TimedPoint(p["size_bytes"], p["time_s"]) for p in sweep])
-    assert profile.links["intra_node"].costs["all_reduce"].latency_s == pytest.approx(fit.latency_s)
+    cost = profile.links["intra_node"].costs["all_reduce"]
+    assert cost.latency_s == pytest.approx(fit.latency_s)
+    assert [s.from_bytes for s in cost.segments] == [s.from_bytes for s in fit.segments[1:]]
+    assert m["axes"]["axis0"]["fit"]["all_reduce"]["segments"][0]["from_bytes"] == 0
 
 
 @pytest.mark.slow

@@ -10,7 +10,8 @@ Modules, in the order data flows through them:
 - ``mesh``         mesh axes as row-major rank groups (like DeviceMesh)
 - ``collectives``  the five collectives: buffers, bus factors, result checks
 - ``sweep``        timing loop over axes x kinds x sizes (max over ranks of the mean)
-- ``fit``          alpha-beta least-squares fit with held-out (leave-one-out) errors
+- ``fit``          piecewise alpha-beta least-squares fit (size ranges chosen from the data),
+                   held-out (leave-one-out) errors
 - ``device``       matmul FLOP/s per dtype, memory bandwidth, kernel overhead
 - ``table``        nccl-tests style tables, fit summary, progress line
 - ``hardware``     measurements -> ``cost_models.HardwareProfile`` JSON

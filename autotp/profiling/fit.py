@@ -1,41 +1,63 @@
-"""Alpha-beta fit of measured collective times: ``time = latency_s + size * factor / busbw``.
+"""Piecewise alpha-beta fit of measured collective times: ``time = latency_s + size * factor / busbw``.
 
 ``size`` is the full (unsharded) buffer in bytes and ``factor`` nccl-tests' bus factor of
 the collective (``collectives.bus_factor``), so the fitted bandwidth is a busbw that the
-cost model uses directly with any group size.
+cost model uses directly with any group size. The sizes may be split into up to
+``MAX_SEGMENTS`` ranges, each with its own latency and busbw (a profile's
+``CollectiveCost.segments``): NCCL switches protocol and algorithm by size, and gloo on a
+CPU takes a step from 32 MiB, where the output buffer it allocates on every call starts to
+be page-faulted afresh.
 
 How the fit is made (and why):
 
-* Least squares on the *relative* error, i.e. minimise ``sum(((a + b*x_i) / t_i - 1)^2)``
-  with ``x_i = size_i * factor`` and ``b = 1 / busbw``. Plain least squares on seconds
-  would let the largest message decide everything and leave the latency meaningless; the
-  relative form weights a 10 us and a 10 ms point alike, which is also how the predictions
-  are judged (percent error).
-* Constraints: ``latency_s >= 0`` (if the free fit goes negative, the bandwidth is refit
-  with zero latency) and ``busbw > 0`` (if the free fit finds time not growing with size,
-  the bandwidth is taken as the best one observed, ``max(x_i / t_i)``, and the latency is
-  refit with it).
+* Each range is a least-squares fit on the *relative* error, i.e. it minimises
+  ``sum(((a + b*x_i) / t_i - 1)^2)`` with ``x_i = size_i * factor`` and ``b = 1 / busbw``.
+  Plain least squares on seconds would let the largest message decide everything and
+  leave the latency meaningless; the relative form weights a 10 us and a 10 ms point
+  alike, which is also how the predictions are judged (percent error).
+* Constraints per range: ``latency_s >= 0`` (if the free fit goes negative, the bandwidth
+  is refit with zero latency) and ``busbw > 0`` (if the free fit finds time not growing
+  with size, the bandwidth is taken as the best one observed, ``max(x_i / t_i)``, and the
+  latency is refit with it).
+* Ranges: among all ways to cut the sorted sizes into at most ``MAX_SEGMENTS`` ranges, of
+  at least ``MIN_POINTS`` sizes each (``MIN_POINTS_LAST`` for the largest range: a
+  doubling sweep has two sizes in its last octave), the fit takes the one with the least
+  ``sum of squared relative errors + BREAKPOINT_PENALTY * (ranges - 1)``. The penalty is
+  0.25^2: a breakpoint must remove at least the squared error of one point 25% off, so
+  noise of a few percent never buys one. Ties go to fewer ranges, then earlier cuts: the
+  fit is deterministic. A range starts at its smallest measured size (``from_bytes``).
 * The profile uses the fit on **all** points. Its errors are reported two ways:
   ``residuals`` are in-sample (fit on all, compared with each point), and ``held_out``
-  are leave-one-out: for each point of at least ``held_out_min_bytes`` (1 MiB), the fit
-  is redone without that point and its prediction compared with the measurement. The
-  largest size's held-out error is a genuine extrapolation. Held-out errors are the
-  honest measure of how well the model predicts a size it has not seen.
+  are leave-one-out: for each point of at least ``held_out_min_bytes`` (1 MiB), the whole
+  fit (the choice of ranges included) is redone without that point and its prediction
+  compared with the measurement. The largest size's held-out error is a genuine
+  extrapolation, and so is the first size of a range seen by no other point. Held-out
+  errors are the honest measure of how well the model predicts a size it has not seen.
 
 >>> pts = [TimedPoint(s, 2e-5 + s / 3e9) for s in (1024, 65536, 1 << 20, 1 << 24)]
 >>> f = fit_collective("broadcast", 2, pts)
->>> round(f.latency_s * 1e6, 3), round(f.bus_bandwidth_bytes_per_s / 1e9, 3)
-(20.0, 3.0)
+>>> round(f.latency_s * 1e6, 3), round(f.bus_bandwidth_bytes_per_s / 1e9, 3), len(f.segments)
+(20.0, 3.0, 1)
+>>> step = [TimedPoint(s, 2e-5 + s / (3e9 if s < 1 << 25 else 1e9)) for s in SIZES_1K_TO_64M]
+>>> [(s.from_bytes, round(s.bus_bandwidth_bytes_per_s / 1e9, 3)) for s in fit_collective("broadcast", 2, step).segments]
+[(0, 3.0), (33554432, 1.0)]
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
 from autotp.profiling.collectives import bus_factor
+from autotp.profiling.config import format_size
 
 HELD_OUT_MIN_BYTES = 1 << 20
+MAX_SEGMENTS = 3
+MIN_POINTS = 3  # per range, but the largest
+MIN_POINTS_LAST = 2  # the largest range
+BREAKPOINT_PENALTY = 0.25**2  # squared relative error a breakpoint must remove
+SIZES_1K_TO_64M = tuple(1 << k for k in range(10, 27))  # for examples and tests
 
 
 @dataclass(frozen=True)
@@ -69,19 +91,54 @@ class PointError:
 
 
 @dataclass(frozen=True)
+class FitSegment:
+    """One size range of a fit: from ``from_bytes`` (0 for the first) to the next range's."""
+
+    from_bytes: int
+    latency_s: float
+    bus_bandwidth_bytes_per_s: float
+    points: int  # measurements the range was fit on
+
+    def to_dict(self) -> dict:
+        return {
+            "from_bytes": self.from_bytes,
+            "latency_s": self.latency_s,
+            "bus_bandwidth_bytes_per_s": self.bus_bandwidth_bytes_per_s,
+            "points": self.points,
+        }
+
+
+@dataclass(frozen=True)
 class AlphaBetaFit:
-    """Fitted latency and bus bandwidth of one collective kind on one group size."""
+    """Fitted size ranges (latency and bus bandwidth each) of one collective kind on one group size."""
 
     kind: str
     group_size: int
-    latency_s: float
-    bus_bandwidth_bytes_per_s: float
+    segments: tuple[FitSegment, ...]  # ascending from_bytes, the first from 0
     residuals: tuple[PointError, ...]
     held_out: tuple[PointError, ...]
 
+    @property
+    def latency_s(self) -> float:
+        """The first (smallest sizes') range's latency: the profile's base figure."""
+        return self.segments[0].latency_s
+
+    @property
+    def bus_bandwidth_bytes_per_s(self) -> float:
+        """The first (smallest sizes') range's bus bandwidth: the profile's base figure."""
+        return self.segments[0].bus_bandwidth_bytes_per_s
+
+    def segment_for(self, size_bytes: float) -> FitSegment:
+        chosen = self.segments[0]
+        for seg in self.segments[1:]:
+            if size_bytes < seg.from_bytes:
+                break
+            chosen = seg
+        return chosen
+
     def predict_s(self, size_bytes: float) -> float:
-        factor = bus_factor(self.kind, self.group_size)
-        return self.latency_s + size_bytes * factor / self.bus_bandwidth_bytes_per_s
+        seg = self.segment_for(size_bytes)
+        return seg.latency_s + size_bytes * bus_factor(self.kind, self.group_size) / seg.bus_bandwidth_bytes_per_s
 
     @property
     def max_held_out_error(self) -> float | None:
@@ -89,12 +146,21 @@ class AlphaBetaFit:
         return max((abs(e.relative_error) for e in self.held_out), default=None)
 
     def __str__(self) -> str:
+        """One line per size range; the first also gives the largest held-out error."""
         worst = self.max_held_out_error
         held = "n/a" if worst is None else f"{100 * worst:.1f}%"
-        return (
-            f"{self.kind:<14} n={self.group_size:<3} latency {self.latency_s * 1e6:9.2f} us  "
-            f"busbw {self.bus_bandwidth_bytes_per_s / 1e9:8.3f} GB/s  held-out max |err| {held}"
-        )
+        lines = []
+        for i, seg in enumerate(self.segments):
+            if i == 0:
+                head = f"{self.kind:<14} n={self.group_size:<3}"
+            else:
+                head = f"{'  from ' + format_size(seg.from_bytes):<20}"
+            line = (
+                f"{head} latency {seg.latency_s * 1e6:9.2f} us  "
+                f"busbw {seg.bus_bandwidth_bytes_per_s / 1e9:8.3f} GB/s"
+            )
+            lines.append(line + (f"  held-out max |err| {held}" if i == 0 else ""))
+        return "\n".join(lines)
 
 
 def fit_alpha_beta(xs: Sequence[float], ts: Sequence[float]) -> tuple[float, float]:
@@ -126,6 +192,60 @@ def fit_alpha_beta(xs: Sequence[float], ts: Sequence[float]) -> tuple[float, flo
     return a, b
 
 
+def fit_segments(
+    sizes: Sequence[int],
+    xs: Sequence[float],
+    ts: Sequence[float],
+    max_segments: int | None = None,
+) -> list[tuple[int, float, float]]:
+    """The ranges of the least penalised squared relative error (see module doc).
+
+    ``sizes`` ascending, ``xs`` = size times bus factor, ``ts`` seconds. Returns
+    ``(first point index, a, b)`` per range, ascending; the first index is 0.
+    """
+    max_segments = MAX_SEGMENTS if max_segments is None else max_segments
+    n = len(xs)
+    cache: dict[tuple[int, int], tuple[float, float, float]] = {}
+
+    def segment(start: int, end: int) -> tuple[float, float, float]:
+        if (start, end) not in cache:
+            a, b = fit_alpha_beta(xs[start:end], ts[start:end])
+            sse = sum(((a + b * x) / t - 1.0) ** 2 for x, t in zip(xs[start:end], ts[start:end]))
+            cache[(start, end)] = (a, b, sse)
+        return cache[(start, end)]
+
+    cut_at = [c for c in range(1, n) if sizes[c - 1] < sizes[c]]  # a range starts at a new size
+    best_score, best_starts = float("inf"), [0]
+    for n_cuts in range(max(1, max_segments)):
+        for cuts in itertools.combinations(cut_at, n_cuts):
+            bounds = (0, *cuts, n)
+            lengths = [e - s for s, e in zip(bounds, bounds[1:])]
+            if any(k < MIN_POINTS for k in lengths[:-1]) or lengths[-1] < min(MIN_POINTS_LAST, n):
+                continue
+            score = BREAKPOINT_PENALTY * n_cuts + sum(segment(s, e)[2] for s, e in zip(bounds, bounds[1:]))
+            if score < best_score:
+                best_score, best_starts = score, list(bounds[:-1])
+    ends = best_starts[1:] + [n]
+    return [(s, *segment(s, e)[:2]) for s, e in zip(best_starts, ends)]
+
+
+def _fit(kind: str, group_size: int, points: Sequence[TimedPoint]) -> tuple[FitSegment, ...]:
+    """The ranges of ``points`` (sorted by size), no error reports."""
+    factor = bus_factor(kind, group_size)
+    sizes = [p.size_bytes for p in points]
+    ranges = fit_segments(sizes, [s * factor for s in sizes], [p.time_s for p in points])
+    ends = [start for start, _, _ in ranges[1:]] + [len(points)]
+    return tuple(
+        FitSegment(
+            from_bytes=sizes[start] if i else 0,
+            latency_s=a,
+            bus_bandwidth_bytes_per_s=1.0 / b,
+            points=end - start,
+        )
+        for i, ((start, a, b), end) in enumerate(zip(ranges, ends))
+    )
+
+
 def fit_collective(
     kind: str,
     group_size: int,
@@ -133,23 +253,14 @@ def fit_collective(
     held_out_min_bytes: int = HELD_OUT_MIN_BYTES,
 ) -> AlphaBetaFit:
     """Fit ``kind`` on ``points`` and report in-sample and leave-one-out errors (see module doc)."""
-    factor = bus_factor(kind, group_size)
-    xs = [p.size_bytes * factor for p in points]
-    ts = [p.time_s for p in points]
-    a, b = fit_alpha_beta(xs, ts)
-    residuals = tuple(PointError(p.size_bytes, p.time_s, a + x * b) for p, x in zip(points, xs))
+    points = sorted(points, key=lambda p: p.size_bytes)
+    fit = AlphaBetaFit(kind, group_size, _fit(kind, group_size, points), (), ())
+    residuals = tuple(PointError(p.size_bytes, p.time_s, fit.predict_s(p.size_bytes)) for p in points)
     held_out = []
     if len(points) >= 3:
         for i, p in enumerate(points):
             if p.size_bytes < held_out_min_bytes:
                 continue
-            a_i, b_i = fit_alpha_beta(xs[:i] + xs[i + 1 :], ts[:i] + ts[i + 1 :])
-            held_out.append(PointError(p.size_bytes, p.time_s, a_i + xs[i] * b_i))
-    return AlphaBetaFit(
-        kind=kind,
-        group_size=group_size,
-        latency_s=a,
-        bus_bandwidth_bytes_per_s=1.0 / b,
-        residuals=residuals,
-        held_out=tuple(held_out),
-    )
+            without = AlphaBetaFit(kind, group_size, _fit(kind, group_size, points[:i] + points[i + 1 :]), (), ())
+            held_out.append(PointError(p.size_bytes, p.time_s, without.predict_s(p.size_bytes)))
+    return AlphaBetaFit(kind, group_size, fit.segments, residuals, tuple(held_out))

@@ -11,7 +11,8 @@ Which mesh axis feeds which link of the profile:
 
 ``measurements`` keeps what the figures came from: backend, world size, mesh, date,
 torch version, hosts, the raw sweep per axis and kind (``size_bytes``, ``time_s``), and
-each fit with its in-sample residuals and held-out (leave-one-out) errors.
+each fit with its size ranges, in-sample residuals and held-out (leave-one-out) errors.
+A fit of several size ranges becomes a ``CollectiveCost`` with ``segments``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 from autotp.profiling import collectives
 from autotp.profiling.config import ProfileConfig, format_size
 from autotp.profiling.device import DeviceMeasurement
-from autotp.profiling.fit import AlphaBetaFit, TimedPoint, fit_collective
+from autotp.profiling.fit import BREAKPOINT_PENALTY, MAX_SEGMENTS, AlphaBetaFit, TimedPoint, fit_collective
 from autotp.profiling.sweep import AxisGroup, SweepPoint
 from autotp.profiling.table import format_fits
 
@@ -114,8 +115,13 @@ def measurements_dict(
             axes[name]["fit"][kind] = {
                 "latency_s": fit.latency_s,
                 "bus_bandwidth_bytes_per_s": fit.bus_bandwidth_bytes_per_s,
+                "segments": [seg.to_dict() for seg in fit.segments],
                 "group_size": fit.group_size,
-                "method": "least squares on relative error, all points; held_out = leave-one-out",
+                "method": (
+                    "least squares on relative error, all points, in up to "
+                    f"{MAX_SEGMENTS} size ranges (penalty {BREAKPOINT_PENALTY:g} per breakpoint); "
+                    "held_out = leave-one-out of the whole fit, ranges included"
+                ),
                 "residuals": [e.to_dict() for e in fit.residuals],
                 "held_out": [e.to_dict() for e in fit.held_out],
             }
@@ -151,7 +157,7 @@ def build_profile(
     fits: dict[tuple[int, str], AlphaBetaFit] | None = None,
 ):
     """The ``cost_models.HardwareProfile`` of this run (imports cost_models when called)."""
-    from cost_models import CollectiveCost, DeviceSpec, HardwareProfile, LinkSpec
+    from cost_models import CollectiveCost, CostSegment, DeviceSpec, HardwareProfile, LinkSpec
 
     fits = fits if fits is not None else fit_sweep(points)
     links, link_note = axis_links(groups, info.hostnames)
@@ -161,6 +167,10 @@ def build_profile(
                 kind: CollectiveCost(
                     latency_s=fits[(axis, kind)].latency_s,
                     bus_bandwidth_bytes_per_s=fits[(axis, kind)].bus_bandwidth_bytes_per_s,
+                    segments=tuple(
+                        CostSegment(seg.from_bytes, seg.latency_s, seg.bus_bandwidth_bytes_per_s)
+                        for seg in fits[(axis, kind)].segments[1:]
+                    ),
                 )
                 for kind in collectives.KINDS
             }
@@ -180,7 +190,8 @@ def build_profile(
         f"Collectives: float32, {format_size(sizes[0])}..{format_size(sizes[-1])}; a point is the median "
         f"over blocks of {config.iters} runs (each block's mean taken on the slowest rank), timed for "
         f"{config.min_time_s:g} s over {config.rounds} round(s); alpha-beta fit on busbw (relative least "
-        f"squares over all sizes; leave-one-out errors in measurements)"
+        f"squares over all sizes, in up to {MAX_SEGMENTS} size ranges where one line does not fit; "
+        f"leave-one-out errors in measurements)"
         + (f"; {rs_note}" if rs_note else "")
         + f". Device: {device.device_name} with {device.threads} thread(s), torch.mm peak over n in "
         f"{sorted({m.n for m in device.matmuls})}, copy bandwidth (read+write), tiny-op overhead; "

@@ -16,7 +16,7 @@ import sys
 from typing import Sequence, TextIO
 
 from autotp.profiling.collectives import DTYPE_NAME
-from autotp.profiling.fit import AlphaBetaFit
+from autotp.profiling.fit import BREAKPOINT_PENALTY, AlphaBetaFit
 from autotp.profiling.sweep import SweepPoint
 
 HELD_OUT_TOLERANCE = 0.25  # what the profile aims for on sizes >= 1 MiB
@@ -55,8 +55,11 @@ def format_table(title: str, points: Sequence[SweepPoint]) -> str:
 
 def format_fits(fits: Sequence[tuple[str, AlphaBetaFit]]) -> str:
     """The fitted figures, one line per (axis, kind), then every held-out point's error."""
-    lines = ["# Fit: time = latency_s + size * bus_factor / busbw (relative least squares, all points)"]
-    lines += [f"# {axis_name}  {fit}" for axis_name, fit in fits]
+    lines = [
+        "# Fit: time = latency_s + size * bus_factor / busbw (relative least squares, all points), "
+        f"a new size range only where it removes >= {BREAKPOINT_PENALTY:g} of squared relative error"
+    ]
+    lines += [f"# {axis_name:<6} {line}" for axis_name, fit in fits for line in str(fit).splitlines()]
     held = [(name, fit, e) for name, fit in fits for e in fit.held_out]
     if held:
         lines.append("# Held-out (leave-one-out) prediction error on sizes >= 1 MiB:")
@@ -76,8 +79,9 @@ def format_fits(fits: Sequence[tuple[str, AlphaBetaFit]]) -> str:
             worst = fit.max_held_out_error
             if worst is not None and worst > HELD_OUT_TOLERANCE:
                 lines.append(
-                    f"# note: {fit.kind} on {name} is not one straight line in size (held-out error up to "
-                    f"{100 * worst:.0f}%); the profile's figures are a compromise over all sizes"
+                    f"# note: {fit.kind} on {name}: held-out error up to {100 * worst:.0f}%; its times do not "
+                    f"follow {len(fit.segments)} straight line(s) in size closely (noise, or a step at a size "
+                    "no other point shows)"
                 )
     return "\n".join(lines)
 
