@@ -1,17 +1,23 @@
 """Layer tying: find structurally identical sibling modules so they share one set of ILP variables.
 
 Two sibling modules (children of the same module in the graph's ``nn_module_stack``) are tied when
-their node sequences are identical: same ops, same non-tensor arguments, same shapes and dtypes,
-same wiring inside the module, and the same parameters used only inside it. Names never matter:
-``layers.3`` ties to ``layers.0`` because their graphs match. Node ``k`` of a tied module then
-takes the strategy of node ``k`` of the first module of its group.
+their node sequences are identical (same ops, same non-tensor arguments, same shapes and dtypes,
+same wiring inside the module, and the same parameters used only inside it) AND they are links of
+one chain: the later module reads a tensor made inside the earlier one, and every other tensor it
+reads from outside is one the earlier module reads too (the rotary tables, the mask). That is a
+stack of layers, where every layer sits in the same context and so has the same best strategy.
+Siblings that match but sit in different places are left free: ``q_proj`` and ``o_proj`` of one
+attention block are both ``Linear(d, d)``, yet one reads the block's input and the other the
+attention output, and the best plan splits them differently. Names never matter: ``layers.3`` ties
+to ``layers.0`` because their graphs match and each feeds the next. Node ``k`` of a tied module
+then takes the strategy of node ``k`` of the first module of its chain.
 
 >>> import torch, autotp
 >>> m = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
 >>> g = autotp.capture(m, (torch.randn(2, 8),))
 >>> reps = find_repeats(g)
->>> sorted(set(reps.values())) == sorted({reps[n.name] for n in g.ops()}) and len(set(reps.values())) < len(reps)
-True
+>>> {name: rep for name, rep in reps.items() if name != rep}  # layer 0 reads the user input, 1 and 2 a layer
+{'p_2_weight': 'p_1_weight', 'p_2_bias': 'p_1_bias', 'linear_2': 'linear_1'}
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Iterable
 
-from autotp.graph import PARAMETER, OpGraph
+from autotp.graph import OP, PARAMETER, OpGraph
 
 __all__ = ["find_repeats"]
 
@@ -63,6 +69,29 @@ def _signature(graph: OpGraph, names: list[str]) -> tuple[tuple, list[str]]:
     return tuple(entries), params
 
 
+def _outside_reads(graph: OpGraph, names: list[str]) -> list[str]:
+    """Op nodes outside ``names`` that the nodes in ``names`` read (parameters and inputs excluded)."""
+    inside = set(names)
+    return list(dict.fromkeys(src for n in names for src in graph[n].inputs
+                              if src not in inside and graph[src].role == OP))
+
+
+def _chains(graph: OpGraph, members: dict[str, list[str]], group: list[tuple[str, list[str]]]
+            ) -> list[list[tuple[str, list[str]]]]:
+    """Split a group of matching siblings (in graph order) into chains of consecutive links."""
+    chains: list[list[tuple[str, list[str]]]] = []
+    for entry in group:
+        if chains:
+            prev_names = members[chains[-1][-1][0]]
+            prev_inside, prev_reads = set(prev_names), set(_outside_reads(graph, prev_names))
+            reads = _outside_reads(graph, members[entry[0]])
+            if any(r in prev_inside for r in reads) and all(r in prev_inside or r in prev_reads for r in reads):
+                chains[-1].append(entry)
+                continue
+        chains.append([entry])
+    return chains
+
+
 def find_repeats(graph: OpGraph) -> dict[str, str]:
     """Map every node name to the name of the node whose strategy it takes (itself when untied)."""
     rep = {n.name: n.name for n in graph.nodes}
@@ -78,16 +107,16 @@ def find_repeats(graph: OpGraph) -> dict[str, str]:
                 order.append(sig)
             groups[sig].append((path, params))
         for sig in order:
-            group = groups[sig]
-            if len(group) < 2:
-                visit(children.get(group[0][0], []))
-                continue
-            first_path, first_params = group[0]
-            for path, params in group[1:]:
-                for mine, theirs in zip(members[path], members[first_path]):
-                    rep[mine] = theirs
-                for mine, theirs in zip(params, first_params):
-                    rep[mine] = theirs
+            for chain in _chains(graph, members, groups[sig]):
+                if len(chain) < 2:
+                    visit(children.get(chain[0][0], []))
+                    continue
+                first_path, first_params = chain[0]
+                for path, params in chain[1:]:
+                    for mine, theirs in zip(members[path], members[first_path]):
+                        rep[mine] = theirs
+                    for mine, theirs in zip(params, first_params):
+                        rep[mine] = theirs
 
     visit(tops)
     return rep
