@@ -7,7 +7,21 @@ kept when every sharded dim splits evenly and no dim is split by two axes.
 Every rule here is one whose local execution is exact: running the op on each rank's shards (with
 shape arguments rewritten to local shapes, and the masked lookup for a row-split embedding) gives
 each rank its shard of the true output. That is what lets the rewrite run local tensors with only
-the plan's collectives. An op no rule knows is run replicated, with one warning per op kind.
+the plan's collectives.
+
+Where to find an op's rules: autotp's own rules first, then DTensor's op-strategy registry
+(:mod:`autotp.dtensor_rules`, the one module that reads DTensor internals, filtering the
+registry's answer to what is exact on local shards); an op neither knows is run replicated,
+with one warning per op kind. Own rules stay for the ops they cover because the registry's
+versions of those do not fit a runtime that runs each aten op on local pieces, or miss options:
+the row-split embedding is a ``_MaskPartial`` there; ``linear``, ``layer_norm``, ``softmax.int``,
+``matmul`` and ``scaled_dot_product_attention`` exist there only as decompositions, slow to trace
+(~0.1-0.5 s each) and, for causal attention, not traceable at all (its mask comes from a factory
+op); views, ``expand`` and ``new_*`` factories carry shape arguments DTensor rewrites before
+running them (autotp's rewrite does the same, from the rules here); a mean passes a pending sum
+through here and not there. tests/test_dtensor_rules.py compares the two lists for the ops both
+know and pins the difference; every strategy from either source is checked exact on local shards
+(tests/test_strategies.py, tests/test_dtensor_rules.py).
 
 >>> import torch, autotp
 >>> from autotp.strategies import node_strategies
@@ -35,7 +49,7 @@ _FACTORY = {
     "aten.arange.default", "aten.arange.start", "aten.arange.start_step", "aten.zeros.default",
     "aten.ones.default", "aten.full.default", "aten.empty.memory_format", "aten.scalar_tensor.default",
     "aten.new_ones.default", "aten.new_zeros.default", "aten.new_full.default", "aten.new_empty.default",
-    "aten.rand.default", "aten.randn.default", "aten.tril.default", "aten.triu.default",
+    "aten.rand.default", "aten.randn.default",
 }
 _UNARY_LINEAR = {  # f(sum of partials) = sum of f(partials)
     "aten.neg.default", "aten.clone.default", "aten.contiguous.default", "aten.alias.default",
@@ -393,8 +407,13 @@ def _factory_or_all(node: OpNode) -> tuple:
     return (None,) * len(node.inputs) if node.target in _FACTORY else (R,) * len(node.inputs)
 
 
-def axis_choices(node: OpNode, n: int, warned: Optional[_Warned] = None) -> list[AxisChoice]:
-    """The single-axis choices of ``node`` on an axis of ``n`` ranks."""
+def axis_choices(node: OpNode, n: int, warned: Optional[_Warned] = None,
+                 graph: Optional[OpGraph] = None) -> list[AxisChoice]:
+    """The single-axis choices of ``node`` on an axis of ``n`` ranks.
+
+    An op no own rule covers is looked up in DTensor's registry (which needs ``graph``, the
+    node's OpGraph, for the exported fx node); if that has nothing either, it runs replicated.
+    """
     if n == 1:  # an axis of one rank: splitting across it changes nothing and only adds steps
         return [(tuple(None if c is None else R for c in _factory_or_all(node)), R)]
     if node.is_placeholder:
@@ -415,6 +434,12 @@ def axis_choices(node: OpNode, n: int, warned: Optional[_Warned] = None) -> list
         d = _norm(int(node.args_repr.split(",")[2]) if node.args_repr.count(",") >= 2 else 0, node.input_infos[0].ndim)
         x = node.input_infos[0]
         return [((R,), R), ((P,), P)] + [((S(i),), S(i)) for i in range(x.ndim) if i != d and _divisible(x.shape[i], n)]
+    if graph is not None:
+        from autotp.dtensor_rules import registry_axis_choices  # imports torch.distributed.tensor
+
+        choices = registry_axis_choices(graph, node, n)
+        if choices is not None:
+            return choices
     if warned is not None and t not in warned.kinds:
         warned.kinds.add(t)
         log.warning("autotp: no sharding rule for %s (first seen at node %s); it runs replicated", t, node.name)
@@ -442,7 +467,7 @@ def _valid(node: OpNode, strategy: Strategy, mesh_shape: Sequence[int]) -> bool:
 def node_strategies(graph: OpGraph, node: OpNode, mesh_shape: Sequence[int],
                     warned: Optional[_Warned] = None) -> list[Strategy]:
     """All strategies of ``node`` on a mesh of ``mesh_shape``, in a fixed order."""
-    per_axis = [axis_choices(node, n, warned) for n in mesh_shape]
+    per_axis = [axis_choices(node, n, warned, graph) for n in mesh_shape]
     out: list[Strategy] = []
     seen: set[Strategy] = set()
     for combo in itertools.product(*per_axis):
