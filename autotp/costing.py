@@ -1,8 +1,14 @@
 """Costing: seconds and bytes of each strategy, edge and gradient reduction on one mesh and profile.
 
 * A node's strategy costs the roofline time of its local shard (``cost_models.compute_time_s`` on
-  the FLOPs and bytes one rank handles); in ``train`` mode the backward is priced at twice the
-  forward, the usual ratio for matmul-dominated graphs.
+  the FLOPs and bytes one rank handles). In ``train`` mode a node that carries a gradient adds its
+  backward, priced by what the backward kernels do:
+
+  - an op with FLOPs (a matmul, attention): ``BACKWARD_FLOP_RATIO`` (2) kernels like the forward,
+    the gradients of the input and of the weight, each as many FLOPs as the forward;
+  - an op without (elementwise, norm, softmax, gather; ``flop_counter`` counts none): memory-bound,
+    priced on the bytes its backward moves: the output's gradient read, each floating-point input
+    read again (what the forward saved) and its gradient written, each integer input read once.
 * An edge costs the collectives of :mod:`autotp.redistribute` between the producer's output
   placement and the placement the consumer needs, forward and (in train mode, for tensors that
   carry gradients) backward.
@@ -120,18 +126,26 @@ class CostModel:
         """Roofline seconds of the node's local work (forward, plus backward when training)."""
         if node.is_placeholder or node.is_view:
             return 0.0
+        # the work splits over an axis only where some tensor is cut in pieces on it: a partial (P)
+        # operand has its full shape on every rank, so an op on partials does the whole work on each
         work_divisor = 1
         for a, n in enumerate(self.mesh.shape):
-            if strategy.sharded_on(a):
+            if any(p is not None and p[a].is_shard for p in (*strategy.inputs, strategy.output)):
                 work_divisor *= n
         flops = node.flops / work_divisor
-        moved = sum(self.local_bytes(i, p) for i, p in zip(node.input_infos, strategy.inputs))
-        moved += sum(self.local_bytes(o, strategy.output) for o in node.outputs)
+        in_bytes = [(self.local_bytes(i, p), i.is_float) for i, p in zip(node.input_infos, strategy.inputs)]
+        out_bytes = sum(self.local_bytes(o, strategy.output) for o in node.outputs)
+        moved = sum(b for b, _ in in_bytes) + out_bytes
         dtype = node.outputs[0].dtype if node.outputs[0].is_float else next(
             (i.dtype for i in node.input_infos if i.is_float), "float32")
-        seconds = compute_time_s(self.profile.device, flops, moved, dtype)
+        device = self.profile.device
+        seconds = compute_time_s(device, flops, moved, dtype)
         if self.train and node.requires_grad:
-            seconds *= 1.0 + BACKWARD_FLOP_RATIO
+            if flops > 0:
+                seconds *= 1.0 + BACKWARD_FLOP_RATIO
+            else:
+                backward_bytes = out_bytes + sum(2 * b if is_float else b for b, is_float in in_bytes)
+                seconds += compute_time_s(device, 0.0, backward_bytes, dtype)
         return seconds
 
     # -- memory --------------------------------------------------------------------------------

@@ -11,12 +11,22 @@ training mode, forward + backward (the optimizer step is not part of the predict
 The profile is the one ``autotp profile`` measures on this machine (``--profile PATH`` to reuse one;
 without it a short sweep runs first). Prints predicted/measured per plan and both rankings.
 
-    .venv/bin/python benchmarks/fidelity.py [--profile my.json] [--steps 5]
+The measured step is ``cross_entropy(pm(tokens), targets).backward()``: the loss runs outside the
+planned model, on the full logits, on every rank. Its prediction is the model's plan plus the loss,
+priced by the same cost model as the kernels ``F.cross_entropy`` runs (``log_softmax`` then
+``nll_loss``), replicated; the table shows the loss's share. Each plan's figure is the median step
+over ``--repeats`` rounds of ``--steps`` steps (plans interleaved, so a change of load on the
+machine hits all alike); ``spread`` is the lowest to highest median of a round, and ``cpu/wall``
+the rank's CPU time over wall time (well below 1 with the ranks waiting on each other or on
+collectives, and lower still when other processes take the cores: a warning sign).
+
+    .venv/bin/python benchmarks/fidelity.py [--profile my.json] [--steps 5] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import subprocess
@@ -27,6 +37,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 import autotp  # noqa: E402
 from benchmarks.runtime import CFG, build  # noqa: E402
@@ -57,26 +68,60 @@ def plans(profile, batch: int, seq: int) -> dict[str, autotp.Plan]:
     }
 
 
-def _measure(rank: int, world: int, plan_jsons: dict, batch: int, seq: int, steps: int) -> dict:
-    import torch.nn.functional as F
+class CrossEntropy(torch.nn.Module):
+    """``F.cross_entropy`` written as the two kernels it runs, so that the cost model sees the
+    full-size ``log_softmax`` output (captured whole, ``cross_entropy_loss`` returns only a scalar)."""
+
+    def forward(self, logits, targets):  # (B, T, V), (B, T)
+        logp = F.log_softmax(logits.reshape(-1, logits.shape[-1]), dim=-1)  # (B*T, V)
+        return F.nll_loss(logp, targets.reshape(-1))
+
+
+def loss_predicted_s(profile, batch: int, seq: int) -> float:
+    """Predicted seconds of the loss (forward and backward) as the benchmark runs it: on every rank,
+    on the full logits, so priced on one device with every tensor whole."""
+    from autotp.capture import capture
+    from autotp.costing import CostModel
+    from autotp.mesh import MeshSpec
+    from autotp.placement import R, Strategy
+
+    with torch.device("meta"):
+        graph = capture(CrossEntropy(), (torch.empty(batch, seq, CFG.vocab_size),
+                                         torch.zeros(batch, seq, dtype=torch.long)))
+    cost = CostModel(MeshSpec.of((1,)), profile, "train")
+    return sum(cost.node_compute_s(dataclasses.replace(n, requires_grad=n.output.is_float),
+                                   Strategy(tuple((R,) for _ in n.inputs), (R,)))
+               for n in graph.nodes if not n.is_placeholder)
+
+
+def _measure(rank: int, world: int, plan_jsons: dict, batch: int, seq: int, steps: int, repeats: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    out = {}
+    models = {}
     for name, text in plan_jsons.items():
         model, inputs, targets = build(batch, seq)
-        pm = autotp.parallelize(model, mesh, inputs, plan=autotp.Plan.from_json(text))
-        times = []
-        for i in range(steps + 2):
-            torch.distributed.barrier()
-            t0 = time.perf_counter()
-            logits = pm(*inputs)  # (B, T, V)
-            F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).backward()
-            if i >= 2:
-                times.append(time.perf_counter() - t0)
-        out[name] = statistics.median(times)
-    return out
+        models[name] = (autotp.parallelize(model, mesh, inputs, plan=autotp.Plan.from_json(text)), inputs, targets)
+    wall = {name: [] for name in models}  # one list of step times per round
+    cpu = {name: [] for name in models}
+    for _ in range(repeats):
+        for name, (pm, inputs, targets) in models.items():
+            times, cpus = [], []
+            for i in range(steps + 2):
+                torch.distributed.barrier()
+                t0, c0 = time.perf_counter(), time.process_time()
+                logits = pm(*inputs)  # (B, T, V)
+                F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).backward()
+                if i >= 2:
+                    times.append(time.perf_counter() - t0)
+                    cpus.append(time.process_time() - c0)
+            wall[name].append(times)
+            cpu[name].append(cpus)
+    return {name: {"median_s": statistics.median(t for r in wall[name] for t in r),
+                   "round_medians_s": [statistics.median(r) for r in wall[name]],
+                   "cpu_over_wall": sum(map(sum, cpu[name])) / sum(map(sum, wall[name]))}
+            for name in models}
 
 
 def main() -> None:
@@ -85,32 +130,81 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of --steps steps per plan, interleaved")
     args = parser.parse_args()
 
     path = args.profile
     if path is None:
         path = os.path.join(tempfile.mkdtemp(), "profile.json")
-        print("measuring this machine: autotp profile --nproc 2 -b 64K -e 32M ...", flush=True)
-        subprocess.run([sys.executable, "-m", "autotp.cli", "profile", "--nproc", "2", "-b", "64K", "-e", "32M",
-                        "-n", "5", "-w", "2", "-o", path], check=True, stdout=subprocess.DEVNULL)
+        # up to 256 MiB: the plans' largest collectives (the logits, 206 MB) lie in that range
+        print("measuring this machine: autotp profile --nproc 2 -b 64K -e 256M -f 4 ...", flush=True)
+        subprocess.run([sys.executable, "-m", "autotp.cli", "profile", "--nproc", "2", "-b", "64K", "-e", "256M",
+                        "-f", "4", "-n", "5", "-w", "2", "--no-held-out", "-o", path], check=True,
+                       stdout=subprocess.DEVNULL)
     profile = autotp.planner.resolve_hardware(path)
     planned = plans(profile, args.batch, args.seq)
+    loss_s = loss_predicted_s(profile, args.batch, args.seq)
+    load_before = os.getloadavg()[0]
     measured = run_ranks(_measure, 2, {k: p.to_json() for k, p in planned.items()}, args.batch, args.seq,
-                         args.steps)[0]
+                         args.steps, args.repeats)
+    load_after = os.getloadavg()[0]
+    rank0 = measured[0]  # rank 0's steps (the ranks start each step together at a barrier)
 
     print(f"GPT-2-small shape, {CFG.n_layer} layers, batch {args.batch} x seq {args.seq}, 2 gloo ranks, "
-          f"profile {profile.name}; forward + backward")
-    print(f"{'plan':12}{'predicted ms':>14}{'measured ms':>13}{'pred/meas':>11}   styles")
+          f"profile {profile.name}; forward + backward, loss included (predicted loss {loss_s * 1e3:.1f} ms)")
+    print(f"{'plan':12}{'predicted ms':>14}{'measured ms':>13}{'pred/meas':>11}{'spread ms':>17}{'cpu/wall':>10}   styles")
+    predicted = {k: p.predicted_time().total_s + loss_s for k, p in planned.items()}
     for name, plan in planned.items():
-        pred = plan.predicted_time().total_s
+        m = rank0[name]
+        lo, hi = min(m["round_medians_s"]), max(m["round_medians_s"])
         styles = ", ".join(sorted({v for v in plan.module_styles().values()}))
-        print(f"{name:12}{pred * 1e3:>14.1f}{measured[name] * 1e3:>13.1f}{pred / measured[name]:>11.2f}   {styles}")
-    by_pred = sorted(planned, key=lambda k: planned[k].predicted_time().total_s)
-    by_meas = sorted(measured, key=measured.get)
-    print(f"ranking by prediction: {' < '.join(by_pred)}")
-    print(f"ranking by measurement: {' < '.join(by_meas)}")
-    print(f"ranking preserved: {by_pred == by_meas}")
+        print(f"{name:12}{predicted[name] * 1e3:>14.1f}{m['median_s'] * 1e3:>13.1f}"
+              f"{predicted[name] / m['median_s']:>11.2f}{f'{lo * 1e3:.0f}..{hi * 1e3:.0f}':>17}"
+              f"{m['cpu_over_wall']:>10.2f}   {styles}")
+    same = _ties(planned, predicted)
+    for a, b in same:
+        how = ("the same plan" if dict(planned[a].strategies) == dict(planned[b].strategies)
+               else "different plans of equal predicted time")
+        print(f"{a} and {b}: {how}, a tie in the prediction; their measured order is not ranked")
+    by_pred = sorted(planned, key=predicted.get)
+    by_meas = sorted(planned, key=lambda k: rank0[k]["median_s"])
+    print(f"ranking by prediction: {_ranking(by_pred, same)}")
+    print(f"ranking by measurement: {_ranking(by_meas, same)}")
+    print(f"ranking preserved: {_canonical(by_pred, same) == _canonical(by_meas, same)}"
+          + (" (ties in the prediction count as ties)" if same else ""))
+    print(f"load average (1 min) on this host: {load_before:.2f} before, {load_after:.2f} after"
+          + (f"; {os.cpu_count()} cores: other processes were competing with the ranks"
+             if max(load_before, load_after) > (os.cpu_count() or 1) + 0.5 else ""))
 
+
+def _ties(planned: dict, predicted: dict) -> list[tuple[str, str]]:
+    """Pairs of plans whose predicted step times agree within 0.1%."""
+    names = list(planned)
+    return [(a, b) for i, a in enumerate(names) for b in names[i + 1:]
+            if abs(predicted[a] - predicted[b]) <= 1e-3 * max(predicted[a], predicted[b])]
+
+
+def _canonical(order: list[str], same: list[tuple[str, str]]) -> list[str]:
+    """The order with each plan named by the first of the plans tied with it."""
+    alias = {b: a for a, b in reversed(same)}
+    out: list[str] = []
+    for name in order:
+        name = alias.get(name, name)
+        if name not in out:
+            out.append(name)
+    return out
+
+
+def _ranking(order: list[str], same: list[tuple[str, str]]) -> str:
+    groups: list[list[str]] = []
+    for name in order:
+        for g in groups:
+            if any((name, x) in same or (x, name) in same for x in g):
+                g.append(name)
+                break
+        else:
+            groups.append([name])
+    return " < ".join(" = ".join(g) for g in groups)
 
 if __name__ == "__main__":
     main()

@@ -185,6 +185,147 @@ def test_compute_dtype_fallback_and_no_kernel():
         compute_time_s(dev, -1, 0, "float32")
 
 
+def curved_device() -> DeviceSpec:
+    return DeviceSpec({"float32": 1e12, "bfloat16": 4e12}, 1e11, 8e10, 5e-6,
+                      matmul_curve={"float32": ((1e6, 1e11), (1e8, 3e11), (1e10, 4e11))},
+                      memory_curve=((3e6, 2e10), (3e8, 6e10)))
+
+
+def test_matmul_curve_prices_a_matmul_by_its_flops():
+    dev = curved_device()
+    # on a point: 1e8 FLOPs at 3e11 FLOP/s = 333 us (the roofline's peak would say 100 us)
+    assert compute_time_s(dev, 1e8, 0, "float32") == pytest.approx(1e8 / 3e11 + 5e-6, rel=1e-12)
+    # between points, linear in log(flops): 1e9 is halfway from 1e8 to 1e10 -> 3.5e11 FLOP/s
+    assert compute_time_s(dev, 1e9, 0, "float32") == pytest.approx(1e9 / 3.5e11 + 5e-6, rel=1e-12)
+    # 1e7 is halfway from 1e6 to 1e8 -> 2e11; beyond either end, the end point's rate
+    assert compute_time_s(dev, 1e7, 0, "float32") == pytest.approx(1e7 / 2e11 + 5e-6, rel=1e-12)
+    assert compute_time_s(dev, 1e3, 0, "float32") == pytest.approx(1e3 / 1e11 + 5e-6, rel=1e-12)
+    assert compute_time_s(dev, 1e12, 0, "float32") == pytest.approx(1e12 / 4e11 + 5e-6, rel=1e-12)
+    # bfloat16 has no curve: its peak; float16 is not listed: the float32 curve, as the peak falls back
+    assert compute_time_s(dev, 1e9, 0, "bfloat16") == pytest.approx(1e9 / 4e12 + 5e-6, rel=1e-12)
+    assert dev.flops_per_s_for("float16", 1e9) == pytest.approx(3.5e11)
+
+
+def test_memory_curve_prices_a_memory_bound_kernel_by_its_bytes():
+    dev = curved_device()
+    # 3e7 bytes: halfway from 3e6 to 3e8 in log -> 4e10 B/s = 750 us (the flat 1e11 would say 300 us)
+    assert compute_time_s(dev, 0, 3e7, "float32") == pytest.approx(3e7 / 4e10 + 5e-6, rel=1e-12)
+    assert compute_time_s(dev, 0, 3e9, "float32") == pytest.approx(3e9 / 6e10 + 5e-6, rel=1e-12)
+    assert compute_time_s(dev, 0, 3e3, "float32") == pytest.approx(3e3 / 2e10 + 5e-6, rel=1e-12)
+    # the roofline still takes the slower side: 1e6 FLOPs (10 us at 1e11) against 3e7 bytes (750 us)
+    assert compute_time_s(dev, 1e6, 3e7, "float32") == pytest.approx(3e7 / 4e10 + 5e-6, rel=1e-12)
+
+
+def test_profiles_without_curves_price_as_before():
+    """No curve (every built-in profile, every profile written before them): peak and flat bandwidth."""
+    for name in builtin_profile_names():
+        dev = load_profile(name).device
+        assert dev.matmul_curve is None and dev.memory_curve is None and dev.memory_overlap == 1.0
+        assert not {"matmul_curve", "memory_curve", "memory_overlap"} & set(dev.to_dict())
+        flops, moved = 2 * 4096**3, 3 * 4096**2 * 2
+        expected = max(flops / dev.peak_flops["bfloat16"], moved / dev.memory_bandwidth_bytes_per_s)
+        assert compute_time_s(dev, flops, moved, "bfloat16") == pytest.approx(expected + dev.kernel_overhead_s,
+                                                                              rel=1e-12)
+    h100 = load_profile("h100-sxm").device
+    # 2 * 4096^3 = 1.374e11 FLOPs / 9.89e14 = 139 us; + 5 us overhead
+    assert compute_time_s(h100, 2 * 4096**3, 1e6, "bfloat16") == pytest.approx(2 * 4096**3 / 9.89e14 + 5e-6)
+
+
+def test_memory_overlap_between_max_and_sum():
+    """1 (the default): the roofline's max; 0: compute plus memory; between: the shorter time partly hidden."""
+    base = dict(peak_flops={"float32": 1e11}, memory_bandwidth_bytes_per_s=1e10, memory_bytes=8e10,
+                kernel_overhead_s=1e-6)
+    # 1e9 FLOPs at 1e11 = 10 ms; 5e7 bytes at 1e10 = 5 ms
+    assert compute_time_s(DeviceSpec(**base), 1e9, 5e7, "float32") == pytest.approx(10e-3 + 1e-6, rel=1e-12)
+    assert compute_time_s(DeviceSpec(**base, memory_overlap=0.0), 1e9, 5e7, "float32") == pytest.approx(
+        15e-3 + 1e-6, rel=1e-12)
+    assert compute_time_s(DeviceSpec(**base, memory_overlap=0.4), 1e9, 5e7, "float32") == pytest.approx(
+        10e-3 + 0.6 * 5e-3 + 1e-6, rel=1e-12)
+    # a memory-bound kernel with no FLOPs is its memory time, whatever the overlap
+    assert compute_time_s(DeviceSpec(**base, memory_overlap=0.0), 0, 5e7, "float32") == pytest.approx(5e-3 + 1e-6)
+    d = profile_dict()
+    d["device"]["memory_overlap"] = 0.25
+    p = HardwareProfile.from_json(json.dumps(d))
+    assert p.device.memory_overlap == 0.25 and json.loads(p.to_json())["device"]["memory_overlap"] == 0.25
+    assert "memory_overlap" not in HardwareProfile.from_dict(profile_dict()).device.to_dict()
+    for bad, match in ((1.5, r"^device\.memory_overlap: expected a number from 0 to 1, got 1\.5"),
+                       (-0.1, r"^device\.memory_overlap: expected a number >= 0, got -0\.1"),
+                       ("all", r"^device\.memory_overlap: expected a number >= 0, got 'all'")):
+        d["device"]["memory_overlap"] = bad
+        with pytest.raises(ProfileError, match=match):
+            HardwareProfile.from_json(json.dumps(d))
+
+
+def test_curves_round_trip_through_json():
+    d = profile_dict()
+    d["device"]["matmul_curve"] = {"float32": [{"flops": 1e6, "flops_per_s": 1e11},
+                                               {"flops": 1e9, "flops_per_s": 5e11}]}
+    d["device"]["memory_curve"] = [{"bytes": 3e6, "bytes_per_s": 2e10}, {"bytes": 3e8, "bytes_per_s": 6e10}]
+    p = HardwareProfile.from_json(json.dumps(d))
+    assert p.device.matmul_curve == {"float32": ((1e6, 1e11), (1e9, 5e11))}
+    assert p.device.memory_curve == ((3e6, 2e10), (3e8, 6e10))
+    assert json.loads(p.to_json())["device"] == d["device"]
+    assert HardwareProfile.from_json(p.to_json()) == p
+    assert hash(p) == hash(HardwareProfile.from_json(p.to_json()))
+
+
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("matmul_curve", {"float32": [{"flops": 1e6, "flops_per_s": 0}]},
+         r"^device\.matmul_curve\.float32\[0\]\.flops_per_s: expected a number > 0, got 0"),
+        ("matmul_curve", {"float32": [{"flops": 1e9, "flops_per_s": 1e11}, {"flops": 1e6, "flops_per_s": 1e11}]},
+         r"^device\.matmul_curve\.float32\[1\]\.flops: expected more than matmul_curve\.float32\[0\]\.flops"),
+        ("matmul_curve", {"torch.float32": [{"flops": 1e6, "flops_per_s": 1e11}]},
+         r"^device\.matmul_curve\.torch\.float32: expected a dtype name"),
+        ("matmul_curve", [1, 2], r"^device\.matmul_curve: expected a JSON object of dtype name to a curve"),
+        ("memory_curve", [], r"^device\.memory_curve: expected a non-empty list"),
+        ("memory_curve", [{"bytes": 1e6, "rate": 1e10}],
+         r"^device\.memory_curve\[0\]\.bytes_per_s: missing; expected fields bytes, bytes_per_s"),
+        ("memory_curve", [{"bytes": 1e6, "bytes_per_s": 1e10, "rate": 1e10}],
+         r"^device\.memory_curve\[0\]\.rate: unknown field; expected one of bytes, bytes_per_s"),
+        ("memory_curve", [{"bytes": -1, "bytes_per_s": 1e10}],
+         r"^device\.memory_curve\[0\]\.bytes: expected a number > 0, got -1"),
+        ("memory_kurve", [], r"^device\.memory_kurve: unknown field"),
+    ],
+)
+def test_bad_curve_rejected_with_its_path(key, value, match):
+    d = profile_dict()
+    d["device"][key] = value
+    with pytest.raises(ProfileError, match=match):
+        HardwareProfile.from_json(json.dumps(d))
+
+
+def test_backward_of_a_memory_bound_op_is_priced_on_its_bytes():
+    """autotp's costing: the backward of an op without FLOPs moves the output's gradient, each float
+    input twice (saved input read, gradient written) and each integer input once; one with FLOPs
+    is BACKWARD_FLOP_RATIO kernels like its forward."""
+    from autotp.costing import BACKWARD_FLOP_RATIO, CostModel
+    from autotp.graph import OP, OpNode, TensorInfo
+    from autotp.mesh import MeshSpec
+    from autotp.placement import R, Strategy
+
+    profile = HardwareProfile.from_dict(profile_dict())  # 1e11 B/s, 5 us per kernel
+    cost = CostModel(MeshSpec.of((1,)), profile, "train")
+    x = TensorInfo((1024, 1024), "float32")  # 4 MiB
+    gelu = OpNode("gelu", OP, "aten.gelu.default", ("x",), (x,), (x,), requires_grad=True)
+    rep = Strategy(((R,),), (R,))
+    # forward 8 MiB; backward 4 MiB (grad out) + 2 * 4 MiB (input read, its gradient written) = 12 MiB
+    assert cost.node_compute_s(gelu, rep) == pytest.approx(8 * 2**20 / 1e11 + 12 * 2**20 / 1e11 + 2 * 5e-6)
+    ids = TensorInfo((1024,), "int64")
+    emb = OpNode("emb", OP, "aten.embedding.default", ("w", "i"), (x, ids), (TensorInfo((1024, 1024), "float32"),),
+                 requires_grad=True)
+    both = Strategy(((R,), (R,)), (R,))
+    fwd = 4 * 2**20 + 8192 + 4 * 2**20
+    bwd = 4 * 2**20 + 2 * 4 * 2**20 + 8192
+    assert cost.node_compute_s(emb, both) == pytest.approx(fwd / 1e11 + bwd / 1e11 + 2 * 5e-6)
+    mm = dataclasses.replace(gelu, name="mm", target="aten.mm.default", flops=2 * 1024**3)
+    forward = 2 * 1024**3 / 1e12 + 5e-6  # compute-bound: 2.1 ms of FLOPs beat 84 us of bytes
+    assert cost.node_compute_s(mm, rep) == pytest.approx(forward * (1 + BACKWARD_FLOP_RATIO))
+    inference = CostModel(MeshSpec.of((1,)), profile, "inference")
+    assert inference.node_compute_s(gelu, rep) == pytest.approx(8 * 2**20 / 1e11 + 5e-6)
+
+
 # --- memory --------------------------------------------------------------------------
 
 

@@ -153,8 +153,9 @@ def test_fit_recovers_known_latency_and_bandwidth(kind, n):
     fit = fit_collective(kind, n, points)
     assert fit.latency_s == pytest.approx(latency_s, rel=0.01)
     assert fit.bus_bandwidth_bytes_per_s == pytest.approx(busbw, rel=0.01)
-    assert [e.size_bytes for e in fit.held_out] == [s for s in SIZES if s >= 2**20]
-    assert fit.max_held_out_error < 1e-6
+    assert [e.size_bytes for e in fit.leave_one_out] == [s for s in SIZES if s >= 2**20]
+    assert fit.max_leave_one_out_error < 1e-6
+    assert fit.held_out == () and fit.max_held_out_error is None  # no held-out sizes given
     assert len(fit.segments) == 1  # one line fits: no breakpoint
 
 
@@ -165,7 +166,7 @@ def test_fit_with_noise_stays_close_and_reports_held_out_errors():
     fit = fit_collective("broadcast", 2, points)
     assert fit.latency_s == pytest.approx(latency_s, rel=0.05)
     assert fit.bus_bandwidth_bytes_per_s == pytest.approx(busbw, rel=0.05)
-    assert 0 < fit.max_held_out_error < 0.08
+    assert 0 < fit.max_leave_one_out_error < 0.08
     assert len(fit.segments) == 1  # a few percent of noise never buys a breakpoint
 
 
@@ -199,7 +200,7 @@ def test_fit_with_noise_still_finds_the_step():
     assert fit.segments[1].bus_bandwidth_bytes_per_s == pytest.approx(0.35e9, rel=0.05)
 
 
-def test_held_out_redoes_the_choice_of_ranges():
+def test_leave_one_out_redoes_the_choice_of_ranges():
     # The step at 32 MiB is seen by two sizes, 32 and 64 MiB. Left out, either one is alone
     # above the step, a range needs two sizes, so the honest prediction is (close to) the
     # lower line's: far off. Reusing the full fit's ranges would hide that (~0% error).
@@ -207,7 +208,7 @@ def test_held_out_redoes_the_choice_of_ranges():
     points = _two_lines("broadcast", 2, SIZES, 2**25, low, high)
     fit = fit_collective("broadcast", 2, points)
     assert [seg.from_bytes for seg in fit.segments] == [0, 2**25]
-    held = {e.size_bytes: e for e in fit.held_out}
+    held = {e.size_bytes: e for e in fit.leave_one_out}
     for size in (2**25, 2**26):
         assert held[size].predicted_s == pytest.approx(low[0] + size / low[1], rel=0.05)
         assert held[size].relative_error < -0.8
@@ -233,21 +234,212 @@ def test_fit_clamps_latency_and_bandwidth():
     assert a >= 0 and 0 < b < float("inf")
 
 
+def _midpoints(sizes):
+    return [round((a * b) ** 0.5 / 8) * 8 for a, b in zip(sizes, sizes[1:])]
+
+
 def test_fit_summary_prints_every_range_and_held_out_errors_per_kind():
     from autotp.profiling.table import format_fits
 
-    step = fit_collective("broadcast", 2, _two_lines("broadcast", 2, SIZES, 2**25, (2e-5, 3e9), (0.0, 0.5e9)))
-    line = fit_collective("all_reduce", 2, _two_lines("all_reduce", 2, SIZES, 2**40, (2e-5, 3e9), (0.0, 1.0)))
+    lines_of = {"low": (2e-5, 3e9), "high": (0.0, 0.5e9)}
+    step = fit_collective(
+        "broadcast", 2, _two_lines("broadcast", 2, SIZES, 2**25, lines_of["low"], lines_of["high"]),
+        test_points=_two_lines("broadcast", 2, _midpoints(SIZES), 2**25, lines_of["low"], lines_of["high"]),
+    )
+    line = fit_collective("all_reduce", 2, _two_lines("all_reduce", 2, SIZES, 2**40, (2e-5, 3e9), (0.0, 1.0)),
+                          test_points=_two_lines("all_reduce", 2, _midpoints(SIZES), 2**40, (2e-5, 3e9), (0.0, 1.0)))
     text = format_fits([("axis0", line), ("axis0", step)])
     lines = text.splitlines()
     assert all(l.startswith("#") for l in lines)
     kind_lines = [l for l in lines if "held-out max |err|" in l]
     assert [l.split()[2] for l in kind_lines] == ["all_reduce", "broadcast"]
-    assert "held-out max |err| 0.0%" in kind_lines[0]
+    assert "held-out max |err| 0.0% (leave-one-out 0.0%)" in kind_lines[0]
     range_lines = [l for l in lines if "from 32 MiB" in l]
     assert len(range_lines) == 1 and "busbw    0.500 GB/s" in range_lines[0]
-    assert "# Held-out summary: 12 of 14 points within 25%" in text
-    assert "# note: broadcast on axis0: held-out error up to" in text
+    # Midpoints >= 1 MiB: 1.4, 2.8, 5.7, 11, 23, 45 MiB per kind; all on their lines (the step lies
+    # between 23 and 32 MiB), so all are predicted exactly: the headline is 12 of 12.
+    assert "# Held-out summary: 12 of 12 held-out sizes within 25%, worst 0.0%" in text
+    # Leave-one-out of 32 or 64 MiB leaves one size above the step: those two miss.
+    assert "within 25%, worst" in text and "# Leave-one-out (stricter" in text
+    assert "12 of 14 within 25%" in text
+    assert "# note" not in text  # notes follow the held-out sizes, which all fit
+
+
+def test_summary_counts_held_out_sizes_within_25_percent():
+    from autotp.profiling.table import format_fits, held_out_summary
+
+    exact = [TimedPoint(s, 2e-5 + s / 3e9) for s in SIZES]
+    mids = [2**20 * 3 // 2, 2**22 * 3 // 2, 2**24 * 3 // 2, 2**10 * 3 // 2]
+    errors = [0.10, -0.30, 0.50, 5.0]  # the last is below 1 MiB: measured, never counted
+    # measured = predicted / (1 + error), so (predicted - measured) / measured = error
+    tests = [TimedPoint(s, (2e-5 + s / 3e9) / (1 + e)) for s, e in zip(mids, errors)]
+    fit = fit_collective("broadcast", 2, exact, test_points=tests)
+    assert [e.size_bytes for e in fit.held_out] == mids[:3]
+    assert [round(e.relative_error, 6) for e in fit.held_out] == errors[:3]
+    within, total, worst = held_out_summary([fit])
+    assert (within, total) == (1, 3) and worst == pytest.approx(0.5)
+    text = format_fits([("axis0", fit)])
+    assert "# Held-out summary: 1 of 3 held-out sizes within 25%, worst 50.0%" in text
+    assert "# note: broadcast on axis0: held-out sizes off by up to 50%" in text
+    # Without held-out sizes there is no headline, only the leave-one-out line.
+    text = format_fits([("axis0", fit_collective("broadcast", 2, exact))])
+    assert "Held-out summary" not in text and "7 of 7 within 25%, worst 0.0%" in text
+
+
+def test_held_out_measurements_never_change_the_fit():
+    rng = random.Random(3)
+    points = [TimedPoint(s, (2e-5 + s / 3e9) * (1 + rng.uniform(-0.2, 0.2))) for s in SIZES]
+    tests = [TimedPoint(s, 2e-5 + s / 3e9) for s in _midpoints(SIZES)]
+    base = fit_collective("all_gather", 2, points, test_points=tests)
+    assert len(base.held_out) == 6
+    for factor in (0.1, 3.0):
+        spoiled = fit_collective("all_gather", 2, points,
+                                 test_points=[TimedPoint(p.size_bytes, p.time_s * factor) for p in tests])
+        assert (spoiled.segments, spoiled.residuals, spoiled.leave_one_out) == (
+            base.segments, base.residuals, base.leave_one_out)
+        assert [e.predicted_s for e in spoiled.held_out] == [e.predicted_s for e in base.held_out]
+        assert spoiled.held_out != base.held_out
+    assert fit_collective("all_gather", 2, points).segments == base.segments
+
+
+# --- held-out sizes ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6, 7, 8, 16])
+@pytest.mark.parametrize("sweep_args", [(1024, 2**26, 2), (4, 2**20, 2), (1000, 10**7, 3), (1024, 2**26, 4)])
+def test_held_out_sizes_lie_strictly_between_and_suit_every_collective(n, sweep_args):
+    from autotp.profiling.sweep import held_out_sizes, planned_sizes
+
+    sizes = size_sweep(*sweep_args)
+    measured = sorted({collectives.element_count(s, n) * collectives.DTYPE_BYTES for s in sizes})
+    held = held_out_sizes(sizes, n)
+    assert held == tuple(sorted(held))
+    for h in held:
+        count = collectives.element_count(h, n)
+        assert count * collectives.DTYPE_BYTES == h  # measured exactly as asked
+        assert count % n == 0 and count >= n  # every rank's shard is whole: valid for all five kinds
+        assert h not in measured and h not in sizes  # never a fit size
+        below = max(m for m in measured if m < h)
+        above = min(m for m in measured if m > h)
+        assert measured.index(above) == measured.index(below) + 1  # between two neighbours
+        ratio = h / (below * above) ** 0.5
+        assert abs(ratio - 1) <= 2 * n * collectives.DTYPE_BYTES / below + 1e-9  # the geometric midpoint
+    # one between each two neighbours, unless rounding leaves no room (tiny sizes, big groups)
+    gaps = [hi - lo for lo, hi in zip(measured, measured[1:])]
+    if all(gap >= 4 * n * collectives.DTYPE_BYTES for gap in gaps):
+        assert len(held) == len(measured) - 1
+    assert len(held) <= len(measured) - 1
+    if sweep_args == (1024, 2**26, 2):
+        assert len(held) == len(sizes) - 1 == 16
+    planned = planned_sizes(sizes, n, held_out=True)
+    assert [s for s, h in planned if h] == list(held) and [s for s, h in planned if not h] == list(sizes)
+    assert [s for s, _ in planned] == sorted(s for s, _ in planned)  # interleaved: each next to its neighbours
+    assert planned_sizes(sizes, n, held_out=False) == tuple((s, False) for s in sizes)
+
+
+def test_no_held_out_flag_turns_them_off():
+    from autotp.profiling.sweep import Timing, total_steps
+
+    assert command.config_from_args(_parser().parse_args([]), 2).held_out is True
+    config = command.config_from_args(_parser().parse_args(["--no-held-out"]), 2)
+    assert config.held_out is False
+    assert type(config).from_json(config.to_json()) == config
+    groups = _groups((2,))
+    sizes = size_sweep(1024, 2**26, 2)
+    timing = Timing(rounds=3)
+    assert total_steps(groups, 5, sizes, timing, held_out=False) == 5 * 17 * 4
+    assert total_steps(groups, 5, sizes, timing, held_out=True) == 5 * (17 + 16) * 4
+
+
+def test_profile_json_keeps_held_out_measurements_and_errors():
+    from autotp.profiling.config import ProfileConfig
+    from autotp.profiling.hardware import RunInfo, fit_sweep, measurements_dict
+    from autotp.profiling.sweep import SweepPoint, held_out_sizes
+
+    sizes = size_sweep(2**18, 2**24, 2)
+    held = held_out_sizes(sizes, 2)
+    points = []
+    for kind in collectives.KINDS:
+        for s in sizes:
+            points.append(SweepPoint(0, kind, 2, s, s // 4, 1e-4 + s / 1e9, 0, 30))
+        for h in held:
+            points.append(SweepPoint(0, kind, 2, h, h // 4, (1e-4 + h / 1e9) * 1.1, 0, 30, held_out=True))
+    config = ProfileConfig("gloo", None, sizes[0], sizes[-1], 2, 10, 3, True, 60.0, None, 0.2, 3)
+    info = RunInfo("gloo", 2, 2, (2,), ("host",), "native")
+
+    class Device:
+        def to_dict(self):
+            return {}
+
+    fits = fit_sweep(points)
+    m = json.loads(json.dumps(measurements_dict(config, info, _groups((2,)), points, fits, {"intra_node": 0}, Device())))
+    axis = m["axes"]["axis0"]
+    for kind in collectives.KINDS:
+        assert [p["size_bytes"] for p in axis["sweep"][kind]] == list(sizes)
+        assert [p["size_bytes"] for p in axis["held_out_sweep"][kind]] == list(held)
+        fit = axis["fit"][kind]
+        big = [h for h in held if h >= 2**20]
+        assert [e["size_bytes"] for e in fit["held_out"]] == big
+        # measured 10% slower than the line the fit sizes lie on: predicted / measured - 1 = 1/1.1 - 1
+        assert all(e["relative_error"] == pytest.approx(1 / 1.1 - 1, abs=1e-6) for e in fit["held_out"])
+        assert [e["size_bytes"] for e in fit["leave_one_out"]] == [s for s in sizes if s >= 2**20]
+        assert fit["segments"][0]["latency_s"] == pytest.approx(1e-4)  # fitted on the fit sizes only
+    assert m["held_out_summary"] == {"tolerance": 0.25, "within": 5 * len(big), "of": 5 * len(big),
+                                     "worst": pytest.approx(1 - 1 / 1.1)}
+    assert m["leave_one_out_summary"]["of"] == 5 * 5 and "midpoints" in m["held_out"]
+
+
+# --- device --------------------------------------------------------------------------------------
+
+
+def test_device_curves_measure_what_they_say():
+    from cost_models import DeviceSpec
+    from autotp.profiling import device as dev
+
+    cpu = torch.device("cpu")
+    flops, rate = dev.measure_matmul_training("float32", 32, cpu, min_time_s=0.001)
+    assert flops == 8 * 32**3 and rate > 0  # (32 x 32) tokens x in, 128 out: 2 * 32 * 32 * 128 per product
+    moved, bw = dev.measure_memory_curve_point(4096, cpu, ring_bytes=1 << 16, min_time_s=0.001)
+    assert moved == 3 * 4096 and bw > 0  # a + b: two operands read, one output written
+    m = dev.measure_device(cpu, matmul_sizes=(32,), copy_bytes=1 << 16, min_time_s=0.001,
+                           matmul_curve_sizes=(32, 16), memory_curve_bytes=(1 << 14, 1 << 12), ring_bytes=1 << 16,
+                           overlap_bytes=1 << 16)
+    assert 0.0 <= m.memory_overlap <= 1.0
+    assert sorted(m.matmul_curve) == ["bfloat16", "float32"]
+    assert [f for f, _ in m.matmul_curve["float32"]] == [8 * 16**3, 8 * 32**3]  # sizes rising
+    assert [b for b, _ in m.memory_curve] == [3 * 2**12, 3 * 2**14]
+    d = m.to_dict()
+    spec = DeviceSpec.from_dict({"peak_flops": d["peak_flops"], "memory_bytes": d["memory_bytes"],
+                                 "memory_bandwidth_bytes_per_s": d["memory_bandwidth_bytes_per_s"],
+                                 "kernel_overhead_s": d["kernel_overhead_s"],
+                                 "matmul_curve": d["matmul_curve"], "memory_curve": d["memory_curve"],
+                                 "memory_overlap": d["memory_overlap"]})
+    assert spec.memory_overlap == m.memory_overlap
+    assert spec.memory_curve == m.memory_curve and spec.matmul_curve["float32"] == m.matmul_curve["float32"]
+
+
+def test_slowest_rank_takes_each_curve_point_from_the_slowest_rank(monkeypatch):
+    import dataclasses
+
+    from autotp.profiling import worker
+    from autotp.profiling.device import DeviceMeasurement
+
+    mine = DeviceMeasurement("cpu", "cpu", 1, {"float32": 2e11}, 1e10, 2**30, 3e-6,
+                             matmul_curve={"float32": ((1e6, 1e11), (1e9, 2e11))},
+                             memory_curve=((3e6, 9e9), (3e8, 5e9)), memory_overlap=0.6)
+    other = dataclasses.replace(mine, peak_flops={"float32": 1.5e11}, memory_bandwidth_bytes_per_s=2e10,
+                                matmul_curve={"float32": ((1e6, 1.2e11), (1e9, 1.5e11))},
+                                memory_curve=((3e6, 8e9), (3e8, 6e9)), memory_overlap=0.2)
+
+    def all_gather_object(out, obj):
+        out[:] = [obj, other]
+
+    monkeypatch.setattr(worker.dist, "all_gather_object", all_gather_object)
+    slow = worker._slowest_rank(mine, 2)
+    assert slow.peak_flops == {"float32": 1.5e11} and slow.memory_bandwidth_bytes_per_s == 1e10
+    assert slow.matmul_curve == {"float32": ((1e6, 1e11), (1e9, 1.5e11))}
+    assert slow.memory_curve == ((3e6, 8e9), (3e8, 5e9))
+    assert slow.memory_overlap == 0.2  # the least overlap: the slowest kernels
 
 
 # --- links, fault hook ---------------------------------------------------------------------------
@@ -317,14 +509,17 @@ def test_two_process_sweep_writes_table_and_loadable_profile(tmp_path):
     proc, _ = _profile(["--nproc", "2", *TINY, "--check", "-o", str(out)], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
-    # nccl-tests style tables: one per kind, 7 sizes each, every row checked and right.
+    # nccl-tests style tables: one per kind, 7 fit sizes and 6 held-out sizes (marked *) each,
+    # interleaved, every row checked and right.
     assert proc.stdout.count("#       size         count      type     time   algbw   busbw #wrong") == 5
     assert proc.stdout.count("# Avg bus bandwidth") == 5
+    assert proc.stdout.count("# * held-out size: timed in the same rounds, never used by the fit") == 5
     rows = _table_rows(proc.stdout)
-    assert len(rows) == 5 * 7
-    for size, count, dtype, time_us, algbw, busbw, wrong in rows:
+    assert len(rows) == 5 * 13
+    assert [row[-1] == "*" for row in rows[:13]] == [False, True] * 6 + [False]
+    for size, count, dtype, time_us, algbw, busbw, wrong, *mark in rows:
         assert int(count) * 4 == int(size) and dtype == "float"
-        assert float(time_us) > 0 and wrong == "0"
+        assert float(time_us) > 0 and wrong == "0" and mark in ([], ["*"])
     assert "# Check: 0 wrong elements in total: OK" in proc.stdout
     assert "reduce_scatter" in proc.stderr and "all_reduce" in proc.stderr  # the gloo warning
 
@@ -337,6 +532,11 @@ def test_two_process_sweep_writes_table_and_loadable_profile(tmp_path):
     assert profile.devices_per_node == 2
     assert set(profile.device.peak_flops) == {"float32", "bfloat16"}
     assert profile.device.memory_bandwidth_bytes_per_s > 0 and profile.device.kernel_overhead_s > 0
+    assert sorted(profile.device.matmul_curve) == ["bfloat16", "float32"]
+    assert all(rate > 0 for points in profile.device.matmul_curve.values() for _, rate in points)
+    assert [size for size, _ in profile.device.memory_curve] == [3 * 2**18, 3 * 2**21, 3 * 2**24, 3 * 2**27]
+    assert 0.0 <= profile.device.memory_overlap <= 1.0
+    assert "# Device curves: matmul TFLOP/s by size: float32 " in proc.stdout
 
     m = json.loads(out.read_text())["measurements"]
     assert m["backend"] == "gloo" and m["world_size"] == 2 and m["mesh"] == [2]
@@ -344,6 +544,11 @@ def test_two_process_sweep_writes_table_and_loadable_profile(tmp_path):
     sweep = m["axes"]["axis0"]["sweep"]["all_reduce"]
     assert [p["size_bytes"] for p in sweep] == [1024 * 2**k for k in range(7)]
     assert all(p["time_s"] > 0 for p in sweep)
+    held = m["axes"]["axis0"]["held_out_sweep"]["all_reduce"]
+    assert [p["size_bytes"] for p in held] == [1448, 2896, 5792, 11584, 23168, 46344]  # ~1.41x each fit size
+    assert all(p["time_s"] > 0 for p in held) and "midpoints" in m["held_out"]
+    # All below 1 MiB: measured and kept, but no error is reported on them; nor leave-one-out.
+    assert m["axes"]["axis0"]["fit"]["all_reduce"]["held_out"] == [] and "held_out_summary" not in m
     # The profile's figures are the fit of exactly these points.
     fit = fit_collective("all_reduce", 2, [TimedPoint(p["size_bytes"], p["time_s"]) for p in sweep])
     cost = profile.links["intra_node"].costs["all_reduce"]
@@ -358,8 +563,8 @@ def test_check_failure_is_reported_and_sets_exit_code_1(tmp_path):
     args = ["--nproc", "2", "--backend", "gloo", "-b", "1K", "-e", "2K", "-n", "2", "-w", "0", "--min-time-s", "0", "--rounds", "1"]
     proc, _ = _profile([*args, "--check", "-o", str(out)], tmp_path, fault="corrupt:1")
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    wrong = [int(row[-1]) for row in _table_rows(proc.stdout)]
-    assert len(wrong) == 5 * 2 and sum(wrong) > 0
+    wrong = [int(row[6]) for row in _table_rows(proc.stdout)]
+    assert len(wrong) == 5 * 3 and sum(wrong) > 0  # 1 KiB, 1448 B (held out), 2 KiB
     assert "FAILED" in proc.stdout
 
 
@@ -389,8 +594,12 @@ def test_under_torchrun_uses_the_group_it_is_given(tmp_path):
     env.pop("AUTOTP_PROFILE_FAULT", None)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "autotp.cli", "profile", *TINY, "--mesh", "2", "-o", str(out)],
+         "-m", "autotp.cli", "profile", *TINY, "--mesh", "2", "--no-held-out", "-o", str(out)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert json.loads(out.read_text())["measurements"]["world_size"] == 2
+    m = json.loads(out.read_text())["measurements"]
+    assert m["world_size"] == 2
+    # --no-held-out: only the fit sizes are timed
+    assert len(_table_rows(proc.stdout)) == 5 * 7 and "held-out size" not in proc.stdout
+    assert m["held_out"] is None and all(v == [] for v in m["axes"]["axis0"]["held_out_sweep"].values())

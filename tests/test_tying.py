@@ -62,4 +62,6 @@ def test_tied_solve_reaches_the_untied_optimum(n_layer):
     strategies = all_strategies(graph, spec.shape)
     tied = solve(graph, strategies, find_repeats(graph), cost, None)
     free = solve(graph, strategies, {n.name: n.name for n in graph.nodes}, cost, None)
-    assert tied.objective_s == pytest.approx(free.objective_s, rel=1e-4)  # both optimal within the MIP gap
+    # within 0.1% (the 2% of the old tying is what this guards against): untied, the first and last
+    # layers may pick a residual add on partials where the middle ones keep it replicated (3e-4 at 3 layers)
+    assert tied.objective_s == pytest.approx(free.objective_s, rel=1e-3)

@@ -11,7 +11,7 @@ Modules, in the order data flows through them:
 - ``collectives``  the five collectives: buffers, bus factors, result checks
 - ``sweep``        timing loop over axes x kinds x sizes (max over ranks of the mean)
 - ``fit``          piecewise alpha-beta least-squares fit (size ranges chosen from the data),
-                   held-out (leave-one-out) errors
+                   errors on held-out sizes (never fitted) and leave-one-out errors
 - ``device``       matmul FLOP/s per dtype, memory bandwidth, kernel overhead
 - ``table``        nccl-tests style tables, fit summary, progress line
 - ``hardware``     measurements -> ``cost_models.HardwareProfile`` JSON

@@ -1,7 +1,8 @@
 """``autotp profile``: measure the interconnect and the device, write a hardware profile.
 
     autotp profile [--nproc N] [--backend gloo|nccl] [--mesh 2x4] [-b 1K] [-e 256M] [-f 2]
-                   [-n 20] [-w 5] [--min-time-s 0.2] [--rounds 3] [--check] [--timeout-s 120] [-o profile.json]
+                   [-n 20] [-w 5] [--min-time-s 0.2] [--rounds 5] [--no-held-out] [--check]
+                   [--timeout-s 120] [-o profile.json]
 
 Under torchrun (``RANK`` and ``WORLD_SIZE`` set) this process is one rank of the group
 torchrun made. Otherwise the command starts ``--nproc`` ranks on this host itself
@@ -11,6 +12,12 @@ Timing (``sweep.py``): blocks of ``-n`` runs after ``-w`` warm-up runs, each blo
 taken on the slowest rank; each size is timed for ``--min-time-s`` over ``--rounds``
 rounds and its figure is the median block. ``--min-time-s 0 --rounds 1`` is exactly one
 block: nccl-tests' measurement.
+
+Held-out sizes (on unless ``--no-held-out``): the sweep also times the geometric midpoint
+between each two consecutive sizes, interleaved with them in the same rounds; the fit never
+sees them, and the summary gives the fit's prediction error on those of at least 1 MiB
+("X of Y held-out sizes within 25%, worst Z%"; rows marked ``*`` in the tables), next to
+the stricter leave-one-out figure.
 
 ``--timeout-s``: the longest the run may go without any rank making progress; then
 every rank is stopped and the error names the rank that hung or died. Under torchrun
@@ -103,8 +110,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-time-s", type=_seconds(allow_zero=True), default=0.2, metavar="S",
                         help="repeat blocks of -n runs until S seconds are timed per size "
                              "(default 0.2; 0 with --rounds 1 times one block of -n runs, as nccl-tests)")
-    parser.add_argument("--rounds", type=_int_at_least(1), default=3, metavar="R",
-                        help="spread each size's timing over R rounds through all sizes, the point is the median block (default 3)")
+    parser.add_argument("--rounds", type=_int_at_least(1), default=5, metavar="R",
+                        help="spread each size's timing over R rounds through all sizes, the point is the median block "
+                             "(default 5: on a shared host the time drifts over seconds, and the median over 5 "
+                             "rounds follows it better than over 3)")
+    parser.add_argument("--no-held-out", dest="held_out", action="store_false",
+                        help="do not time the held-out sizes (the midpoints between the sizes, never fitted, "
+                             "that test the fit): a quicker sweep, with only the leave-one-out error")
     parser.add_argument("--check", action="store_true",
                         help="verify every result on rank-dependent inputs; wrong elements make the exit code 1")
     parser.add_argument("--timeout-s", type=_seconds(allow_zero=False), default=120.0,
@@ -129,6 +141,7 @@ def config_from_args(args: argparse.Namespace, local_ranks: int) -> ProfileConfi
         output=args.output,
         min_time_s=args.min_time_s,
         rounds=args.rounds,
+        held_out=args.held_out,
     )
 
 

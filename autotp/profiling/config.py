@@ -97,6 +97,7 @@ class ProfileConfig:
     output: str | None
     min_time_s: float = 0.0
     rounds: int = 1
+    held_out: bool = True  # also time the held-out sizes between the fit sizes (sweep.held_out_sizes)
 
     @property
     def sizes_bytes(self) -> tuple[int, ...]:

@@ -9,18 +9,44 @@ the cores, so the figure is that of one of the N "devices".
   (1024 and 2048 on CPU; 2048, 4096 and 8192 on a GPU, which 2048 leaves half idle),
   ``2 n^3`` FLOPs per product, repeated for at least ``min_time_s``; the best ``n``
   gives the dtype's figure.
+* matmul curve: what a matmul of a given size achieves in training, per dtype: for each
+  ``n`` in ``matmul_curve_sizes`` the three products of a linear layer with ``n`` tokens,
+  ``n`` inputs and ``4 n`` outputs (forward ``x W^T``, input gradient ``g W``, weight gradient
+  ``g^T x``: the layouts a training step runs), ``8 n^3`` FLOPs each, on operands taken in
+  turn from a ring of ``ring_bytes / 4`` and into fresh outputs kept until the ring is done
+  (as the memory curve below); a point is ``(8 n^3, FLOPs / seconds of the three)``.
+  Becomes the profile's ``device.matmul_curve``.
 * memory bandwidth: ``dst.copy_(src)`` of a large buffer; bytes read plus bytes written
   over the time, best of several.
+* memory curve: what a memory-bound op achieves as a training step runs it: an out-of-place
+  add ``a + b`` into a freshly allocated output (kept, as activations are kept for the
+  backward), its operands taken in turn from a ring of ``ring_bytes`` so that no cache holds
+  them; for each operand size in ``memory_curve_bytes`` a point ``(3 size, bytes / second)``.
+  On a CPU a large fresh output costs page faults, which a copy into a reused buffer never
+  sees. Becomes ``device.memory_curve``.
+* memory overlap: how much of a kernel's memory time runs under its compute time. A float32
+  ``(n, k) @ (k, n)`` product into a fresh output of ``overlap_bytes``, ``k`` chosen so that
+  its compute time (on the matmul curve) and its memory time (on the memory curve) are about
+  equal; ``(compute + memory - measured) / min(compute, memory)``, clamped to 0..1: 1 when
+  the measured time is the longer of the two (a GPU), 0 when it is their sum (a CPU thread
+  stalls on its loads and page faults). Becomes ``device.memory_overlap``.
 * kernel overhead: mean time of an in-place add on a one-element tensor (nothing to
   compute, so the time is the fixed cost of issuing an op).
 
->>> m = measure_device(torch.device("cpu"), matmul_sizes=(64,), copy_bytes=1 << 20, min_time_s=0.01)
+>>> m = measure_device(torch.device("cpu"), matmul_sizes=(64,), copy_bytes=1 << 20, min_time_s=0.01,
+...                    matmul_curve_sizes=(16, 32), memory_curve_bytes=(1 << 12, 1 << 16), ring_bytes=1 << 18,
+...                    overlap_bytes=1 << 16)
 >>> m.peak_flops["float32"] > 0 and m.memory_bandwidth_bytes_per_s > 0
+True
+>>> [flops for flops, _ in m.matmul_curve["float32"]], [size for size, _ in m.memory_curve]
+([32768.0, 262144.0], [12288.0, 196608.0])
+>>> 0.0 <= m.memory_overlap <= 1.0
 True
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -49,6 +75,10 @@ class DeviceMeasurement:
     memory_bytes: int
     kernel_overhead_s: float
     matmuls: tuple[MatmulMeasurement, ...] = field(default=())
+    # dtype -> ((FLOPs of one product, FLOP/s), ...) and ((bytes moved, bytes/s), ...), sizes rising
+    matmul_curve: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    memory_curve: tuple[tuple[float, float], ...] = field(default=())
+    memory_overlap: float | None = None  # None: not measured
 
     def to_dict(self) -> dict:
         return {
@@ -60,6 +90,11 @@ class DeviceMeasurement:
             "memory_bytes": self.memory_bytes,
             "kernel_overhead_s": self.kernel_overhead_s,
             "matmuls": [m.__dict__ for m in self.matmuls],
+            "matmul_curve": {
+                dtype: [{"flops": f, "flops_per_s": r} for f, r in points] for dtype, points in self.matmul_curve.items()
+            },
+            "memory_curve": [{"bytes": b, "bytes_per_s": r} for b, r in self.memory_curve],
+            "memory_overlap": self.memory_overlap,
         }
 
 
@@ -99,6 +134,61 @@ def measure_memory_bandwidth(device: torch.device, copy_bytes: int = 256 << 20, 
     return 2.0 * src.numel() * 4 / time_s
 
 
+def measure_matmul_training(dtype: str, n: int, device: torch.device, min_time_s: float = 0.2,
+                            ring_bytes: int = 64 << 20) -> tuple[float, float]:
+    """``(FLOPs of one product, FLOP/s)`` of a linear layer's three training products at size ``n``,
+    as a step runs them: operands from a ring of ``ring_bytes`` (no cache holds them), outputs fresh
+    and kept until the pass ends."""
+    size = torch.tensor([], dtype=DTYPES[dtype]).element_size()
+    sets = max(1, ring_bytes // (9 * n * n * size))
+    ring = [(torch.randn(n, n, device=device).to(DTYPES[dtype]),  # x (tokens, in)
+             torch.randn(4 * n, n, device=device).to(DTYPES[dtype]),  # w (out, in)
+             torch.randn(n, 4 * n, device=device).to(DTYPES[dtype]))  # g (tokens, out)
+            for _ in range(sets)]
+
+    def one_pass() -> None:
+        kept = [(torch.nn.functional.linear(x, w), g @ w, g.t() @ x) for x, w, g in ring]
+        del kept
+
+    flops = 8.0 * n**3
+    return flops, 3 * flops * sets / _repeat(one_pass, device, min_time_s)
+
+
+def measure_memory_curve_point(size_bytes: int, device: torch.device, ring_bytes: int = 256 << 20,
+                               min_time_s: float = 0.2) -> tuple[float, float]:
+    """``(bytes moved, bytes/s)`` of ``a + b`` into a fresh output, operands of ``size_bytes`` each."""
+    numel = max(1, size_bytes // 4)
+    pairs = max(1, ring_bytes // (2 * numel * 4))
+    ring = [(torch.rand(numel, device=device), torch.rand(numel, device=device)) for _ in range(pairs)]
+
+    def one_pass() -> None:
+        kept = [a + b for a, b in ring]  # fresh outputs, held like activations until the pass ends
+        del kept
+
+    time_s = _repeat(one_pass, device, min_time_s, min_reps=3)
+    moved = 3.0 * numel * 4
+    return moved, moved * pairs / time_s
+
+
+def measure_memory_overlap(device: torch.device, matmul_curve: Sequence[tuple[float, float]],
+                           memory_curve: Sequence[tuple[float, float]], overlap_bytes: int = 64 << 20,
+                           min_time_s: float = 0.2) -> float:
+    """Share (0..1) of a float32 matmul's memory time hidden under its compute time (module doc)."""
+    from cost_models.hardware import interpolate_rate
+
+    matmul_curve, memory_curve = tuple(matmul_curve), tuple(memory_curve)
+    n = max(16, int(math.isqrt(overlap_bytes // 4)))
+    flops_per_s, bytes_per_s = matmul_curve[-1][1], interpolate_rate(memory_curve, 4.0 * n * n)
+    k = int(min(n, max(16, 16 * round(2 * flops_per_s / bytes_per_s / 16))))  # compute ~ memory
+    x = torch.randn(n, k, device=device)
+    w = torch.randn(k, n, device=device)
+    flops, moved = 2.0 * n * k * n, 4.0 * (2 * n * k + n * n)
+    compute_s = flops / interpolate_rate(matmul_curve, flops)
+    memory_s = moved / interpolate_rate(memory_curve, moved)
+    time_s = _repeat(lambda: x @ w, device, min_time_s, min_reps=3)  # a fresh (n, n) output each time
+    return min(1.0, max(0.0, (compute_s + memory_s - time_s) / min(compute_s, memory_s)))
+
+
 def measure_kernel_overhead(device: torch.device, ops: int = 2000) -> float:
     x = torch.zeros(1, device=device)
 
@@ -118,6 +208,10 @@ def total_memory_bytes(device: torch.device) -> int:
 
 CPU_MATMUL_SIZES = (1024, 2048)
 GPU_MATMUL_SIZES = (2048, 4096, 8192)
+CPU_MATMUL_CURVE_SIZES = (128, 256, 512, 1024)
+GPU_MATMUL_CURVE_SIZES = (512, 1024, 2048, 4096, 8192)
+CPU_MEMORY_CURVE_BYTES = (1 << 18, 1 << 21, 1 << 24, 1 << 27)  # 256 KiB .. 128 MiB operands
+GPU_MEMORY_CURVE_BYTES = (1 << 20, 1 << 23, 1 << 26, 1 << 29)  # 1 MiB .. 512 MiB operands
 
 
 def measure_device(
@@ -125,10 +219,23 @@ def measure_device(
     matmul_sizes: Sequence[int] | None = None,
     copy_bytes: int = 256 << 20,
     min_time_s: float = 0.2,
+    matmul_curve_sizes: Sequence[int] | None = None,
+    memory_curve_bytes: Sequence[int] | None = None,
+    ring_bytes: int | None = None,
+    overlap_bytes: int | None = None,
 ) -> DeviceMeasurement:
     """All figures of the module docstring for ``device``."""
+    gpu = device.type == "cuda"
     if matmul_sizes is None:
-        matmul_sizes = GPU_MATMUL_SIZES if device.type == "cuda" else CPU_MATMUL_SIZES
+        matmul_sizes = GPU_MATMUL_SIZES if gpu else CPU_MATMUL_SIZES
+    if matmul_curve_sizes is None:
+        matmul_curve_sizes = GPU_MATMUL_CURVE_SIZES if gpu else CPU_MATMUL_CURVE_SIZES
+    if memory_curve_bytes is None:
+        memory_curve_bytes = GPU_MEMORY_CURVE_BYTES if gpu else CPU_MEMORY_CURVE_BYTES
+    if ring_bytes is None:
+        ring_bytes = (2 << 30) if gpu else (256 << 20)
+    if overlap_bytes is None:
+        overlap_bytes = (1 << 30) if gpu else (64 << 20)
     matmuls = []
     peak = {}
     for dtype in DTYPES:
@@ -138,6 +245,19 @@ def measure_device(
             peak[dtype] = max(peak.get(dtype, 0.0), m.flops_per_s)
             if m.time_s > 2.0:  # a slow device: the larger sizes would only cost time
                 break
+    curve: dict[str, tuple[tuple[float, float], ...]] = {}
+    for dtype in DTYPES:
+        points = []
+        for n in sorted(matmul_curve_sizes):
+            flops, rate = measure_matmul_training(dtype, n, device, min_time_s, ring_bytes // 4)
+            points.append((flops, rate))
+            if flops / rate > 1.0:  # a slow device: the larger sizes would only cost time
+                break
+        curve[dtype] = tuple(points)
+    memory_curve = tuple(
+        measure_memory_curve_point(size, device, max(ring_bytes, 2 * size), min_time_s)
+        for size in sorted(memory_curve_bytes)
+    )
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return DeviceMeasurement(
         device_type=device.type,
@@ -148,4 +268,7 @@ def measure_device(
         memory_bytes=total_memory_bytes(device),
         kernel_overhead_s=measure_kernel_overhead(device),
         matmuls=tuple(matmuls),
+        matmul_curve=curve,
+        memory_curve=memory_curve,
+        memory_overlap=measure_memory_overlap(device, curve["float32"], memory_curve, overlap_bytes, min_time_s),
     )

@@ -26,13 +26,21 @@ How the fit is made (and why):
   0.25^2: a breakpoint must remove at least the squared error of one point 25% off, so
   noise of a few percent never buys one. Ties go to fewer ranges, then earlier cuts: the
   fit is deterministic. A range starts at its smallest measured size (``from_bytes``).
-* The profile uses the fit on **all** points. Its errors are reported two ways:
-  ``residuals`` are in-sample (fit on all, compared with each point), and ``held_out``
-  are leave-one-out: for each point of at least ``held_out_min_bytes`` (1 MiB), the whole
-  fit (the choice of ranges included) is redone without that point and its prediction
-  compared with the measurement. The largest size's held-out error is a genuine
-  extrapolation, and so is the first size of a range seen by no other point. Held-out
-  errors are the honest measure of how well the model predicts a size it has not seen.
+* The profile uses the fit on all of its sizes (the *fit sizes*: ``-b`` to ``-e``, times
+  ``-f`` each step). Its errors are reported three ways:
+
+  - ``held_out``, the headline: a conventional train/test split. The sweep also measures
+    *held-out sizes* (``sweep.held_out_sizes``: the geometric midpoint between each two
+    consecutive fit sizes, e.g. about 1.41x each size of a doubling sweep), interleaved
+    with the fit sizes in the same rounds, so slow drifts of the machine hit both alike.
+    They never enter the fit (:func:`fit_collective` takes them as ``test_points``); each
+    one of at least ``held_out_min_bytes`` (1 MiB) is compared with the fit's prediction.
+  - ``leave_one_out``, a stricter test: for each fit size of at least ``held_out_min_bytes``,
+    the whole fit (the choice of ranges included) is redone without it and its prediction
+    compared with the measurement. At the ends of a range this is an extrapolation: the
+    largest size, or 64 MiB when only 32 and 64 MiB lie above a step, is predicted from
+    points that never saw its range.
+  - ``residuals``: in-sample (fit on all fit sizes, compared with each of them).
 
 >>> pts = [TimedPoint(s, 2e-5 + s / 3e9) for s in (1024, 65536, 1 << 20, 1 << 24)]
 >>> f = fit_collective("broadcast", 2, pts)
@@ -115,8 +123,9 @@ class AlphaBetaFit:
     kind: str
     group_size: int
     segments: tuple[FitSegment, ...]  # ascending from_bytes, the first from 0
-    residuals: tuple[PointError, ...]
-    held_out: tuple[PointError, ...]
+    residuals: tuple[PointError, ...]  # in-sample, on the fit sizes
+    leave_one_out: tuple[PointError, ...]  # each fit size >= held_out_min_bytes, fit redone without it
+    held_out: tuple[PointError, ...] = ()  # held-out sizes >= held_out_min_bytes, never in the fit
 
     @property
     def latency_s(self) -> float:
@@ -142,13 +151,22 @@ class AlphaBetaFit:
 
     @property
     def max_held_out_error(self) -> float | None:
-        """Largest |relative error| among held-out points, or None if there are none."""
+        """Largest |relative error| on the held-out sizes, or None if there are none."""
         return max((abs(e.relative_error) for e in self.held_out), default=None)
 
+    @property
+    def max_leave_one_out_error(self) -> float | None:
+        """Largest |relative error| of the leave-one-out predictions, or None if there are none."""
+        return max((abs(e.relative_error) for e in self.leave_one_out), default=None)
+
     def __str__(self) -> str:
-        """One line per size range; the first also gives the largest held-out error."""
-        worst = self.max_held_out_error
-        held = "n/a" if worst is None else f"{100 * worst:.1f}%"
+        """One line per size range; the first also gives the largest held-out-size and
+        leave-one-out errors."""
+
+        def percent(worst: float | None) -> str:
+            return "n/a" if worst is None else f"{100 * worst:.1f}%"
+
+        held = f"{percent(self.max_held_out_error)} (leave-one-out {percent(self.max_leave_one_out_error)})"
         lines = []
         for i, seg in enumerate(self.segments):
             if i == 0:
@@ -251,16 +269,24 @@ def fit_collective(
     group_size: int,
     points: Sequence[TimedPoint],
     held_out_min_bytes: int = HELD_OUT_MIN_BYTES,
+    test_points: Sequence[TimedPoint] = (),
 ) -> AlphaBetaFit:
-    """Fit ``kind`` on ``points`` and report in-sample and leave-one-out errors (see module doc)."""
+    """Fit ``kind`` on ``points`` (the fit sizes) and report in-sample, leave-one-out and
+    held-out-size errors (see module doc). ``test_points`` are the held-out sizes' measurements:
+    they are only compared with the fit's predictions, never fitted."""
     points = sorted(points, key=lambda p: p.size_bytes)
     fit = AlphaBetaFit(kind, group_size, _fit(kind, group_size, points), (), ())
     residuals = tuple(PointError(p.size_bytes, p.time_s, fit.predict_s(p.size_bytes)) for p in points)
-    held_out = []
+    leave_one_out = []
     if len(points) >= 3:
         for i, p in enumerate(points):
             if p.size_bytes < held_out_min_bytes:
                 continue
             without = AlphaBetaFit(kind, group_size, _fit(kind, group_size, points[:i] + points[i + 1 :]), (), ())
-            held_out.append(PointError(p.size_bytes, p.time_s, without.predict_s(p.size_bytes)))
-    return AlphaBetaFit(kind, group_size, fit.segments, residuals, tuple(held_out))
+            leave_one_out.append(PointError(p.size_bytes, p.time_s, without.predict_s(p.size_bytes)))
+    held_out = tuple(
+        PointError(p.size_bytes, p.time_s, fit.predict_s(p.size_bytes))
+        for p in sorted(test_points, key=lambda p: p.size_bytes)
+        if p.size_bytes >= held_out_min_bytes
+    )
+    return AlphaBetaFit(kind, group_size, fit.segments, residuals, tuple(leave_one_out), held_out)

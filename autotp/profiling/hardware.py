@@ -10,8 +10,10 @@ Which mesh axis feeds which link of the profile:
   gets the other link's figures, and ``source`` says that too.
 
 ``measurements`` keeps what the figures came from: backend, world size, mesh, date,
-torch version, hosts, the raw sweep per axis and kind (``size_bytes``, ``time_s``), and
-each fit with its size ranges, in-sample residuals and held-out (leave-one-out) errors.
+torch version, hosts, the raw sweep per axis and kind (``sweep``: the fit sizes;
+``held_out_sweep``: the held-out sizes, never fitted), each fit with its size ranges,
+in-sample ``residuals``, ``held_out`` errors (the fit's prediction on each held-out size
+>= 1 MiB) and ``leave_one_out`` errors, and ``held_out_summary`` (within 25%, of, worst).
 A fit of several size ranges becomes a ``CollectiveCost`` with ``segments``.
 """
 
@@ -28,9 +30,16 @@ import torch
 from autotp.profiling import collectives
 from autotp.profiling.config import ProfileConfig, format_size
 from autotp.profiling.device import DeviceMeasurement
-from autotp.profiling.fit import BREAKPOINT_PENALTY, MAX_SEGMENTS, AlphaBetaFit, TimedPoint, fit_collective
+from autotp.profiling.fit import (
+    BREAKPOINT_PENALTY,
+    HELD_OUT_MIN_BYTES,
+    MAX_SEGMENTS,
+    AlphaBetaFit,
+    TimedPoint,
+    fit_collective,
+)
 from autotp.profiling.sweep import AxisGroup, SweepPoint
-from autotp.profiling.table import format_fits
+from autotp.profiling.table import HELD_OUT_TOLERANCE, format_fits, held_out_summary, leave_one_out_summary
 
 LINKS = ("intra_node", "inter_node")
 
@@ -48,12 +57,18 @@ class RunInfo:
 
 
 def fit_sweep(points: Sequence[SweepPoint]) -> dict[tuple[int, str], AlphaBetaFit]:
-    """One alpha-beta fit per (axis, kind) of the sweep."""
+    """One alpha-beta fit per (axis, kind) of the sweep: on the fit sizes only; the held-out
+    sizes are the fit's test points."""
     by_key: dict[tuple[int, str], list[SweepPoint]] = {}
     for p in points:
         by_key.setdefault((p.axis, p.kind), []).append(p)
     return {
-        key: fit_collective(key[1], pts[0].group_size, [TimedPoint(p.size_bytes, p.time_s) for p in pts])
+        key: fit_collective(
+            key[1],
+            pts[0].group_size,
+            [TimedPoint(p.size_bytes, p.time_s) for p in pts if not p.held_out],
+            test_points=[TimedPoint(p.size_bytes, p.time_s) for p in pts if p.held_out],
+        )
         for key, pts in by_key.items()
     }
 
@@ -105,7 +120,11 @@ def measurements_dict(
             "groups": [list(grp) for grp in g.axis.groups],
             "links": [link for link, index in links.items() if index == g.axis.index],
             "sweep": {
-                kind: [p.to_dict() for p in points if p.axis == g.axis.index and p.kind == kind]
+                kind: [p.to_dict() for p in points if p.axis == g.axis.index and p.kind == kind and not p.held_out]
+                for kind in collectives.KINDS
+            },
+            "held_out_sweep": {
+                kind: [p.to_dict() for p in points if p.axis == g.axis.index and p.kind == kind and p.held_out]
                 for kind in collectives.KINDS
             },
             "fit": {},
@@ -118,13 +137,22 @@ def measurements_dict(
                 "segments": [seg.to_dict() for seg in fit.segments],
                 "group_size": fit.group_size,
                 "method": (
-                    "least squares on relative error, all points, in up to "
+                    "least squares on relative error, the fit sizes (sweep) only, in up to "
                     f"{MAX_SEGMENTS} size ranges (penalty {BREAKPOINT_PENALTY:g} per breakpoint); "
-                    "held_out = leave-one-out of the whole fit, ranges included"
+                    "held_out = the fit's error on each held-out size (held_out_sweep, never fitted); "
+                    "leave_one_out = each fit size left out of the whole fit, ranges included"
                 ),
                 "residuals": [e.to_dict() for e in fit.residuals],
                 "held_out": [e.to_dict() for e in fit.held_out],
+                "leave_one_out": [e.to_dict() for e in fit.leave_one_out],
             }
+    ordered = list(fits.values())
+    summaries = {}
+    for name, summary in (("held_out_summary", held_out_summary(ordered)),
+                          ("leave_one_out_summary", leave_one_out_summary(ordered))):
+        if summary is not None:
+            within, total, worst = summary
+            summaries[name] = {"tolerance": HELD_OUT_TOLERANCE, "within": within, "of": total, "worst": worst}
     return {
         "tool": "autotp profile",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -141,6 +169,14 @@ def measurements_dict(
         "min_time_s": config.min_time_s,
         "rounds": config.rounds,
         "statistic": "median over blocks of the block mean on the slowest rank",
+        "held_out": (
+            "geometric midpoints between consecutive fit sizes, rounded to a multiple of 4 bytes times the "
+            "group size, timed interleaved with the fit sizes in the same rounds, never fitted; errors "
+            f"reported from {format_size(HELD_OUT_MIN_BYTES)}"
+            if config.held_out
+            else None
+        ),
+        **summaries,
         "check": config.check,
         "wrong": sum(p.wrong or 0 for p in points) if config.check else None,
         "axes": axes,
@@ -190,11 +226,23 @@ def build_profile(
         f"Collectives: float32, {format_size(sizes[0])}..{format_size(sizes[-1])}; a point is the median "
         f"over blocks of {config.iters} runs (each block's mean taken on the slowest rank), timed for "
         f"{config.min_time_s:g} s over {config.rounds} round(s); alpha-beta fit on busbw (relative least "
-        f"squares over all sizes, in up to {MAX_SEGMENTS} size ranges where one line does not fit; "
-        f"leave-one-out errors in measurements)"
+        f"squares over the sweep's sizes, in up to {MAX_SEGMENTS} size ranges where one line does not fit"
+        + (
+            "; prediction errors on held-out sizes (midpoints between the sizes, never fitted) and "
+            "leave-one-out errors in measurements)"
+            if config.held_out
+            else "; leave-one-out errors in measurements)"
+        )
         + (f"; {rs_note}" if rs_note else "")
         + f". Device: {device.device_name} with {device.threads} thread(s), torch.mm peak over n in "
-        f"{sorted({m.n for m in device.matmuls})}, copy bandwidth (read+write), tiny-op overhead; "
+        f"{sorted({m.n for m in device.matmuls})}, copy bandwidth (read+write), tiny-op overhead"
+        + (", matmul_curve (a linear layer's three training products, n tokens x n in x 4n out)"
+           if device.matmul_curve else "")
+        + (", memory_curve (a + b into a fresh output, operands from a ring no cache holds)"
+           if device.memory_curve else "")
+        + (", memory_overlap (a float32 matmul whose compute and memory times are about equal)"
+           if device.memory_overlap is not None else "")
+        + "; "
         f"memory_bytes = {'device memory' if device.device_type == 'cuda' else 'host RAM'}."
     )
     return HardwareProfile(
@@ -205,6 +253,9 @@ def build_profile(
             memory_bandwidth_bytes_per_s=device.memory_bandwidth_bytes_per_s,
             memory_bytes=device.memory_bytes,
             kernel_overhead_s=device.kernel_overhead_s,
+            matmul_curve={dtype: points for dtype, points in device.matmul_curve.items() if points} or None,
+            memory_curve=device.memory_curve or None,
+            memory_overlap=1.0 if device.memory_overlap is None else device.memory_overlap,
         ),
         devices_per_node=info.local_world_size,
         links=link_specs,
@@ -235,6 +286,12 @@ def report_and_write(
         f"{device.memory_bandwidth_bytes_per_s / 1e9:.3g} GB/s; kernel overhead "
         f"{device.kernel_overhead_s * 1e6:.3g} us; memory {format_size(device.memory_bytes)}"
     )
+    if device.matmul_curve and device.memory_curve:
+        matmul = "; ".join(f"{dtype} " + " ".join(f"{r / 1e12:.3g}" for _, r in points)
+                           for dtype, points in device.matmul_curve.items())
+        memory = " ".join(f"{r / 1e9:.3g}" for _, r in device.memory_curve)
+        print(f"# Device curves: matmul TFLOP/s by size: {matmul}; memory GB/s by size: {memory}; "
+              f"memory overlap {device.memory_overlap if device.memory_overlap is not None else 1.0:.2f}")
     profile = build_profile(config, info, groups, points, device, fits)
     if config.output:
         write_text_atomic(config.output, profile.to_json())

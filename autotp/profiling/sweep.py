@@ -22,6 +22,19 @@ runs of 1 ms swings by half from one moment to the next. The median over many bl
 ignores the blocks a stall hit; spreading a size's blocks over rounds, in alternating
 order, exposes every size to the same slow drifts, so the sizes stay comparable with each
 other, which is what the fit needs. On a quiet machine they change only the run time.
+How many rounds: on this project's 2-vCPU VM (gloo, 1-16 MiB, 6 rounds recorded twice),
+the median over all 6 rounds put the fit's error on held-out sizes within 19%, the median
+over 3 of them (either half) up to 44%: a size's level moves by 30-50% between rounds, so
+``autotp profile`` uses 5 rounds by default (the large sizes, one block per round, cost
+most of the extra time).
+
+Held-out sizes (``held_out=True``, the default of ``autotp profile``): besides the fit
+sizes, every axis also times :func:`held_out_sizes`, the geometric midpoint between each two
+consecutive fit sizes, rounded to a multiple of the element size times the group size (so
+every rank's shard is whole for every collective). They are interleaved with the fit sizes
+(ascending 1 KiB, ~1.41 KiB, 2 KiB, ...; each round passes a held-out size right after or
+before its neighbours), timed exactly like them, and marked ``held_out`` in their
+:class:`SweepPoint`: the fit never sees them, they test its predictions (``fit.py``).
 
 All ranks must call :func:`sweep` with the same arguments; only the callbacks differ
 (rank 0 prints, every rank reports progress to the launcher's watchdog).
@@ -29,6 +42,7 @@ All ranks must call :func:`sweep` with the same arguments; only the callbacks di
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -53,6 +67,7 @@ class SweepPoint:
     time_s: float  # median over blocks of the block's mean on the slowest rank
     wrong: int | None  # None when not checked
     runs: int = 0  # timed runs: iters times the number of blocks
+    held_out: bool = False  # a held-out size: measured to test the fit, never fitted
 
     @property
     def algbw_bytes_per_s(self) -> float:
@@ -70,6 +85,37 @@ class SweepPoint:
             "runs": self.runs,
             "wrong": self.wrong,
         }
+
+
+def held_out_sizes(sizes_bytes: Sequence[int], group_size: int) -> tuple[int, ...]:
+    """The held-out sizes between the fit sizes ``sizes_bytes`` on a group of ``group_size``.
+
+    For each two consecutive sizes as measured (``collectives.element_count`` may round a
+    fit size down), the geometric midpoint rounded to the nearest multiple of
+    ``DTYPE_BYTES * group_size``; kept only when strictly between the two, so it is never a
+    fit size.
+
+    >>> held_out_sizes([1024, 2048, 4096], 2)
+    (1448, 2896)
+    >>> held_out_sizes([1 << 20, 1 << 21], 3)
+    (1482900,)
+    """
+    unit = collectives.DTYPE_BYTES * group_size
+    measured = sorted({collectives.element_count(s, group_size) * collectives.DTYPE_BYTES for s in sizes_bytes})
+    result = []
+    for lo, hi in zip(measured, measured[1:]):
+        mid = round(math.sqrt(lo * hi) / unit) * unit
+        if lo < mid < hi:
+            result.append(mid)
+    return tuple(result)
+
+
+def planned_sizes(sizes_bytes: Sequence[int], group_size: int, held_out: bool) -> tuple[tuple[int, bool], ...]:
+    """``(size, is_held_out)`` in the order the sweep takes them: fit and held-out sizes interleaved."""
+    planned = [(s, False) for s in sizes_bytes]
+    if held_out:
+        planned += [(s, True) for s in held_out_sizes(sizes_bytes, group_size)]
+    return tuple(sorted(planned))
 
 
 @dataclass(frozen=True)
@@ -183,9 +229,11 @@ def sweep_kind(
     on_point: OnPoint,
     first_step: int = 1,
     corrupt_check: bool = False,
+    held_out: Sequence[bool] = (),
 ) -> list[SweepPoint]:
     """All sizes of one kind on one axis: prepare (warm up, check) each, then ``rounds``
-    rounds over the sizes, alternating ascending and descending order.
+    rounds over the sizes, alternating ascending and descending order. ``held_out[i]``
+    marks ``sizes_bytes[i]`` as a held-out size (default: none is).
 
     The buffers of all sizes live at once (about 4x the largest message per rank, for
     all_to_all), so that a round can come back to a size without allocating again.
@@ -221,8 +269,9 @@ def sweep_kind(
             time_s=time_s,
             wrong=w,
             runs=k,
+            held_out=h,
         )
-        for call, time_s, w, k in zip(calls, times_s, wrong, runs)
+        for call, time_s, w, k, h in zip(calls, times_s, wrong, runs, list(held_out) + [False] * len(calls))
     ]
 
 
@@ -243,6 +292,15 @@ def steps_per_kind(n_sizes: int, timing: Timing) -> int:
     return n_sizes * (1 + timing.rounds)
 
 
+def total_steps(
+    groups: Sequence[AxisGroup], n_kinds: int, sizes_bytes: Sequence[int], timing: Timing, held_out: bool
+) -> int:
+    """Steps of a whole :func:`sweep` (for the progress line)."""
+    return sum(
+        n_kinds * steps_per_kind(len(planned_sizes(sizes_bytes, len(g.ranks), held_out)), timing) for g in groups
+    )
+
+
 def sweep(
     groups: Sequence[AxisGroup],
     kinds: Sequence[str],
@@ -256,17 +314,20 @@ def sweep(
     on_point: OnPoint = lambda step, group, kind, size, phase: None,
     on_kind_done: Callable[[AxisGroup, str, list[SweepPoint]], None] = lambda group, kind, points: None,
     corrupt_check: bool = False,
+    held_out: bool = False,
 ) -> tuple[SweepPoint, ...]:
     """Every axis x kind x size. ``on_point(step, group, kind, size, phase)`` is called
-    before each step (counting from 1), ``on_kind_done`` after the last round of a kind."""
+    before each step (counting from 1), ``on_kind_done`` after the last round of a kind.
+    ``held_out``: also time each axis's :func:`held_out_sizes`, interleaved (module doc)."""
     results: list[SweepPoint] = []
     step = 1
     for group in groups:
+        planned = planned_sizes(sizes_bytes, len(group.ranks), held_out)
         for kind in kinds:
             points = sweep_kind(
                 group,
                 kind,
-                sizes_bytes,
+                [size for size, _ in planned],
                 timing,
                 rank=rank,
                 device=device,
@@ -275,8 +336,9 @@ def sweep(
                 on_point=on_point,
                 first_step=step,
                 corrupt_check=corrupt_check,
+                held_out=[h for _, h in planned],
             )
-            step += steps_per_kind(len(sizes_bytes), timing)
+            step += steps_per_kind(len(planned), timing)
             on_kind_done(group, kind, points)
             results.extend(points)
     return tuple(results)

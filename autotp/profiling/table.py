@@ -7,7 +7,12 @@ them: bytes, elements, microseconds, GB/s = 1e9 bytes per second)::
     #       size         count      type     time   algbw   busbw #wrong
     #        (B)    (elements)               (us)  (GB/s)  (GB/s)
             1024           256     float    35.17    0.03    0.03      0
+            1448           362     float    36.02    0.04    0.04      0 *
     # Avg bus bandwidth    : 0.0291
+    # * held-out size: timed in the same rounds, never used by the fit
+
+A trailing ``*`` marks a held-out size (``sweep.held_out_sizes``); other rows are exactly
+nccl-tests' columns.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ def format_row(point: SweepPoint) -> str:
     return (
         f"{point.size_bytes:12d}  {point.count:12d}  {DTYPE_NAME:>8}  {_time_us(point.time_s)}"
         f"  {point.algbw_bytes_per_s / 1e9:6.2f}  {point.busbw_bytes_per_s / 1e9:6.2f}  {wrong:>5}"
+        + (" *" if point.held_out else "")
     )
 
 
@@ -50,39 +56,63 @@ def format_table(title: str, points: Sequence[SweepPoint]) -> str:
     lines = [f"# {title}", _HEADER.rstrip()]
     lines += [format_row(p) for p in points]
     lines.append(f"# Avg bus bandwidth    : {average_busbw_bytes_per_s(points) / 1e9:.4g}")
+    if any(p.held_out for p in points):
+        lines.append("# * held-out size: timed in the same rounds, never used by the fit")
     return "\n".join(lines)
 
 
+def _summary(errors: Sequence[float]) -> tuple[int, int, float]:
+    """``(within tolerance, total, worst)`` of relative errors."""
+    worst = max(abs(e) for e in errors)
+    return sum(abs(e) <= HELD_OUT_TOLERANCE for e in errors), len(errors), worst
+
+
+def held_out_summary(fits: Sequence[AlphaBetaFit]) -> tuple[int, int, float] | None:
+    """``(within 25%, held-out sizes, worst |error|)`` over all fits, or None without held-out sizes."""
+    errors = [e.relative_error for fit in fits for e in fit.held_out]
+    return _summary(errors) if errors else None
+
+
+def leave_one_out_summary(fits: Sequence[AlphaBetaFit]) -> tuple[int, int, float] | None:
+    """The same as :func:`held_out_summary` for the leave-one-out predictions."""
+    errors = [e.relative_error for fit in fits for e in fit.leave_one_out]
+    return _summary(errors) if errors else None
+
+
 def format_fits(fits: Sequence[tuple[str, AlphaBetaFit]]) -> str:
-    """The fitted figures, one line per (axis, kind), then every held-out point's error."""
+    """The fitted figures, one line per (axis, kind); every held-out size's error; the
+    held-out summary (the headline) and the leave-one-out summary."""
+    tol = f"{100 * HELD_OUT_TOLERANCE:.0f}%"
     lines = [
-        "# Fit: time = latency_s + size * bus_factor / busbw (relative least squares, all points), "
+        "# Fit: time = latency_s + size * bus_factor / busbw (relative least squares on the fit sizes), "
         f"a new size range only where it removes >= {BREAKPOINT_PENALTY:g} of squared relative error"
     ]
     lines += [f"# {axis_name:<6} {line}" for axis_name, fit in fits for line in str(fit).splitlines()]
     held = [(name, fit, e) for name, fit in fits for e in fit.held_out]
     if held:
-        lines.append("# Held-out (leave-one-out) prediction error on sizes >= 1 MiB:")
+        lines.append("# Held-out sizes (timed in the same rounds, never fitted) >= 1 MiB: the fit's prediction error")
         lines.append("#   axis   kind                 size(B)  measured(us)  predicted(us)   error")
         for name, fit, e in held:
             lines.append(
                 f"#   {name:<6} {fit.kind:<14} {e.size_bytes:>13d}  {e.measured_s * 1e6:12.1f}"
                 f"  {e.predicted_s * 1e6:13.1f}  {100 * e.relative_error:+6.1f}%"
             )
-        errors = [abs(e.relative_error) for _, _, e in held]
-        within = sum(err <= HELD_OUT_TOLERANCE for err in errors)
+        within, total, worst = held_out_summary([fit for _, fit in fits])
+        lines.append(f"# Held-out summary: {within} of {total} held-out sizes within {tol}, worst {100 * worst:.1f}%")
+    loo = leave_one_out_summary([fit for _, fit in fits])
+    if loo is not None:
+        within, total, worst = loo
         lines.append(
-            f"# Held-out summary: {within} of {len(errors)} points within {100 * HELD_OUT_TOLERANCE:.0f}%, "
-            f"worst {100 * max(errors):.1f}%"
+            f"# Leave-one-out (stricter: each fit size >= 1 MiB left out and the whole fit redone; "
+            f"an extrapolation at the ends of a range): {within} of {total} within {tol}, worst {100 * worst:.1f}%"
         )
-        for name, fit in fits:
-            worst = fit.max_held_out_error
-            if worst is not None and worst > HELD_OUT_TOLERANCE:
-                lines.append(
-                    f"# note: {fit.kind} on {name}: held-out error up to {100 * worst:.0f}%; its times do not "
-                    f"follow {len(fit.segments)} straight line(s) in size closely (noise, or a step at a size "
-                    "no other point shows)"
-                )
+    for name, fit in fits:
+        worst = fit.max_held_out_error
+        if worst is not None and worst > HELD_OUT_TOLERANCE:
+            lines.append(
+                f"# note: {fit.kind} on {name}: held-out sizes off by up to {100 * worst:.0f}%; its times do not "
+                f"follow {len(fit.segments)} straight line(s) in size closely (noise, or a step between sizes)"
+            )
     return "\n".join(lines)
 
 

@@ -28,7 +28,7 @@ from autotp.profiling.device import measure_device
 from autotp.profiling.heartbeat import Fault, Heartbeat
 from autotp.profiling.launch import CONFIG_ENV, LAUNCHED_ENV
 from autotp.profiling.mesh import mesh_axes
-from autotp.profiling.sweep import AxisGroup, SweepPoint, Timing, barrier, new_axis_groups, steps_per_kind, sweep
+from autotp.profiling.sweep import AxisGroup, SweepPoint, Timing, barrier, new_axis_groups, sweep, total_steps
 from autotp.profiling.table import Progress, format_table
 
 # What ProcessGroupGloo does for reduce_scatter_tensor in torch 2.13 (read from its source,
@@ -66,10 +66,17 @@ def _slowest_rank(mine, world_size: int):
     every = [None] * world_size
     dist.all_gather_object(every, mine)
     peak = {dtype: min(m.peak_flops[dtype] for m in every) for dtype in mine.peak_flops}
+
+    def slowest(curves):  # point by point; a rank that stopped early (a slow device) ends the curve
+        return tuple((points[0][0], min(rate for _, rate in points)) for points in zip(*curves))
+
     return dataclasses.replace(
         mine, peak_flops=peak,
         memory_bandwidth_bytes_per_s=min(m.memory_bandwidth_bytes_per_s for m in every),
-        kernel_overhead_s=max(m.kernel_overhead_s for m in every))
+        kernel_overhead_s=max(m.kernel_overhead_s for m in every),
+        matmul_curve={dtype: slowest([m.matmul_curve[dtype] for m in every]) for dtype in mine.matmul_curve},
+        memory_curve=slowest([m.memory_curve for m in every]),
+        memory_overlap=None if mine.memory_overlap is None else min(m.memory_overlap for m in every))
 
 
 def run_rank(config: ProfileConfig, launched: bool) -> int:
@@ -137,8 +144,8 @@ def _profile(
 
     sizes = config.sizes_bytes
     timing = Timing(config.iters, config.warmup_iters, config.min_time_s, config.rounds)
-    total_steps = len(groups) * len(collectives.KINDS) * steps_per_kind(len(sizes), timing)
-    progress = Progress(total_steps, enabled=lead)
+    steps = total_steps(groups, len(collectives.KINDS), sizes, timing, config.held_out)
+    progress = Progress(steps, enabled=lead)
 
     def on_point(step: int, group: AxisGroup, kind: str, size: int, phase: str) -> None:
         heartbeat.beat(step, f"{group.axis.name} {kind} {format_size(size)} {phase}")
@@ -169,9 +176,10 @@ def _profile(
         on_point=on_point,
         on_kind_done=on_kind_done,
         corrupt_check=heartbeat.fault is not None and heartbeat.fault.corrupts(rank),
+        held_out=config.held_out,
     )
     progress.clear()
-    step = total_steps
+    step = steps
     heartbeat.beat(step + 1, "measuring the device")
     if lead:
         print("measuring the device (matmul FLOP/s, memory bandwidth, kernel overhead) ...", file=sys.stderr)
