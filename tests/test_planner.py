@@ -276,6 +276,19 @@ def test_a_tight_budget_shards_what_it_must():
     _cache[("budget", "llama")] = plan
 
 
+def test_a_budget_just_around_the_best_plan():
+    """Just above what the best unconstrained plan holds, the budget changes nothing; just below it,
+    the plan found fits and can only be slower."""
+    free = _fast_plan("llama")
+    held = free.memory_per_device().total_bytes
+    assert held < _slow_plan("llama").memory_per_device().total_bytes  # not every plan fits 1.01x
+    roomy = plan_graph(_graph("llama"), (8,), FAST, mode="train", memory_budget=1.01 * held)
+    assert dict(roomy.strategies) == dict(free.strategies)
+    tight = plan_graph(_graph("llama"), (8,), FAST, mode="train", memory_budget=0.99 * held)
+    assert tight.memory_per_device().total_bytes <= 0.99 * held
+    assert tight.predicted_time().total_s >= free.predicted_time().total_s * (1 - 1e-5)
+
+
 def test_a_budget_below_the_minimum_raises_with_the_minimum():
     graph = _graph("llama")
     with pytest.raises(autotp.MemoryBudgetError) as info:
