@@ -59,7 +59,7 @@ __all__ = ["solve", "Solution", "MemoryBudgetError", "SolverError"]
 # 1e-5, not a looser 1e-3: alternatives such as a weight kept whole against one stored split and
 # gathered (all_reduce against all_gather + reduce_scatter of the same bytes) differ by a few
 # latencies, 0.01% of a step, and a looser gap returns whichever the search met first. The tight
-# gap costs nothing measurable: 70B on (8, 8) solves in 17 s at 1e-5 against 21 s at 1e-3.
+# gap cost no measurable time on the 8B and 70B shapes (benchmarks/plan_time.py).
 MIP_GAP = float(os.environ.get("AUTOTP_MIP_GAP", "1e-5"))
 OBJECTIVE_SCALE = 1e3  # the objective is handed to the solver in milliseconds
 
@@ -451,18 +451,21 @@ def solve(graph: OpGraph, strategies: Mapping[str, Sequence[Strategy]], rep: Map
     f.objective_terms()
     # The memory row goes in only when the best plan without it does not fit: a plan that is optimal
     # without the row and fits is optimal with it, and the row (a knapsack over every choice) slows
-    # the search even where it does not bind (70B on (8, 8): 25 s with it, 20 s without).
+    # the search even where it does not bind (70B on (8, 8), back to back: 25 s with it, 18 s without).
     name, choice_rep = _run(f, time_limit_s, memory_budget_bytes)
     if f.memory_row is not None and f.memory_bytes(choice_rep) > f.budget:
         f.prob += f.memory_row, "memory"
-        left_s = max(1.0, time_limit_s - (time.perf_counter() - start))
+        # the constrained solve gets what is left, but never less than half the limit: a first solve
+        # that ran long must not leave the real one too little time to find any plan
+        left_s = max(time_limit_s / 2, time_limit_s - (time.perf_counter() - start))
         name, choice_rep = _run(f, left_s, memory_budget_bytes)
     optimal = f.prob.sol_status == pulp.LpSolutionOptimal
+    spent_s = time.perf_counter() - start
     return Solution(
         choice={n.name: f.fmap[rep[n.name]][choice_rep[f.root[rep[n.name]]]] for n in graph.nodes},
         objective_s=float(pulp.value(f.prob.objective) or 0.0) / OBJECTIVE_SCALE, variables=f.n_vars,
-        constraints=f.prob.numConstraints(), seconds=time.perf_counter() - start, optimal=optimal,
-        solver=name, status="optimal" if optimal else f"best found within {time_limit_s:g} s (not proven optimal)",
+        constraints=f.prob.numConstraints(), seconds=spent_s, optimal=optimal,
+        solver=name, status="optimal" if optimal else f"best found in {spent_s:.0f} s (not proven optimal)",
         representatives=len(f.roots),
     )
 
