@@ -3,8 +3,10 @@
 Two sibling modules (children of the same module in the graph's ``nn_module_stack``) are tied when
 their node sequences are identical (same ops, same non-tensor arguments, same shapes and dtypes,
 same wiring inside the module, and the same parameters used only inside it) AND they are links of
-one chain: the later module reads a tensor made inside the earlier one, and every other tensor it
-reads from outside is one the earlier module reads too (the rotary tables, the mask). That is a
+one chain: the later module reads a tensor computed from the earlier one (made inside it, or by the
+parent's own nodes from its output, as a residual add ``h = h + layer(h)`` written in the parent
+is), and every tensor it reads from outside is either read by the earlier module too (the rotary
+tables, the mask) or computed from the earlier one and from no member outside the chain. That is a
 stack of layers, where every layer sits in the same context, so one strategy serves them all; the
 first and last layer of a stack may gain a little from their own (3e-4 of the step on a 3-layer
 GPT, tests/test_tying.py), which tying gives up for a problem a stack's depth smaller.
@@ -78,20 +80,50 @@ def _outside_reads(graph: OpGraph, names: list[str]) -> list[str]:
                               if src not in inside and graph[src].role == OP))
 
 
+_OTHER = -1  # "computed inside a sibling module that is not a member"
+
+
+def _member_ancestry(graph: OpGraph, member_names: list[list[str]], depth: int) -> dict[str, frozenset[int]]:
+    """For every node, the members (by index) it is computed from through the parent's own nodes.
+
+    Members' nodes give their index and stop there; a node inside another sibling (its module
+    stack deeper than ``depth``, the members' parent's) gives ``_OTHER`` and stops there too, so
+    a tensor computed from a member through some other module is not counted as the member's.
+    """
+    owner = {n: i for i, names in enumerate(member_names) for n in names}
+    above: dict[str, frozenset[int]] = {}
+    for node in graph.nodes:  # topological order
+        if node.name in owner:
+            above[node.name] = frozenset((owner[node.name],))
+        elif len(node.module_stack) > depth:
+            above[node.name] = frozenset((_OTHER,))
+        else:
+            above[node.name] = frozenset().union(*(above.get(src, frozenset()) for src in node.inputs))
+    return above
+
+
 def _chains(graph: OpGraph, members: dict[str, list[str]], group: list[tuple[str, list[str]]]
             ) -> list[list[tuple[str, list[str]]]]:
     """Split a group of matching siblings (in graph order) into chains of consecutive links."""
-    chains: list[list[tuple[str, list[str]]]] = []
-    for entry in group:
+    if len(group) < 2:
+        return [list(group)]
+    names = [members[path] for path, _ in group]
+    depth = graph[names[0][0]].module_stack.index(group[0][0])  # the members' place in a module stack
+    above = _member_ancestry(graph, names, depth)
+    chains: list[list[int]] = []
+    for j in range(len(group)):
         if chains:
-            prev_names = members[chains[-1][-1][0]]
-            prev_inside, prev_reads = set(prev_names), set(_outside_reads(graph, prev_names))
-            reads = _outside_reads(graph, members[entry[0]])
-            if any(r in prev_inside for r in reads) and all(r in prev_inside or r in prev_reads for r in reads):
-                chains[-1].append(entry)
+            prev, links = chains[-1][-1], set(chains[-1])
+            prev_reads = set(_outside_reads(graph, names[prev]))
+            reads = _outside_reads(graph, names[j])
+            # every outside read is shared context, or carries the previous link's output and no
+            # other member's (q and o of one block both feed o's input: not a chain)
+            if reads and all(r in prev_reads or (prev in above[r] and above[r] - {_OTHER} <= links)
+                             for r in reads) and any(prev in above[r] for r in reads):
+                chains[-1].append(j)
                 continue
-        chains.append([entry])
-    return chains
+        chains.append([j])
+    return [[group[j] for j in chain] for chain in chains]
 
 
 def find_repeats(graph: OpGraph) -> dict[str, str]:

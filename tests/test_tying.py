@@ -7,6 +7,7 @@ The reference for "loses nothing" is the solver run on the same graph with every
 from __future__ import annotations
 
 import pytest
+import torch
 
 import autotp
 from autotp.costing import CostModel
@@ -41,6 +42,40 @@ def test_a_stack_of_layers_ties_every_layer_to_the_first(factory):
     for p in graph.parameters:  # layer k's weights take layer 0's variables
         if p.fqn.startswith("layers.") and not p.fqn.startswith("layers.0."):
             assert graph.parameter("layers.0." + p.fqn.split(".", 2)[2]).node == rep[p.node], p.fqn
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(dim, 4 * dim), torch.nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+class _ParentResidual(torch.nn.Module):
+    """A stack whose residual adds live in the parent: ``h = h + block(h)``."""
+
+    def __init__(self, dim: int = 32, depth: int = 4) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(dim, dim)
+        self.blocks = torch.nn.ModuleList(_Block(dim) for _ in range(depth))
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return h
+
+
+def test_a_stack_with_its_residual_adds_in_the_parent_ties():
+    with torch.device("meta"):
+        model, x = _ParentResidual(), torch.randn(8, 32)
+    graph = autotp.capture(model, (x,))
+    by_module = _by_module(graph, find_repeats(graph))
+    for k in (1, 2, 3):
+        for part in ("up", "down"):
+            assert by_module.get(f"blocks.{k}.{part}") == f"blocks.0.{part}", by_module
 
 
 def test_matching_siblings_in_different_places_stay_free():
