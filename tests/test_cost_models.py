@@ -30,7 +30,7 @@ from cost_models import (
     load_profile,
     model_state_bytes,
 )
-from cost_models import communication, compute, hardware, memory
+from cost_models import communication, compute, device, hardware, links, memory
 
 PACKAGE_DIR = Path(cost_models.__file__).parent
 GiB = 2**30
@@ -637,7 +637,7 @@ def test_cost_models_never_imports_autotp():
                 assert name.split(".")[0] not in {"autotp", "torch"}, f"{path.name} imports {name}"
 
 
-@pytest.mark.parametrize("module", [cost_models, communication, compute, hardware, memory])
+@pytest.mark.parametrize("module", [cost_models, communication, compute, device, hardware, links, memory])
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0

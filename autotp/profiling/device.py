@@ -174,7 +174,7 @@ def measure_memory_overlap(device: torch.device, matmul_curve: Sequence[tuple[fl
                            memory_curve: Sequence[tuple[float, float]], overlap_bytes: int = 64 << 20,
                            min_time_s: float = 0.2) -> float:
     """Share (0..1) of a float32 matmul's memory time hidden under its compute time (module doc)."""
-    from cost_models.hardware import interpolate_rate
+    from cost_models.device import interpolate_rate
 
     matmul_curve, memory_curve = tuple(matmul_curve), tuple(memory_curve)
     n = max(16, int(math.isqrt(overlap_bytes // 4)))
