@@ -126,11 +126,11 @@ class CostModel:
         """Roofline seconds of the node's local work (forward, plus backward when training)."""
         if node.is_placeholder or node.is_view:
             return 0.0
-        # the work splits over an axis only where some tensor is cut in pieces on it: a partial (P)
-        # operand has its full shape on every rank, so an op on partials does the whole work on each
+        # the work splits over an axis only where some tensor is cut in pieces on it: an op on
+        # partials (P) does the whole work on every rank
         work_divisor = 1
         for a, n in enumerate(self.mesh.shape):
-            if any(p is not None and p[a].is_shard for p in (*strategy.inputs, strategy.output)):
+            if strategy.split_on(a):
                 work_divisor *= n
         flops = node.flops / work_divisor
         in_bytes = [(self.local_bytes(i, p), i.is_float) for i, p in zip(node.input_infos, strategy.inputs)]

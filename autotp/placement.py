@@ -120,6 +120,11 @@ class Strategy:
             return True
         return any(i is not None and not i[axis].is_replicate for i in self.inputs)
 
+    def split_on(self, axis: int) -> bool:
+        """True when some tensor of the strategy is cut in pieces (``S``) on ``axis``. Unlike
+        :meth:`sharded_on`, a partial (``P``) does not count: it has its full shape on every rank."""
+        return any(p is not None and p[axis].is_shard for p in (*self.inputs, self.output))
+
 
 def shard_divisor(shape: Sequence[int], placements: Iterable[Placement], mesh_shape: Sequence[int]) -> int:
     """How many pieces the tensor is cut into (product of axis sizes over the sharded axes)."""

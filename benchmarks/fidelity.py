@@ -184,34 +184,43 @@ def _ties(planned: dict, predicted: dict) -> list[tuple[str, str]]:
             if abs(predicted[a] - predicted[b]) <= 1e-3 * max(predicted[a], predicted[b])]
 
 
+def _tie_root(same: list[tuple[str, str]]) -> dict[str, str]:
+    """Each tied plan -> the first plan of its tie group (ties chain: a~b and b~c make one group)."""
+    root: dict[str, str] = {}
+
+    def find(x: str) -> str:
+        while root.get(x, x) != x:
+            x = root[x]
+        return x
+
+    for a, b in same:  # a comes before b in the plans' order, so the first plan stays the root
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            root[rb] = ra
+    return {x: find(x) for pair in same for x in pair}
+
+
 def _group_mean_s(name: str, same: list[tuple[str, str]], rank0: dict) -> float:
     """A plan's measured median, or for plans tied in the prediction the mean over the tied group
     (the same plan measured twice is ranked once, at its average, not at its luckier run)."""
-    group = {name} | {b for a, b in same if a == name} | {a for a, b in same if b == name}
+    root = _tie_root(same)
+    group = [k for k in rank0 if root.get(k, k) == root.get(name, name)]
     return sum(rank0[k]["median_s"] for k in group) / len(group)
 
 
 def _canonical(order: list[str], same: list[tuple[str, str]]) -> list[str]:
-    """The order with each plan named by the first of the plans tied with it."""
-    alias = {b: a for a, b in reversed(same)}
-    out: list[str] = []
-    for name in order:
-        name = alias.get(name, name)
-        if name not in out:
-            out.append(name)
-    return out
+    """The order with each plan named by the first plan of its tie group."""
+    root = _tie_root(same)
+    return list(dict.fromkeys(root.get(name, name) for name in order))
 
 
 def _ranking(order: list[str], same: list[tuple[str, str]]) -> str:
-    groups: list[list[str]] = []
+    root = _tie_root(same)
+    groups: dict[str, list[str]] = {}
     for name in order:
-        for g in groups:
-            if any((name, x) in same or (x, name) in same for x in g):
-                g.append(name)
-                break
-        else:
-            groups.append([name])
-    return " < ".join(" = ".join(g) for g in groups)
+        groups.setdefault(root.get(name, name), []).append(name)
+    return " < ".join(" = ".join(g) for g in groups.values())
+
 
 if __name__ == "__main__":
     main()
