@@ -511,6 +511,41 @@ def test_ilp_prices_the_gradient_reduction_of_the_chosen_read():
     assert solution.objective_s == pytest.approx(by_hand, rel=1e-6)
 
 
+def test_two_axis_ilp_prices_the_plan_and_its_relaxation_is_tight():
+    """(2, 4) mesh, 2-layer GPT of width 512: the objective of the chosen plan equals what its program
+    runs, and the LP relaxation (every binary made continuous) is within 1% of that optimum. The bound
+    is what lets the solver prove a plan optimal quickly: with the gradient-reduction rows written on the
+    marginals instead of the edges' joint variables this relaxation was 26% below the optimum, and
+    the 70B shape's solve took 18-28 s instead of 2."""
+    import pulp
+
+    from autotp import solver as S
+    from autotp.costing import CostModel
+    from autotp.mesh import MeshSpec
+    from autotp.strategies import all_strategies
+    from autotp.tying import find_repeats
+
+    model, inputs = M.tiny_gpt(batch=4, seq=512, n_layer=2, dim=512, n_head=8, vocab=1024, device="meta")
+    graph = autotp.capture(model, inputs)
+    spec = MeshSpec.of((2, 4))
+    cost = CostModel(spec, load_profile(FAST), "train")
+    strategies = all_strategies(graph, spec.shape)
+    rep = find_repeats(graph)
+    solution = S.solve(graph, strategies, rep, cost, None)
+    chosen = {k: strategies[k][i] for k, i in solution.choice.items()}
+    assert solution.optimal
+    assert solution.objective_s == pytest.approx(_predicted_s(graph, chosen, spec, cost), rel=1e-6)
+
+    f = S._Formulation(graph, strategies, rep, cost, None)
+    f.one_hot(), f.edges(), f.grad_reductions(), f.memory(), f.objective_terms()
+    for var in f.prob.variables():
+        var.cat = pulp.LpContinuous
+    f.prob.solve(pulp.HiGHS(msg=False))
+    relaxed_s = pulp.value(f.prob.objective) / S.OBJECTIVE_SCALE
+    assert relaxed_s <= solution.objective_s * (1 + 1e-6)
+    assert relaxed_s >= 0.99 * solution.objective_s
+
+
 # ------------------------------------------------------------------------------------------------
 # determinism, save / load, report
 
