@@ -302,6 +302,22 @@ def test_held_out_measurements_never_change_the_fit():
     assert fit_collective("all_gather", 2, points).segments == base.segments
 
 
+def test_a_point_follows_the_mix_of_two_clusters_of_blocks_and_ignores_a_rare_stall():
+    """Blocks of a small gloo collective on a shared 2-core host fall in two clusters (both ranks
+    running, or one waiting for a core). A point's figure must move with the mix, not jump from one
+    cluster to the other as a median does; one block hit by a long stall must not move it."""
+    from autotp.profiling.sweep import trimmed_mean
+
+    def blocks(fast_share: float) -> list[float]:
+        n_fast = round(20 * fast_share)
+        return [1e-3] * n_fast + [4e-3] * (20 - n_fast)
+
+    a, b = trimmed_mean(blocks(0.55)), trimmed_mean(blocks(0.45))
+    assert b / a == pytest.approx((0.45 * 1 + 0.55 * 4) / (0.55 * 1 + 0.45 * 4), rel=0.05)  # +13%, not 4x
+    assert trimmed_mean([1e-3] * 19 + [1.0]) == pytest.approx(1e-3)
+    assert trimmed_mean([2e-3]) == 2e-3  # one block: nccl-tests' figure
+
+
 # --- held-out sizes ------------------------------------------------------------------------------
 
 

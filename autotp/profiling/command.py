@@ -10,8 +10,8 @@ torchrun made. Otherwise the command starts ``--nproc`` ranks on this host itsel
 
 Timing (``sweep.py``): blocks of ``-n`` runs after ``-w`` warm-up runs, each block's mean
 taken on the slowest rank; each size is timed for ``--min-time-s`` over ``--rounds``
-rounds and its figure is the median block. ``--min-time-s 0 --rounds 1`` is exactly one
-block: nccl-tests' measurement.
+rounds and its figure is the mean block, trimmed of its fastest and slowest 10%.
+``--min-time-s 0 --rounds 1`` is exactly one block: nccl-tests' measurement.
 
 Held-out sizes (on unless ``--no-held-out``): the sweep also times the geometric midpoint
 between each two consecutive sizes, interleaved with them in the same rounds; the fit never
@@ -111,9 +111,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="repeat blocks of -n runs until S seconds are timed per size "
                              "(default 0.2; 0 with --rounds 1 times one block of -n runs, as nccl-tests)")
     parser.add_argument("--rounds", type=_int_at_least(1), default=5, metavar="R",
-                        help="spread each size's timing over R rounds through all sizes, the point is the median block "
-                             "(default 5: on a shared host the time drifts over seconds, and the median over 5 "
-                             "rounds follows it better than over 3)")
+                        help="spread each size's timing over R rounds through all sizes, the point is the mean block "
+                             "trimmed of its fastest and slowest 10%% (default 5: on a shared host the time "
+                             "drifts over seconds, and 5 rounds follow it better than 3)")
     parser.add_argument("--no-held-out", dest="held_out", action="store_false",
                         help="do not time the held-out sizes (the midpoints between the sizes, never fitted, "
                              "that test the fit): a quicker sweep, with only the leave-one-out error")

@@ -168,7 +168,7 @@ def measurements_dict(
         "warmup_iters": config.warmup_iters,
         "min_time_s": config.min_time_s,
         "rounds": config.rounds,
-        "statistic": "median over blocks of the block mean on the slowest rank",
+        "statistic": "mean over blocks (the fastest and slowest 10% dropped) of the block mean on the slowest rank",
         "held_out": (
             "geometric midpoints between consecutive fit sizes, rounded to a multiple of 4 bytes times the "
             "group size, timed interleaved with the fit sizes in the same rounds, never fitted; errors "
@@ -223,9 +223,9 @@ def build_profile(
     source = (
         f"measured by `autotp profile` on {host}, torch {torch.__version__}, backend {info.backend}, "
         f"{info.world_size} ranks, mesh {'x'.join(map(str, info.mesh))}. Links: {link_note}. "
-        f"Collectives: float32, {format_size(sizes[0])}..{format_size(sizes[-1])}; a point is the median "
-        f"over blocks of {config.iters} runs (each block's mean taken on the slowest rank), timed for "
-        f"{config.min_time_s:g} s over {config.rounds} round(s); alpha-beta fit on busbw (relative least "
+        f"Collectives: float32, {format_size(sizes[0])}..{format_size(sizes[-1])}; a point is the trimmed "
+        f"mean (10% off each end) over blocks of {config.iters} runs (each block's mean taken on the "
+        f"slowest rank), timed for {config.min_time_s:g} s over {config.rounds} round(s); alpha-beta fit on busbw (relative least "
         f"squares over the sweep's sizes, in up to {MAX_SEGMENTS} size ranges where one line does not fit"
         + (
             "; prediction errors on held-out sizes (midpoints between the sizes, never fitted) and "

@@ -157,7 +157,7 @@ def _profile(
             blocks = sorted({p.runs // config.iters for p in points})
             span = f"{blocks[0]}" if len(blocks) == 1 else f"{blocks[0]}..{blocks[-1]}"
             title = (
-                f"{kind} on {group.axis}: median of {span} blocks of {config.iters} runs per size "
+                f"{kind} on {group.axis}: trimmed mean of {span} blocks of {config.iters} runs per size "
                 f"over {config.rounds} round(s), after {config.warmup_iters} warm-up runs"
             )
             print(format_table(title, points), flush=True)
