@@ -1,7 +1,7 @@
 """``autotp profile``: measure the interconnect and the device, write a hardware profile.
 
     autotp profile [--nproc N] [--backend gloo|nccl] [--mesh 2x4] [-b 1K] [-e 256M] [-f 2]
-                   [-n 20] [-w 5] [--min-time-s 0.2] [--rounds 5] [--no-held-out] [--check]
+                   [-n 20] [-w 5] [--min-time-s 0.5] [--rounds 5] [--no-held-out] [--check]
                    [--timeout-s 120] [-o profile.json]
 
 Under torchrun (``RANK`` and ``WORLD_SIZE`` set) this process is one rank of the group
@@ -107,9 +107,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-n", "--iters", type=_int_at_least(1), default=20, help="timed runs per block (default 20)")
     parser.add_argument("-w", "--warmup-iters", type=_int_at_least(0), default=5,
                         help="untimed runs of each size before timing it (default 5)")
-    parser.add_argument("--min-time-s", type=_seconds(allow_zero=True), default=0.2, metavar="S",
+    parser.add_argument("--min-time-s", type=_seconds(allow_zero=True), default=0.5, metavar="S",
                         help="repeat blocks of -n runs until S seconds are timed per size "
-                             "(default 0.2; 0 with --rounds 1 times one block of -n runs, as nccl-tests)")
+                             "(default 0.5: on a shared host a block's time is noisy, and more blocks "
+                             "steady the point; 0 with --rounds 1 times one block of -n runs, as nccl-tests)")
     parser.add_argument("--rounds", type=_int_at_least(1), default=5, metavar="R",
                         help="spread each size's timing over R rounds through all sizes, the point is the mean block "
                              "trimmed of its fastest and slowest 10%% (default 5: on a shared host the time "

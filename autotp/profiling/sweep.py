@@ -26,7 +26,10 @@ which is what the fit needs. On a quiet machine they change only the run time. H
 rounds: on this project's 2-vCPU VM (gloo, 1-16 MiB, 6 rounds recorded twice) a size's level
 moves by 30-50% between rounds, and 3 rounds put the fit's error on held-out sizes up to 44%,
 so ``autotp profile`` uses 5 rounds by default (the large sizes, one block per round, cost
-most of the extra time).
+most of the extra time). How many blocks: scoring those profiles again on every other block
+alone raised the worst held-out error from 20/18/23% to 21-26/21-25/24-32%, so the default
+``--min-time-s`` is 0.5 s per size (two fresh runs: worst 23% and 18%; the whole 1 KiB-64 MiB
+sweep of five kinds with held-out sizes then takes 3 minutes on 2 gloo ranks, from 2).
 
 Why a trimmed mean, not the median: on that VM a 1-2 MiB gloo all_reduce's blocks of 10 runs
 take anywhere from 0.7 to 4 ms, in two clusters (the two ranks running at once, or one waiting
