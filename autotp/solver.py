@@ -22,11 +22,12 @@ layer tying, ``m_r`` is how many nodes ``r`` stands for):
   reads ``t`` as ``q``, replicated on ``a``, while working on shards there (its gradient is partial
   on ``a``: the strategies ``B(c,a,q)``) and ``t``'s output is not split on ``a``. Where the edge
   ``t → c`` has product variables, ``z[t,a,q] ≥ Σ y_c[p,κ]`` over the pairs with ``p[a]`` not a
-  shard and ``κ = (q, A)``, ``a ∈ A``: the joint of the two conditions. Elsewhere (an edge folded
-  into one end, so one side is fixed) ``z ≥ Σ_{s ∈ B(c,a,q)} x[c,s] − Σ_{s' ∈ S_a(t)} x[t,s']``, with
-  ``S_a(t)`` the strategies of ``t`` whose output is split on ``a``. Both rows have the same integer
-  points; the first keeps the LP relaxation tight (the second, used everywhere, left the 70B
-  shape's root bound 23% below its optimum). When ``t`` is split on ``a`` the read gathers, and
+  shard and ``κ = (q, A)``, ``a ∈ A``: the joint of the two conditions. Where the edge has none (it
+  costs nothing, or depends on one end only and was folded into it, or the reader is a view merged
+  into ``t``) ``z ≥ Σ_{s ∈ B(c,a,q)} x[c,s] − Σ_{s' ∈ S_a(t)} x[t,s']``, with ``S_a(t)`` the
+  strategies of ``t`` whose output is split on ``a``. Both rows have the same integer points; the
+  first keeps the LP relaxation tight (the second, used everywhere, left the 70B shape's root bound
+  23% below its optimum). When ``t`` is split on ``a`` the read gathers, and
   the gather's backward reduce-scatters the partial gradient instead: the edges price that, keyed
   by the consumer's placement and its partial-gradient axes ``(q, A)`` rather than by ``q`` alone.
 * **memory**: ``Σ_r m_r Σ_s mem(r,s) x[r,s] ≤ budget`` (parameters, gradients, optimizer state,
@@ -117,7 +118,8 @@ class _Formulation:
         self.n_vars = 0
         self.mem: dict[str, list[float]] = {}
         self.memory_row: Optional[pulp.LpConstraint] = None  # added only if a plan without it does not fit
-        # product variables of each edge that has them: (producer rep, reader rep, input index) -> y[p, κ]
+        # product variables of each edge that has them, keyed (producer rep, reader rep, input index),
+        # when they were built with the readers' partial-gradient axes (a tensor that carries a gradient)
         self.products: dict[tuple[str, str, int], dict[tuple, pulp.LpVariable]] = {}
 
     def var(self, name: str, low: float, up: Optional[float], cat: str = pulp.LpContinuous) -> pulp.LpVariable:
@@ -235,7 +237,8 @@ class _Formulation:
                     self.add_cost(rv, lambda st: c[(outs[0], self._requirement(st, k, grad))])
                 continue
             y = self._product(f"{e}_{g}", ru, outs, rv, need, ins, c)
-            self.products[(ru, rv, k)] = y
+            if grad:
+                self.products[(ru, rv, k)] = y
             for pq, var in y.items():
                 if c[pq] not in (0.0, INFEASIBLE_S):
                     self.objective.append(c[pq] * var)
@@ -280,7 +283,8 @@ class _Formulation:
         for r, (rv, k) in enumerate(sorted(readers_rep)):
             need = [self._requirement(st, k, grad) for st in self.strategies[rv]]
             y = self._product(f"{e}_r{r}", ru, outs, rv, need, sorted(set(need), key=_key_order), c)
-            self.products[(ru, rv, k)] = y
+            if grad:
+                self.products[(ru, rv, k)] = y
             for n, (pq, var) in enumerate(y.items()):
                 if pq in pay:
                     self.prob += pay[pq] >= var, f"pay_{e}_{r}_{n}"

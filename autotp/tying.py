@@ -65,7 +65,7 @@ def _signature(graph: OpGraph, names: list[str]) -> tuple[tuple, list[str]]:
             elif graph[src].role == PARAMETER and all(c in inside for c in graph.consumers(src)):
                 if src not in params:
                     params.append(src)
-                refs.append(("p", params.index(src), graph[src].output))
+                refs.append(("p", params.index(src), graph[src].output, graph[src].requires_grad))
             else:
                 refs.append(("e", graph[src].role))
         entries.append((node.target, node.args_repr, node.input_infos, node.outputs, node.requires_grad,

@@ -546,6 +546,31 @@ def test_two_axis_ilp_prices_the_plan_and_its_relaxation_is_tight():
     assert relaxed_s >= 0.99 * solution.objective_s
 
 
+def test_a_frozen_layer_in_a_stack_is_priced_apart_from_its_trainable_siblings():
+    """Three equal Linears, the middle one frozen, data parallel on (4,): each trainable weight's
+    gradient all_reduce is priced, the frozen one's is not. A frozen weight must not share variables
+    with a trainable one (it has no gradient to reduce), and the objective must equal what the plan's
+    program runs."""
+    from autotp.costing import CostModel
+    from autotp.mesh import MeshSpec
+    from autotp.solver import solve
+    from autotp.strategies import all_strategies
+    from autotp.tying import find_repeats
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(256, 256, bias=False) for _ in range(3))).to("meta")
+    model[1].weight.requires_grad_(False)
+    graph = autotp.capture(model, (torch.randn(65536, 256, device="meta"),))
+    rep = find_repeats(graph)
+    weights = [n.name for n in graph.nodes if n.name.endswith("weight")]
+    assert len(weights) == 3 and rep[weights[1]] == weights[1] != rep[weights[2]]
+    spec = MeshSpec.of((4,))
+    cost = CostModel(spec, load_profile(FAST), "train")
+    strategies = all_strategies(graph, spec.shape)
+    solution = solve(graph, strategies, rep, cost, None)
+    chosen = {k: strategies[k][i] for k, i in solution.choice.items()}
+    assert solution.objective_s == pytest.approx(_predicted_s(graph, chosen, spec, cost), rel=1e-6)
+
+
 # ------------------------------------------------------------------------------------------------
 # determinism, save / load, report
 
