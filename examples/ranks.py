@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import tempfile
 import traceback
 from typing import Any, Callable
@@ -19,18 +18,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, world: int, fn: Callable, args: tuple, out_dir: str) -> None:
     import torch
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # rendezvous through a file in the run's own folder: no port to pick, so no race with another
+    # process taking a "free" port between the parent choosing it and rank 0 binding it
+    store = "file://" + os.path.join(out_dir, "rendezvous")
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
     try:
         result = fn(rank, world, *args)
         payload = ("ok", result)
@@ -47,7 +42,7 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir
 def run_ranks(fn: Callable, world: int, *args: Any) -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` gloo processes; returns every rank's result."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(world, _free_port(), fn, args, out_dir), nprocs=world, join=True,
+        mp.start_processes(_worker, args=(world, fn, args, out_dir), nprocs=world, join=True,
                            start_method="spawn")
         results = []
         for rank in range(world):
