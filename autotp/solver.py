@@ -42,11 +42,7 @@ found, marked as not proven optimal. The same inputs always give the same plan.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
 import time
-import warnings
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
@@ -55,17 +51,12 @@ import pulp
 
 from autotp.costing import INFEASIBLE_S, CostModel
 from autotp.graph import OpGraph
+from autotp.ilp import SolverError, solve_with_first_solver
 from autotp.placement import Placement, Strategy
 
 __all__ = ["solve", "Solution", "MemoryBudgetError", "SolverError"]
 
 
-# Relative optimality gap at which the MIP stops; the report says "optimal" only within this gap.
-# 1e-5, not a looser 1e-3: alternatives such as a weight kept whole against one stored split and
-# gathered (all_reduce against all_gather + reduce_scatter of the same bytes) differ by a few
-# latencies, 0.01% of a step, and a looser gap returns whichever the search met first. The tight
-# gap cost no measurable time on the 8B and 70B shapes (benchmarks/plan_time.py).
-MIP_GAP = float(os.environ.get("AUTOTP_MIP_GAP", "1e-5"))
 OBJECTIVE_SCALE = 1e3  # the objective is handed to the solver in milliseconds
 
 
@@ -75,10 +66,6 @@ class MemoryBudgetError(ValueError):
     def __init__(self, message: str, minimum_bytes: float) -> None:
         super().__init__(message)
         self.minimum_bytes = minimum_bytes
-
-
-class SolverError(RuntimeError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -422,45 +409,6 @@ def _key_order(kk: tuple) -> tuple:
     return (q is None, q or (), axes)
 
 
-@contextlib.contextmanager
-def _quiet_stdout():
-    """HiGHS prints a banner from C when it starts, whatever its options say; keep stdout clean."""
-    try:
-        fd = sys.stdout.fileno()
-    except (AttributeError, OSError, ValueError):
-        yield
-        return
-    sys.stdout.flush()
-    saved = os.dup(fd)
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), fd)
-            yield
-    finally:
-        os.dup2(saved, fd)
-        os.close(saved)
-
-
-def _solvers(time_limit_s: float) -> list[tuple[str, pulp.LpSolver]]:
-    out = []
-    # strong branching dominates HiGHS' time on these models; trusting pseudo-costs from the start
-    # reaches the same optimum sooner
-    highs = pulp.HiGHS(msg=bool(os.environ.get("AUTOTP_SOLVER_LOG")), timeLimit=time_limit_s, threads=1,
-                       gapRel=MIP_GAP, mip_pscost_minreliable=0)
-    if highs.available():
-        out.append(("HiGHS", highs))
-    with warnings.catch_warnings():  # PuLP 3 deprecates its bundled CBC in favour of an installed one
-        warnings.simplefilter("ignore", DeprecationWarning)
-        for cls in (getattr(pulp, "COIN_CMD", None), getattr(pulp, "PULP_CBC_CMD", None)):
-            cbc = cls(msg=False, timeLimit=time_limit_s, threads=1, gapRel=MIP_GAP) if cls else None
-            if cbc is not None and cbc.available():
-                out.append(("CBC", cbc))
-                break
-    if not out:
-        raise SolverError("no ILP solver available: install highspy (pip install highspy) or pulp with CBC")
-    return out
-
-
 def solve(graph: OpGraph, strategies: Mapping[str, Sequence[Strategy]], rep: Mapping[str, str], cost: CostModel,
           memory_budget_bytes: Optional[float] = None, time_limit_s: float = 60.0) -> Solution:
     """Choose one strategy per node; see the module docstring for the formulation."""
@@ -494,21 +442,16 @@ def solve(graph: OpGraph, strategies: Mapping[str, Sequence[Strategy]], rep: Map
 
 
 def _run(f: _Formulation, time_limit_s: float, memory_budget_bytes: Optional[float]) -> tuple[str, dict[str, int]]:
-    """Solve the problem as it stands with the first solver that works: (solver name, root -> strategy)."""
-    last_error: Optional[str] = None
-    for name, solver in _solvers(time_limit_s):
-        try:
-            with (_quiet_stdout() if not os.environ.get("AUTOTP_SOLVER_LOG") else contextlib.nullcontext()):
-                f.prob.solve(solver)
-        except Exception as err:  # noqa: BLE001 - try the next solver
-            last_error = f"{name}: {err}"
-            continue
-        status = pulp.LpStatus[f.prob.status]
+    """Solve the problem as it stands: (solver name, root -> strategy)."""
+
+    def problem(prob: pulp.LpProblem) -> Optional[str]:
+        status = pulp.LpStatus[prob.status]
         if status == "Infeasible":
             raise MemoryBudgetError(
                 f"no plan fits the memory budget {_gib(memory_budget_bytes or 0)} per device on mesh {f.cost.mesh}", 0.0)
         if status not in ("Optimal", "Not Solved") or any(v.varValue is None for v in f.x[f.roots[0]]):
-            last_error = f"{name}: status {status}"
-            continue
-        return name, {r: max(range(len(xs)), key=lambda s: (xs[s].varValue or 0.0, -s)) for r, xs in f.x.items()}
-    raise SolverError(f"the ILP solvers failed: {last_error}")
+            return f"status {status}"
+        return None
+
+    name = solve_with_first_solver(f.prob, time_limit_s, problem)
+    return name, {r: max(range(len(xs)), key=lambda s: (xs[s].varValue or 0.0, -s)) for r, xs in f.x.items()}
