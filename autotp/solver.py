@@ -24,12 +24,12 @@ layer tying, ``m_r`` is how many nodes ``r`` stands for):
   ``t → c`` has product variables, ``z[t,a,q] ≥ Σ y_c[p,κ]`` over the pairs with ``p[a]`` not a
   shard and ``κ = (q, A)``, ``a ∈ A``: the joint of the two conditions. Where the edge has none (it
   costs nothing, or depends on one end only and was folded into it, or the reader is a view merged
-  into ``t``) ``z ≥ Σ_{s ∈ B(c,a,q)} x[c,s] − Σ_{s' ∈ S_a(t)} x[t,s']``, with ``S_a(t)`` the
+  into ``t``, or its ``y`` were built for a tensor without gradient and so lack the axes ``A``) ``z ≥ Σ_{s ∈ B(c,a,q)} x[c,s] − Σ_{s' ∈ S_a(t)} x[t,s']``, with ``S_a(t)`` the
   strategies of ``t`` whose output is split on ``a``. Both rows have the same integer points; the
   first keeps the LP relaxation tight (the second, used everywhere, left the 70B shape's root bound
-  23% below its optimum). When ``t`` is split on ``a`` the read gathers, and
-  the gather's backward reduce-scatters the partial gradient instead: the edges price that, keyed
-  by the consumer's placement and its partial-gradient axes ``(q, A)`` rather than by ``q`` alone.
+  23% below its optimum). When ``t`` is split on ``a`` the read gathers, and the gather's backward
+  reduce-scatters the partial gradient instead: the edges price that, keyed by the consumer's
+  placement and its partial-gradient axes ``(q, A)`` rather than by ``q`` alone.
 * **memory**: ``Σ_r m_r Σ_s mem(r,s) x[r,s] ≤ budget`` (parameters, gradients, optimizer state,
   activations kept for backward), added only when the optimum without it does not fit (that
   optimum, if it fits, is the optimum with it) and left out when even the largest choice of every

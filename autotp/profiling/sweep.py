@@ -28,8 +28,9 @@ moves by 30-50% between rounds, and 3 rounds put the fit's error on held-out siz
 so ``autotp profile`` uses 5 rounds by default (the large sizes, one block per round, cost
 most of the extra time). How many blocks: scoring those profiles again on every other block
 alone raised the worst held-out error from 20/18/23% to 21-26/21-25/24-32%, so the default
-``--min-time-s`` is 0.5 s per size (two fresh runs: worst 23% and 18%; the whole 1 KiB-64 MiB
-sweep of five kinds with held-out sizes then takes 3 minutes on 2 gloo ranks, from 2).
+``--min-time-s`` is 0.5 s per size (four runs: worst 23%, 18%, 22% and 28%, the last one at the
+all_gather step between 16 and 32 MiB; the whole 1 KiB-64 MiB sweep of five kinds with held-out
+sizes then takes 3 minutes on 2 gloo ranks, from 2).
 
 Why a trimmed mean, not the median: on that VM a 1-2 MiB gloo all_reduce's blocks of 10 runs
 take anywhere from 0.7 to 4 ms, in two clusters (the two ranks running at once, or one waiting
@@ -56,7 +57,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -296,14 +297,13 @@ def _slowest_rank(block_means: list[float], device: torch.device) -> list[float]
     return t.tolist()
 
 
-def trimmed_mean(values: Sequence[float], trim: Optional[float] = None) -> float:
+def trimmed_mean(values: Sequence[float], trim: float = TRIM) -> float:
     """The mean of ``values`` without the lowest and the highest ``trim`` share (default ``TRIM``),
     rounded down to whole values: nothing is dropped from fewer than ``1 / trim`` values.
 
     >>> trimmed_mean([1.0, 2.0, 3.0]), trimmed_mean([100.0] + [1.0] * 8 + [0.0])
     (2.0, 1.0)
     """
-    trim = TRIM if trim is None else trim
     if not values:
         raise ValueError("trimmed_mean of no values")
     ordered = sorted(values)
