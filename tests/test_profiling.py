@@ -324,7 +324,7 @@ def test_a_point_follows_the_mix_of_two_clusters_of_blocks_and_ignores_a_rare_st
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 6, 7, 8, 16])
 @pytest.mark.parametrize("sweep_args", [(1024, 2**26, 2), (4, 2**20, 2), (1000, 10**7, 3), (1024, 2**26, 4)])
 def test_held_out_sizes_lie_strictly_between_and_suit_every_collective(n, sweep_args):
-    from autotp.profiling.sweep import held_out_sizes, planned_sizes
+    from autotp.profiling.sweep import SHARD_ALIGN_BYTES, held_out_sizes, planned_sizes
 
     sizes = size_sweep(*sweep_args)
     measured = sorted({collectives.element_count(s, n) * collectives.DTYPE_BYTES for s in sizes})
@@ -338,8 +338,13 @@ def test_held_out_sizes_lie_strictly_between_and_suit_every_collective(n, sweep_
         below = max(m for m in measured if m < h)
         above = min(m for m in measured if m > h)
         assert measured.index(above) == measured.index(below) + 1  # between two neighbours
-        ratio = h / (below * above) ** 0.5
-        assert abs(ratio - 1) <= 2 * n * collectives.DTYPE_BYTES / below + 1e-9  # the geometric midpoint
+        mid = (below * above) ** 0.5
+        aligned = [m for m in range(0, above, SHARD_ALIGN_BYTES * n) if below < m]
+        if aligned:  # room for whole cache lines per shard: the nearest such size to the midpoint
+            assert (h // n) % SHARD_ALIGN_BYTES == 0
+            assert abs(h - mid) <= min(abs(m - mid) for m in aligned) + 1e-6
+        else:  # whole elements per shard, the nearest to the midpoint
+            assert abs(h - mid) <= n * collectives.DTYPE_BYTES / 2 + 1e-6
     # one between each two neighbours, unless rounding leaves no room (tiny sizes, big groups)
     gaps = [hi - lo for lo, hi in zip(measured, measured[1:])]
     if all(gap >= 4 * n * collectives.DTYPE_BYTES for gap in gaps):
@@ -351,6 +356,71 @@ def test_held_out_sizes_lie_strictly_between_and_suit_every_collective(n, sweep_
     assert [s for s, h in planned if h] == list(held) and [s for s, h in planned if not h] == list(sizes)
     assert [s for s, _ in planned] == sorted(s for s, _ in planned)  # interleaved: each next to its neighbours
     assert planned_sizes(sizes, n, held_out=False) == tuple((s, False) for s in sizes)
+
+
+def _step_times(sizes, break_bytes=2**25):
+    """Times of a collective whose bandwidth drops 3x from ``break_bytes`` on."""
+    return [2e-5 + s / (3e9 if s < break_bytes else 1e9) for s in sizes]
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_refinement_adds_two_sizes_inside_the_gap_where_a_range_starts(n):
+    from autotp.profiling.sweep import SHARD_ALIGN_BYTES, held_out_sizes, refinement_sizes
+
+    sizes = [collectives.element_count(s, n) * 4 for s in size_sweep(1024, 2**26, 2)]
+    held = held_out_sizes(sizes, n)
+    added = refinement_sizes("all_gather", n, sizes, _step_times(sizes), avoid=held)
+    assert len(added) == 2 and 2**24 < added[0] < held[-2] < added[1] < 2**25  # both sides of the midpoint
+    assert added[0] == pytest.approx(2**24.25, rel=1e-3) and added[1] == pytest.approx(2**24.75, rel=1e-3)
+    assert all((a // n) % SHARD_ALIGN_BYTES == 0 for a in added)
+    # one straight line: no range starts, nothing to add; a range per step: two sizes per gap
+    assert refinement_sizes("all_gather", n, sizes, [2e-5 + s / 3e9 for s in sizes]) == ()
+    two_steps = [t * (2.0 if s >= 2**16 else 1.0) for s, t in zip(sizes, _step_times(sizes))]
+    added = refinement_sizes("all_gather", n, sizes, two_steps, avoid=held)
+    assert len(added) == 4 and 2**15 < added[0] < added[1] < 2**16 and 2**24 < added[2] < added[3] < 2**25
+    assert not set(added) & (set(sizes) | set(held))
+
+
+def test_a_refining_sweep_times_the_added_sizes_and_fits_them(tmp_path, monkeypatch):
+    """One gloo rank, synthetic timings with a step between 16 and 32 MiB: after the first round
+    the sweep adds sizes in that gap, times them in the remaining rounds, and marks them."""
+    import torch.distributed as dist
+
+    from autotp.profiling import sweep as sweep_mod
+    from autotp.profiling.fit import fit_collective
+
+    calls_timed = []
+
+    def fake_blocks(call, iters, device, min_time_s=0.0, max_blocks=100_000):
+        calls_timed.append((call.size_bytes, min_time_s))
+        return _step_times([call.size_bytes], break_bytes=(2**24 + 2**25) // 2)
+
+    monkeypatch.setattr(sweep_mod, "time_blocks", fake_blocks)
+    monkeypatch.setattr(sweep_mod.collectives, "prepare", lambda kind, size, *a, **k: collectives.CollectiveCall(
+        kind, size // 4, 0, 1, torch.zeros(1), torch.zeros(1), lambda: None))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        group = sweep_mod.AxisGroup(axis=mesh_axes((1,))[0], handle=None, ranks=(0,))
+        sizes = size_sweep(2**20, 2**26, 2)
+        planned = sweep_mod.planned_sizes(sizes, 1, held_out=True)
+        steps = []
+        timing = sweep_mod.Timing(iters=1, warmup_iters=0, min_time_s=0.3, rounds=3)
+        points = sweep_mod.sweep_kind(
+            group, "broadcast", [s for s, _ in planned], timing, rank=0, device=torch.device("cpu"), check=False,
+            reduce_scatter_native=True, on_point=lambda step, *rest: steps.append(step),
+            held_out=[h for _, h in planned], refine=True)
+    finally:
+        dist.destroy_process_group()
+    refined = [p for p in points if p.refined]
+    assert [p.size_bytes for p in refined] == [19951616, 28215808]  # 2^24.25 and 2^24.75, aligned
+    assert not any(p.held_out for p in refined) and [p.size_bytes for p in points] == sorted(p.size_bytes for p in points)
+    # timed in rounds 2 and 3 only, with the whole per-size time over those two rounds
+    assert [t for s, t in calls_timed if s == 19951616] == [pytest.approx(0.15)] * 2
+    assert [t for s, t in calls_timed if s == 2**20] == [pytest.approx(0.1)] * 3
+    assert steps == sorted(steps) and steps[-1] < 1 + sweep_mod.steps_per_kind(len(planned), timing, refine=True)
+    # the refined sizes join the fit and pin the step: the size range starts inside the gap
+    fit = fit_collective("broadcast", 1, [TimedPoint(p.size_bytes, p.time_s) for p in points if not p.held_out])
+    assert 2**24 < fit.segments[-1].from_bytes < 2**25
 
 
 def test_no_held_out_flag_turns_them_off():
@@ -561,7 +631,7 @@ def test_two_process_sweep_writes_table_and_loadable_profile(tmp_path):
     assert [p["size_bytes"] for p in sweep] == [1024 * 2**k for k in range(7)]
     assert all(p["time_s"] > 0 for p in sweep)
     held = m["axes"]["axis0"]["held_out_sweep"]["all_reduce"]
-    assert [p["size_bytes"] for p in held] == [1448, 2896, 5792, 11584, 23168, 46344]  # ~1.41x each fit size
+    assert [p["size_bytes"] for p in held] == [1408, 2944, 5760, 11648, 23168, 46336]  # ~1.41x, shards whole cache lines
     assert all(p["time_s"] > 0 for p in held) and "midpoints" in m["held_out"]
     # All below 1 MiB: measured and kept, but no error is reported on them; nor leave-one-out.
     assert m["axes"]["axis0"]["fit"]["all_reduce"]["held_out"] == [] and "held_out_summary" not in m
@@ -580,7 +650,7 @@ def test_check_failure_is_reported_and_sets_exit_code_1(tmp_path):
     proc, _ = _profile([*args, "--check", "-o", str(out)], tmp_path, fault="corrupt:1")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     wrong = [int(row[6]) for row in _table_rows(proc.stdout)]
-    assert len(wrong) == 5 * 3 and sum(wrong) > 0  # 1 KiB, 1448 B (held out), 2 KiB
+    assert len(wrong) == 5 * 3 and sum(wrong) > 0  # 1 KiB, 1408 B (held out), 2 KiB
     assert "FAILED" in proc.stdout
 
 

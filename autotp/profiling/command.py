@@ -118,6 +118,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-held-out", dest="held_out", action="store_false",
                         help="do not time the held-out sizes (the midpoints between the sizes, never fitted, "
                              "that test the fit): a quicker sweep, with only the leave-one-out error")
+    parser.add_argument("--no-refine", dest="refine", action="store_false",
+                        help="do not add sizes where the times bend (by default, after the first round, two "
+                             "sizes inside each gap where the fit starts a new size range join the fit)")
     parser.add_argument("--check", action="store_true",
                         help="verify every result on rank-dependent inputs; wrong elements make the exit code 1")
     parser.add_argument("--timeout-s", type=_seconds(allow_zero=False), default=120.0,
@@ -143,6 +146,7 @@ def config_from_args(args: argparse.Namespace, local_ranks: int) -> ProfileConfi
         min_time_s=args.min_time_s,
         rounds=args.rounds,
         held_out=args.held_out,
+        refine=args.refine,
     )
 
 

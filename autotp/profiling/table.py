@@ -7,12 +7,12 @@ them: bytes, elements, microseconds, GB/s = 1e9 bytes per second)::
     #       size         count      type     time   algbw   busbw #wrong
     #        (B)    (elements)               (us)  (GB/s)  (GB/s)
             1024           256     float    35.17    0.03    0.03      0
-            1448           362     float    36.02    0.04    0.04      0 *
+            1408           352     float    36.02    0.04    0.04      0 *
     # Avg bus bandwidth    : 0.0291
     # * held-out size: timed in the same rounds, never used by the fit
 
-A trailing ``*`` marks a held-out size (``sweep.held_out_sizes``); other rows are exactly
-nccl-tests' columns.
+A trailing ``*`` marks a held-out size (``sweep.held_out_sizes``) and a trailing ``+`` a
+refinement size (``sweep.refinement_sizes``); other rows are exactly nccl-tests' columns.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def format_row(point: SweepPoint) -> str:
     return (
         f"{point.size_bytes:12d}  {point.count:12d}  {DTYPE_NAME:>8}  {_time_us(point.time_s)}"
         f"  {point.algbw_bytes_per_s / 1e9:6.2f}  {point.busbw_bytes_per_s / 1e9:6.2f}  {wrong:>5}"
-        + (" *" if point.held_out else "")
+        + (" *" if point.held_out else " +" if point.refined else "")
     )
 
 
@@ -58,6 +58,8 @@ def format_table(title: str, points: Sequence[SweepPoint]) -> str:
     lines.append(f"# Avg bus bandwidth    : {average_busbw_bytes_per_s(points) / 1e9:.4g}")
     if any(p.held_out for p in points):
         lines.append("# * held-out size: timed in the same rounds, never used by the fit")
+    if any(p.refined for p in points):
+        lines.append("# + refinement size: added after the first round where the times bend, fitted")
     return "\n".join(lines)
 
 

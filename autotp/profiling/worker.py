@@ -144,7 +144,7 @@ def _profile(
 
     sizes = config.sizes_bytes
     timing = Timing(config.iters, config.warmup_iters, config.min_time_s, config.rounds)
-    steps = total_steps(groups, len(collectives.KINDS), sizes, timing, config.held_out)
+    steps = total_steps(groups, len(collectives.KINDS), sizes, timing, config.held_out, config.refine)
     progress = Progress(steps, enabled=lead)
 
     def on_point(step: int, group: AxisGroup, kind: str, size: int, phase: str) -> None:
@@ -177,6 +177,7 @@ def _profile(
         on_kind_done=on_kind_done,
         corrupt_check=heartbeat.fault is not None and heartbeat.fault.corrupts(rank),
         held_out=config.held_out,
+        refine=config.refine,
     )
     progress.clear()
     step = steps
