@@ -15,12 +15,18 @@ The measured step is ``cross_entropy(pm(tokens), targets).backward()``: the loss
 planned model, on the full logits, on every rank. Its prediction is the model's plan plus the loss,
 priced by the same cost model as the kernels ``F.cross_entropy`` runs (``log_softmax`` then
 ``nll_loss``), replicated; the table shows the loss's share. Each plan's figure is the median step
-over ``--repeats`` rounds of ``--steps`` steps (plans interleaved, so a change of load on the
-machine hits all alike); ``spread`` is the lowest to highest median of a round, and ``cpu/wall``
+over ``--repeats`` rounds of ``--steps`` steps, the plans taking one step each in turn (so a
+change of load on the machine, which lasts seconds to minutes on a shared VM, hits all alike);
+``spread`` is the lowest to highest median of a round, and ``cpu/wall``
 the rank's CPU time over wall time (well below 1 with the ranks waiting on each other or on
 collectives, and lower still when other processes take the cores: a warning sign).
 
-    .venv/bin/python benchmarks/fidelity.py [--profile my.json] [--steps 5] [--repeats 3]
+Then, for each two plans next to each other in the predicted ranking, the measured difference of
+their steps taken side by side (step k of one plan, then step k of the next), with a 95% interval:
+where the interval holds zero, this machine cannot tell the two plans apart in that many steps,
+and the strict ranking line above is a coin toss for that pair.
+
+    .venv/bin/python benchmarks/fidelity.py [--profile my.json] [--steps 4] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -103,22 +109,30 @@ def _measure(rank: int, world: int, plan_jsons: dict, batch: int, seq: int, step
     for name, text in plan_jsons.items():
         model, inputs, targets = build(batch, seq)
         models[name] = (autotp.parallelize(model, mesh, inputs, plan=autotp.Plan.from_json(text)), inputs, targets)
+
+    def step(pm, inputs, targets) -> tuple[float, float]:
+        torch.distributed.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        logits = pm(*inputs)  # (B, T, V)
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).backward()
+        return time.perf_counter() - t0, time.process_time() - c0
+
+    for _ in range(2):  # warm-up
+        for pm, inputs, targets in models.values():
+            step(pm, inputs, targets)
     wall = {name: [] for name in models}  # one list of step times per round
     cpu = {name: [] for name in models}
     for _ in range(repeats):
-        for name, (pm, inputs, targets) in models.items():
-            times, cpus = [], []
-            for i in range(steps + 2):
-                torch.distributed.barrier()
-                t0, c0 = time.perf_counter(), time.process_time()
-                logits = pm(*inputs)  # (B, T, V)
-                F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).backward()
-                if i >= 2:
-                    times.append(time.perf_counter() - t0)
-                    cpus.append(time.process_time() - c0)
-            wall[name].append(times)
-            cpu[name].append(cpus)
+        for name in models:
+            wall[name].append([])
+            cpu[name].append([])
+        for _ in range(steps):
+            for name, (pm, inputs, targets) in models.items():  # one step of each plan in turn
+                w, c = step(pm, inputs, targets)
+                wall[name][-1].append(w)
+                cpu[name][-1].append(c)
     return {name: {"median_s": statistics.median(t for r in wall[name] for t in r),
+                   "steps_s": [t for r in wall[name] for t in r],  # in the order taken, paired across plans
                    "round_medians_s": [statistics.median(r) for r in wall[name]],
                    "cpu_over_wall": sum(map(sum, cpu[name])) / sum(map(sum, wall[name]))}
             for name in models}
@@ -129,8 +143,8 @@ def main() -> None:
     parser.add_argument("--profile", default=None, help="a profile JSON from autotp profile (default: measure now)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=1, help="rounds of --steps steps per plan, interleaved")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of --steps steps, the plans in turn")
     args = parser.parse_args()
 
     path = args.profile
@@ -172,9 +186,32 @@ def main() -> None:
     print(f"ranking by measurement: {_ranking(by_meas, same)}")
     print(f"ranking preserved: {_canonical(by_pred, same) == _canonical(by_meas, same)}"
           + (" (ties in the prediction count as ties)" if same else ""))
+    print("measured differences of the plans next to each other in the predicted ranking "
+          "(paired steps, mean and 95% interval):")
+    for a, b in zip(by_pred, by_pred[1:]):
+        if (a, b) in same or (b, a) in same:
+            continue
+        mean_s, half_s = paired_difference_s(rank0[b]["steps_s"], rank0[a]["steps_s"])
+        verdict = ("agrees" if mean_s - half_s > 0 else "disagrees" if mean_s + half_s < 0
+                   else "too close to tell on this machine")
+        print(f"  {b} - {a}: predicted {(predicted[b] - predicted[a]) * 1e3:+.0f} ms, measured "
+              f"{mean_s * 1e3:+.0f} ms +- {half_s * 1e3:.0f} ms: {verdict}")
     print(f"load average (1 min) on this host: {load_before:.2f} before, {load_after:.2f} after"
           + (f"; {os.cpu_count()} cores: other processes were competing with the ranks"
              if max(load_before, load_after) > (os.cpu_count() or 1) + 0.5 else ""))
+
+
+def paired_difference_s(later: list[float], earlier: list[float]) -> tuple[float, float]:
+    """Mean of ``later[k] - earlier[k]`` over steps taken side by side, and the half-width of its
+    95% interval (two standard errors): pairing cancels the machine's load, which both steps share.
+
+    >>> [round(x, 3) for x in paired_difference_s([3.0, 4.0, 3.5, 5.0], [2.0, 3.1, 2.4, 4.1])]
+    [0.975, 0.096]
+    """
+    diffs = [x - y for x, y in zip(later, earlier)]
+    if len(diffs) < 2:
+        return (diffs[0] if diffs else 0.0), float("inf")
+    return statistics.fmean(diffs), 2.0 * statistics.stdev(diffs) / len(diffs) ** 0.5
 
 
 def _ties(planned: dict, predicted: dict) -> list[tuple[str, str]]:
