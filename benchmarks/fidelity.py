@@ -15,14 +15,15 @@ The measured step is ``cross_entropy(pm(tokens), targets).backward()``: the loss
 planned model, on the full logits, on every rank. Its prediction is the model's plan plus the loss,
 priced by the same cost model as the kernels ``F.cross_entropy`` runs (``log_softmax`` then
 ``nll_loss``), replicated; the table shows the loss's share. Each plan's figure is the median step
-over ``--repeats`` rounds of ``--steps`` steps, the plans taking one step each in turn (so a
-change of load on the machine, which lasts seconds to minutes on a shared VM, hits all alike);
+over ``--repeats`` rounds of ``--steps`` turns; in a turn every plan takes one step, in an order
+that rotates from turn to turn (so a change of load on the machine, which lasts seconds to
+minutes on a shared VM, hits all alike, and no plan always goes first);
 ``spread`` is the lowest to highest median of a round, and ``cpu/wall``
 the rank's CPU time over wall time (well below 1 with the ranks waiting on each other or on
 collectives, and lower still when other processes take the cores: a warning sign).
 
-Then, for each two plans next to each other in the predicted ranking, the measured difference of
-their steps taken side by side (step k of one plan, then step k of the next), with a 95% interval:
+Then, for each two plans (or groups of plans tied in the prediction) next to each other in the
+predicted ranking, the measured difference of their steps in the same turn, with a 95% interval:
 where the interval holds zero, this machine cannot tell the two plans apart in that many steps,
 and the strict ranking line above is a coin toss for that pair.
 
@@ -120,6 +121,8 @@ def _measure(rank: int, world: int, plan_jsons: dict, batch: int, seq: int, step
     for _ in range(2):  # warm-up
         for pm, inputs, targets in models.values():
             step(pm, inputs, targets)
+    names = list(models)
+    turn = 0
     wall = {name: [] for name in models}  # one list of step times per round
     cpu = {name: [] for name in models}
     for _ in range(repeats):
@@ -127,8 +130,10 @@ def _measure(rank: int, world: int, plan_jsons: dict, batch: int, seq: int, step
             wall[name].append([])
             cpu[name].append([])
         for _ in range(steps):
-            for name, (pm, inputs, targets) in models.items():  # one step of each plan in turn
-                w, c = step(pm, inputs, targets)
+            first = turn % len(names)
+            turn += 1
+            for name in names[first:] + names[:first]:  # one step of each plan, the order rotating
+                w, c = step(*models[name])
                 wall[name][-1].append(w)
                 cpu[name][-1].append(c)
     return {name: {"median_s": statistics.median(t for r in wall[name] for t in r),
@@ -187,31 +192,53 @@ def main() -> None:
     print(f"ranking preserved: {_canonical(by_pred, same) == _canonical(by_meas, same)}"
           + (" (ties in the prediction count as ties)" if same else ""))
     print("measured differences of the plans next to each other in the predicted ranking "
-          "(paired steps, mean and 95% interval):")
-    for a, b in zip(by_pred, by_pred[1:]):
-        if (a, b) in same or (b, a) in same:
-            continue
-        mean_s, half_s = paired_difference_s(rank0[b]["steps_s"], rank0[a]["steps_s"])
+          "(steps of the same turn paired; mean and 95% interval):")
+    groups = _tie_groups(by_pred, same)
+    for first, second in zip(groups, groups[1:]):
+        mean_s, half_s = paired_difference_s(_per_step_mean_s(second, rank0), _per_step_mean_s(first, rank0))
         verdict = ("agrees" if mean_s - half_s > 0 else "disagrees" if mean_s + half_s < 0
                    else "too close to tell on this machine")
-        print(f"  {b} - {a}: predicted {(predicted[b] - predicted[a]) * 1e3:+.0f} ms, measured "
+        gap_s = predicted[second[0]] - predicted[first[0]]
+        print(f"  {' = '.join(second)} - {' = '.join(first)}: predicted {gap_s * 1e3:+.0f} ms, measured "
               f"{mean_s * 1e3:+.0f} ms +- {half_s * 1e3:.0f} ms: {verdict}")
     print(f"load average (1 min) on this host: {load_before:.2f} before, {load_after:.2f} after"
           + (f"; {os.cpu_count()} cores: other processes were competing with the ranks"
              if max(load_before, load_after) > (os.cpu_count() or 1) + 0.5 else ""))
 
 
+# two-sided 95% quantiles of Student's t by degrees of freedom (1.96 beyond the table)
+_T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23,
+        11: 2.20, 12: 2.18, 13: 2.16, 14: 2.14, 15: 2.13, 16: 2.12, 18: 2.10, 20: 2.09, 25: 2.06, 30: 2.04}
+
+
 def paired_difference_s(later: list[float], earlier: list[float]) -> tuple[float, float]:
-    """Mean of ``later[k] - earlier[k]`` over steps taken side by side, and the half-width of its
-    95% interval (two standard errors): pairing cancels the machine's load, which both steps share.
+    """Mean of ``later[k] - earlier[k]`` over steps of the same turn, and the half-width of its
+    95% interval (Student's t): pairing cancels most of the machine's load, which both steps share.
+    Turns follow each other, so their load is not quite independent: read the interval as a guide.
 
     >>> [round(x, 3) for x in paired_difference_s([3.0, 4.0, 3.5, 5.0], [2.0, 3.1, 2.4, 4.1])]
-    [0.975, 0.096]
+    [0.975, 0.152]
     """
     diffs = [x - y for x, y in zip(later, earlier)]
     if len(diffs) < 2:
         return (diffs[0] if diffs else 0.0), float("inf")
-    return statistics.fmean(diffs), 2.0 * statistics.stdev(diffs) / len(diffs) ** 0.5
+    dof = len(diffs) - 1
+    t = _T95[max(k for k in _T95 if k <= dof)] if dof <= 30 else 1.96
+    return statistics.fmean(diffs), t * statistics.stdev(diffs) / len(diffs) ** 0.5
+
+
+def _tie_groups(order: list[str], same: list[tuple[str, str]]) -> list[list[str]]:
+    """``order`` cut into groups of plans tied in the prediction, in order."""
+    root = _tie_root(same)
+    groups: dict[str, list[str]] = {}
+    for name in order:
+        groups.setdefault(root.get(name, name), []).append(name)
+    return list(groups.values())
+
+
+def _per_step_mean_s(group: list[str], rank0: dict) -> list[float]:
+    """Step by step, the mean over the plans of ``group`` (one plan: its own steps)."""
+    return [statistics.fmean(ts) for ts in zip(*(rank0[name]["steps_s"] for name in group))]
 
 
 def _ties(planned: dict, predicted: dict) -> list[tuple[str, str]]:
@@ -252,11 +279,7 @@ def _canonical(order: list[str], same: list[tuple[str, str]]) -> list[str]:
 
 
 def _ranking(order: list[str], same: list[tuple[str, str]]) -> str:
-    root = _tie_root(same)
-    groups: dict[str, list[str]] = {}
-    for name in order:
-        groups.setdefault(root.get(name, name), []).append(name)
-    return " < ".join(" = ".join(g) for g in groups.values())
+    return " < ".join(" = ".join(g) for g in _tie_groups(order, same))
 
 
 if __name__ == "__main__":

@@ -417,10 +417,23 @@ def test_a_refining_sweep_times_the_added_sizes_and_fits_them(tmp_path, monkeypa
     # timed in rounds 2 and 3 only, with the whole per-size time over those two rounds
     assert [t for s, t in calls_timed if s == 19951616] == [pytest.approx(0.15)] * 2
     assert [t for s, t in calls_timed if s == 2**20] == [pytest.approx(0.1)] * 3
-    assert steps == sorted(steps) and steps[-1] < 1 + sweep_mod.steps_per_kind(len(planned), timing, refine=True)
+    assert steps == list(range(1, len(steps) + 1))  # one step each, none twice
+    assert len(steps) == sweep_mod.steps_per_kind(len(planned), timing, refine=True) - 2 * timing.rounds  # 2 of 4 used
     # the refined sizes join the fit and pin the step: the size range starts inside the gap
     fit = fit_collective("broadcast", 1, [TimedPoint(p.size_bytes, p.time_s) for p in points if not p.held_out])
     assert 2**24 < fit.segments[-1].from_bytes < 2**25
+
+
+def test_no_refine_flag_turns_refinement_off_and_the_progress_reserves_room_for_it():
+    from autotp.profiling.sweep import MAX_REFINED, Timing, total_steps
+
+    assert command.config_from_args(_parser().parse_args([]), 2).refine is True
+    config = command.config_from_args(_parser().parse_args(["--no-refine"]), 2)
+    assert config.refine is False and type(config).from_json(config.to_json()) == config
+    groups, sizes = _groups((2,)), size_sweep(1024, 2**26, 2)
+    plain = total_steps(groups, 5, sizes, Timing(rounds=3), held_out=True)
+    assert total_steps(groups, 5, sizes, Timing(rounds=3), held_out=True, refine=True) == plain + 5 * MAX_REFINED * 3
+    assert total_steps(groups, 5, sizes, Timing(rounds=1), held_out=True, refine=True) == (17 + 16) * 2 * 5
 
 
 def test_no_held_out_flag_turns_them_off():
@@ -641,6 +654,32 @@ def test_two_process_sweep_writes_table_and_loadable_profile(tmp_path):
     assert cost.latency_s == pytest.approx(fit.latency_s)
     assert [s.from_bytes for s in cost.segments] == [s.from_bytes for s in fit.segments[1:]]
     assert m["axes"]["axis0"]["fit"]["all_reduce"]["segments"][0]["from_bytes"] == 0
+
+
+def test_two_ranks_refine_in_step_and_write_the_added_sizes_as_fit_points(tmp_path):
+    """With two rounds the ranks fit after the first and may add sizes: they must agree on them
+    (or the run would hang or fail), and every added size joins the fit and the JSON."""
+    out = tmp_path / "p.json"
+    args = ["--backend", "gloo", "-b", "1K", "-e", "1M", "-n", "3", "-w", "1", "--min-time-s", "0", "--rounds", "2"]
+    proc, _ = _profile(["--nproc", "2", *args, "--check", "-o", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    m = json.loads(out.read_text())["measurements"]
+    assert "quarter" in m["refine"]
+    rows = _table_rows(proc.stdout)
+    assert rows and all(row[6] == "0" for row in rows)  # checked and right, added sizes too
+    total_added = 0
+    for kind in collectives.KINDS:
+        sweep = m["axes"]["axis0"]["sweep"][kind]
+        grid = [p["size_bytes"] for p in sweep if not p.get("refined")]
+        added = [p["size_bytes"] for p in sweep if p.get("refined")]
+        assert grid == [1024 * 2**k for k in range(11)] and len(added) <= 4
+        held = {p["size_bytes"] for p in m["axes"]["axis0"]["held_out_sweep"][kind]}
+        assert not set(added) & (held | set(grid))
+        total_added += len(added)
+        fit = fit_collective(kind, 2, [TimedPoint(p["size_bytes"], p["time_s"]) for p in sweep])
+        assert [s["from_bytes"] for s in m["axes"]["axis0"]["fit"][kind]["segments"]] == [
+            s.from_bytes for s in fit.segments]  # the added sizes are fitted with the grid
+    assert sum(row[-1] == "+" for row in rows) == total_added
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """``autotp profile``: measure the interconnect and the device, write a hardware profile.
 
     autotp profile [--nproc N] [--backend gloo|nccl] [--mesh 2x4] [-b 1K] [-e 256M] [-f 2]
-                   [-n 20] [-w 5] [--min-time-s 0.5] [--rounds 5] [--no-held-out] [--check]
+                   [-n 20] [-w 5] [--min-time-s 0.5] [--rounds 5] [--no-held-out] [--no-refine] [--check]
                    [--timeout-s 120] [-o profile.json]
 
 Under torchrun (``RANK`` and ``WORLD_SIZE`` set) this process is one rank of the group
@@ -18,6 +18,10 @@ between each two consecutive sizes, interleaved with them in the same rounds; th
 sees them, and the summary gives the fit's prediction error on those of at least 1 MiB
 ("X of Y held-out sizes within 25%, worst Z%"; rows marked ``*`` in the tables), next to
 the stricter leave-one-out figure.
+
+Refinement sizes (on unless ``--no-refine``, and only with ``--rounds`` of 2 or more): after
+the first round the sweep fits what it has and adds two fit sizes inside each gap where a new
+size range starts, so the fit sees where the times bend (rows marked ``+``).
 
 ``--timeout-s``: the longest the run may go without any rank making progress; then
 every rank is stopped and the error names the rank that hung or died. Under torchrun
@@ -119,8 +123,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="do not time the held-out sizes (the midpoints between the sizes, never fitted, "
                              "that test the fit): a quicker sweep, with only the leave-one-out error")
     parser.add_argument("--no-refine", dest="refine", action="store_false",
-                        help="do not add sizes where the times bend (by default, after the first round, two "
-                             "sizes inside each gap where the fit starts a new size range join the fit)")
+                        help="do not add sizes where the times bend (by default, with --rounds 2 or more, two "
+                             "sizes inside each gap where the first round's fit starts a new size range join "
+                             "the fit, marked +)")
     parser.add_argument("--check", action="store_true",
                         help="verify every result on rank-dependent inputs; wrong elements make the exit code 1")
     parser.add_argument("--timeout-s", type=_seconds(allow_zero=False), default=120.0,

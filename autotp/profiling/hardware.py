@@ -170,10 +170,17 @@ def measurements_dict(
         "rounds": config.rounds,
         "statistic": "mean over blocks (the fastest and slowest 10% dropped) of the block mean on the slowest rank",
         "held_out": (
-            "geometric midpoints between consecutive fit sizes, rounded to a multiple of 4 bytes times the "
-            "group size, timed interleaved with the fit sizes in the same rounds, never fitted; errors "
-            f"reported from {format_size(HELD_OUT_MIN_BYTES)}"
+            "geometric midpoints between consecutive fit sizes, rounded so that every rank's shard is whole "
+            "64-byte cache lines (whole elements where the gap leaves no room), timed interleaved with the "
+            f"fit sizes in the same rounds, never fitted; errors reported from {format_size(HELD_OUT_MIN_BYTES)}"
             if config.held_out
+            else None
+        ),
+        "refine": (
+            "after the first round, two fit sizes (a quarter and three quarters of the way, log scale) added "
+            "inside each gap where the fit starts a new size range, timed in the remaining rounds; "
+            "marked refined in the sweep"
+            if config.refine and config.rounds >= 2
             else None
         ),
         **summaries,

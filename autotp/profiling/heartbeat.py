@@ -15,7 +15,9 @@ Fault injection, for tests of those paths (never set it otherwise)::
     AUTOTP_PROFILE_FAULT=die:1:4    ... at step 4 instead
     AUTOTP_PROFILE_FAULT=corrupt:1  rank 1 feeds one wrong input element to every --check run
 
-Step 0 is "started, before the process group"; step k >= 1 is the k-th sweep point.
+Step 0 is "started, before the process group"; step k >= 1 is the k-th sweep point. Each
+kind's steps start after the room reserved for its refinement sizes (``sweep.steps_per_kind``),
+so the numbers can skip where fewer sizes were added.
 
 >>> Fault.parse("hang:1")
 Fault(action='hang', rank=1, step=1)

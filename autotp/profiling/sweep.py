@@ -62,7 +62,9 @@ predicted by one of them extrapolated. After the first round, the sweep fits wha
 (:func:`refinement_sizes`) and, in each gap where the fit starts a new range, adds fit
 sizes a quarter and three quarters of the way across (on a log scale; the held-out
 midpoint stays out). They are prepared like the others and timed in the remaining rounds,
-interleaved with the rest, for the same total time. On this project's VM, gloo's
+interleaved with the rest, for the same total time. The fit sizes themselves stay the
+``-b``/``-e``/``-f`` grid as nccl-tests has it; for a group size that is not a power of two
+its shards are then off cache lines while the held-out and refinement shards are not. On this project's VM, gloo's
 all_gather slows from 0.6-0.7 to 1.1-1.3 ns/B between 16 and 32 MiB, and its held-out size
 at 23.7 MiB already takes 0.7-0.9 ns/B; without the added sizes, the fit missed it by up to
 30%. Every rank makes the same choice: the times are the slowest rank's, the same on all.
@@ -126,11 +128,16 @@ class SweepPoint:
 
 def _aligned_between(target: float, lo: int, hi: int, group_size: int) -> int | None:
     """The size nearest ``target`` strictly between ``lo`` and ``hi`` whose shards are whole cache
-    lines (``SHARD_ALIGN_BYTES`` per rank), else whole elements; None if neither fits."""
+    lines (``SHARD_ALIGN_BYTES`` per rank), else whole elements; None if neither fits.
+
+    >>> _aligned_between(184, 128, 257, 2), _aligned_between(184, 128, 250, 2)
+    (256, 184)
+    """
     for unit in (SHARD_ALIGN_BYTES * group_size, collectives.DTYPE_BYTES * group_size):
-        size = round(target / unit) * unit
-        if lo < size < hi:
-            return size
+        below, above = math.floor(target / unit) * unit, math.ceil(target / unit) * unit
+        inside = [s for s in (below, above) if lo < s < hi]
+        if inside:
+            return min(inside, key=lambda s: (abs(s - target), s))
     return None
 
 
@@ -317,10 +324,12 @@ def sweep_kind(
     ``refine`` (with at least two rounds): after the first round, the fit sizes' times so far
     are fitted and :func:`refinement_sizes` are added where a new size range starts. They are
     prepared like the others and timed in the remaining rounds, interleaved with the rest,
-    ``min_time_s / (rounds - 1)`` per round, so that they get the same time in all.
+    ``min_time_s / (rounds - 1)`` per round, so that they get the same time in all (with
+    ``min_time_s`` 0, one block per round: one block fewer than the others).
 
     The buffers of all sizes live at once (about 4x the largest message per rank, for
-    all_to_all), so that a round can come back to a size without allocating again.
+    all_to_all; refinement sizes in the top gap add up to 1.5x more), so that a round can come
+    back to a size without allocating again.
     """
     step = first_step
 
