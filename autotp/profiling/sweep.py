@@ -59,15 +59,16 @@ Refinement sizes (``refine=True``, the default of ``autotp profile``, with two r
 more): a piecewise fit can only start a new size range at a size it measured, so a bend
 between two fit sizes is seen by neither line, and a held-out size inside that gap is
 predicted by one of them extrapolated. After the first round, the sweep fits what it has
-(:func:`refinement_sizes`) and, in each gap where the fit starts a new range, adds fit
-sizes a quarter and three quarters of the way across (on a log scale; the held-out
-midpoint stays out). They are prepared like the others and timed in the remaining rounds,
-interleaved with the rest, for the same total time. The fit sizes themselves stay the
-``-b``/``-e``/``-f`` grid as nccl-tests has it; for a group size that is not a power of two
-its shards are then off cache lines while the held-out and refinement shards are not. On this project's VM, gloo's
-all_gather slows from 0.6-0.7 to 1.1-1.3 ns/B between 16 and 32 MiB, and its held-out size
-at 23.7 MiB already takes 0.7-0.9 ns/B; without the added sizes, the fit missed it by up to
-30%. Every rank makes the same choice: the times are the slowest rank's, the same on all.
+(:func:`refinement_sizes`) and, in each gap where the fit starts a new range, adds fit sizes
+a quarter and three quarters of the way across (on a log scale; the held-out midpoint stays
+out). They are prepared like the others and timed in the remaining rounds, interleaved with
+the rest, for the same total time. The fit sizes themselves stay the ``-b``/``-e``/``-f``
+grid as nccl-tests has it; for a group size that is not a power of two its shards are then
+off cache lines while the held-out and refinement shards are not. On this project's VM,
+gloo's all_gather slows from 0.6-0.7 to 1.1-1.3 ns/B between 16 and 32 MiB, and its held-out
+size at 23.7 MiB already takes 0.7-0.9 ns/B; without the added sizes, the fit missed it by
+up to 30%. Every rank makes the same choice: the times are the slowest rank's, the same on
+all.
 
 All ranks must call :func:`sweep` with the same arguments; only the callbacks differ
 (rank 0 prints, every rank reports progress to the launcher's watchdog).
