@@ -1,0 +1,38 @@
+"""The statistics `benchmarks/fidelity.py` prints its verdicts from."""
+
+from __future__ import annotations
+
+import doctest
+import random
+import statistics
+
+import pytest
+
+from benchmarks import fidelity
+
+
+def test_fidelity_docstring_examples_run():
+    result = doctest.testmod(fidelity, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_pairing_cancels_the_load_two_steps_of_a_turn_share():
+    """Plan B costs 50 ms more than plan A; the machine's load moves both by up to +-1 s per turn.
+    Paired by turn, the interval is tight around +50 ms; the unpaired spread would hide it."""
+    rng = random.Random(0)
+    load = [rng.uniform(-1.0, 1.0) for _ in range(12)]
+    a = [3.0 + x + rng.gauss(0, 0.01) for x in load]
+    b = [3.05 + x + rng.gauss(0, 0.01) for x in load]
+    mean_s, half_s = fidelity.paired_difference_s(b, a)
+    assert mean_s == pytest.approx(0.05, abs=0.015) and 0 < half_s < 0.02
+    assert statistics.stdev(a) > 10 * half_s  # what an unpaired comparison would face
+    assert fidelity.paired_difference_s([1.0], [0.5]) == (0.5, float("inf"))  # one turn: no interval
+
+
+def test_tie_groups_keep_the_order_and_chain_ties():
+    order = ["megatron", "autotp", "poor", "replicated"]
+    assert fidelity._tie_groups(order, [("megatron", "autotp")]) == [["megatron", "autotp"], ["poor"], ["replicated"]]
+    assert fidelity._tie_groups(order, [("autotp", "poor"), ("poor", "replicated")]) == [
+        ["megatron"], ["autotp", "poor", "replicated"]]
+    rank0 = {"megatron": {"steps_s": [1.0, 3.0]}, "autotp": {"steps_s": [2.0, 5.0]}}
+    assert fidelity._per_step_mean_s(["megatron", "autotp"], rank0) == [1.5, 4.0]
