@@ -142,11 +142,6 @@ def _aligned_between(target: float, lo: int, hi: int, group_size: int) -> int | 
     return None
 
 
-def _measured_sizes(sizes_bytes: Sequence[int], group_size: int) -> list[int]:
-    """The sizes as timed (``collectives.element_count`` may round a size down), ascending."""
-    return sorted({collectives.element_count(s, group_size) * collectives.DTYPE_BYTES for s in sizes_bytes})
-
-
 def held_out_sizes(sizes_bytes: Sequence[int], group_size: int) -> tuple[int, ...]:
     """The held-out sizes between the fit sizes ``sizes_bytes`` on a group of ``group_size``.
 
@@ -164,7 +159,7 @@ def held_out_sizes(sizes_bytes: Sequence[int], group_size: int) -> tuple[int, ..
     >>> held_out_sizes([16, 32], 2)  # no 128-byte multiple in between: whole elements
     (24,)
     """
-    measured = _measured_sizes(sizes_bytes, group_size)
+    measured = sorted({collectives.element_count(s, group_size) * collectives.DTYPE_BYTES for s in sizes_bytes})
     mids = (_aligned_between(math.sqrt(lo * hi), lo, hi, group_size) for lo, hi in zip(measured, measured[1:]))
     return tuple(m for m in mids if m is not None)
 
