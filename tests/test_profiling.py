@@ -25,6 +25,7 @@ from autotp.profiling.collectives import CollectiveCall, bus_factor, expected, f
 from autotp.profiling.config import parse_mesh, parse_size, size_sweep
 from autotp.profiling.fit import TimedPoint, fit_alpha_beta, fit_collective
 from autotp.profiling.mesh import mesh_axes
+from autotp.profiling.sweep import MAX_REFINED
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--backend", "gloo", "-b", "1K", "-e", "64K", "-n", "3", "-w", "1", "--min-time-s", "0", "--rounds", "1"]
@@ -225,6 +226,26 @@ def test_fit_is_deterministic_and_order_free():
     assert starts == sorted(starts) and all(seg.points >= 2 for seg in fits[0].segments)
 
 
+def test_fit_bridges_a_gap_where_the_times_rise_and_lets_the_next_range_hold_where_they_drop():
+    """Between the last size of one range (2 MiB) and the first of the next (4 MiB) no line was
+    fitted: a rise is bridged straight from one line to the other, a drop hands the gap to the
+    upper line, so no size in it is predicted slower than 4 MiB; the fitted ranges are unchanged."""
+    lo, hi = 2**21, 2**22
+    mid = int((lo * hi) ** 0.5)
+    rise = fit_collective("broadcast", 2, _two_lines("broadcast", 2, SIZES, hi, (1e-3, 1e9), (2e-3, 2e9)))
+    assert [(seg.from_bytes, seg.points) for seg in rise.segments] == [(0, 12), (lo + 1, 0), (hi, 5)]
+    low_s, high_s = 1e-3 + lo / 1e9, 2e-3 + hi / 2e9
+    assert rise.predict_s(lo + 1) == pytest.approx(low_s, rel=1e-6)
+    assert rise.predict_s(hi - 1) == pytest.approx(high_s, rel=1e-6)
+    assert rise.predict_s(mid) == pytest.approx(low_s + (high_s - low_s) * (mid - lo) / (hi - lo), rel=1e-9)
+    assert max(abs(e.relative_error) for e in rise.residuals) < 1e-9  # the fit sizes keep their lines
+
+    drop = fit_collective("broadcast", 2, _two_lines("broadcast", 2, SIZES, hi, (1e-3, 1e9), (0.0, 3e9)))
+    assert [(seg.from_bytes, seg.points) for seg in drop.segments] == [(0, 12), (lo + 1, 5)]
+    assert drop.predict_s(mid) == pytest.approx(mid / 3e9) and drop.predict_s(mid) < drop.predict_s(hi)
+    assert drop.predict_s(lo) == pytest.approx(1e-3 + lo / 1e9)
+
+
 def test_fit_clamps_latency_and_bandwidth():
     # Time proportional to size with a slight negative intercept: latency clamps to 0.
     a, b = fit_alpha_beta([1e3, 1e6, 1e9], [0.9e-6, 0.999e-3, 0.999999])
@@ -381,6 +402,28 @@ def test_refinement_adds_two_sizes_inside_the_gap_where_a_range_starts(n):
     assert not set(added) & (set(sizes) | set(held))
 
 
+def test_refinement_adds_sizes_around_the_bandwidth_bound_size_the_fit_misses_most():
+    """A dip too narrow to buy a size range of its own (one size 20% fast) gets sizes in both
+    gaps next to it; latency-bound sizes that scatter by 30% get none, and a miss under
+    ``REFINE_MISS`` gets none."""
+    from autotp.profiling.fit import SIZES_1K_TO_64M, fit_collective
+    from autotp.profiling.sweep import REFINE_MISS, refinement_sizes
+
+    sizes = list(SIZES_1K_TO_64M)
+    jitter = {1 << 10: 1.3, 1 << 11: 0.7, 1 << 12: 1.3, 1 << 13: 0.7, 1 << 14: 1.3}  # latency-bound
+    base = [(1e-4 + s / 1e9) * jitter.get(s, 1.0) for s in sizes]
+    dip = [t * (0.8 if s == 1 << 23 else 1.0) for s, t in zip(sizes, base)]
+    fitted = fit_collective("broadcast", 2, [TimedPoint(s, t) for s, t in zip(sizes, dip)])
+    assert len(fitted.segments) == 1  # the dip alone does not buy a range
+    worst = max(fitted.residuals, key=lambda e: abs(e.relative_error))
+    assert worst.size_bytes < 1 << 15 and abs(worst.relative_error) > 0.2  # the largest miss is jitter
+    added = refinement_sizes("broadcast", 2, sizes, dip)
+    assert len(added) == 4 and 1 << 22 < added[0] < added[1] < 1 << 23 < added[2] < added[3] < 1 << 24
+    assert refinement_sizes("broadcast", 2, sizes, base) == ()
+    small = [t * (1 - REFINE_MISS / 2 if s == 1 << 23 else 1.0) for s, t in zip(sizes, base)]
+    assert refinement_sizes("broadcast", 2, sizes, small) == ()
+
+
 def test_a_refining_sweep_times_the_added_sizes_and_fits_them(tmp_path, monkeypatch):
     """One gloo rank, synthetic timings with a step between 16 and 32 MiB: after the first round
     the sweep adds sizes in that gap, times them in the remaining rounds, and marks them."""
@@ -418,7 +461,8 @@ def test_a_refining_sweep_times_the_added_sizes_and_fits_them(tmp_path, monkeypa
     assert [t for s, t in calls_timed if s == 19951616] == [pytest.approx(0.15)] * 2
     assert [t for s, t in calls_timed if s == 2**20] == [pytest.approx(0.1)] * 3
     assert steps == list(range(1, len(steps) + 1))  # one step each, none twice
-    assert len(steps) == sweep_mod.steps_per_kind(len(planned), timing, refine=True) - 2 * timing.rounds  # 2 of 4 used
+    unused = sweep_mod.MAX_REFINED - 2
+    assert len(steps) == sweep_mod.steps_per_kind(len(planned), timing, refine=True) - unused * timing.rounds
     # the refined sizes join the fit and pin the step: the size range starts inside the gap
     fit = fit_collective("broadcast", 1, [TimedPoint(p.size_bytes, p.time_s) for p in points if not p.held_out])
     assert 2**24 < fit.segments[-1].from_bytes < 2**25
@@ -672,7 +716,7 @@ def test_two_ranks_refine_in_step_and_write_the_added_sizes_as_fit_points(tmp_pa
         sweep = m["axes"]["axis0"]["sweep"][kind]
         grid = [p["size_bytes"] for p in sweep if not p.get("refined")]
         added = [p["size_bytes"] for p in sweep if p.get("refined")]
-        assert grid == [1024 * 2**k for k in range(11)] and len(added) <= 4
+        assert grid == [1024 * 2**k for k in range(11)] and len(added) <= MAX_REFINED
         held = {p["size_bytes"] for p in m["axes"]["axis0"]["held_out_sweep"][kind]}
         assert not set(added) & (held | set(grid))
         total_added += len(added)

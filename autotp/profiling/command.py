@@ -21,7 +21,8 @@ the stricter leave-one-out figure.
 
 Refinement sizes (on unless ``--no-refine``, and only with ``--rounds`` of 2 or more): after
 the first round the sweep fits what it has and adds two fit sizes inside each gap where a new
-size range starts, so the fit sees where the times bend (rows marked ``+``).
+size range starts, and in both gaps next to the bandwidth-bound size it misses most (by over
+10%), so the fit sees where the times bend (rows marked ``+``).
 
 ``--timeout-s``: the longest the run may go without any rank making progress; then
 every rank is stopped and the error names the rank that hung or died. Under torchrun
@@ -124,8 +125,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "that test the fit): a quicker sweep, with only the leave-one-out error")
     parser.add_argument("--no-refine", dest="refine", action="store_false",
                         help="do not add sizes where the times bend (by default, with --rounds 2 or more, two "
-                             "sizes inside each gap where the first round's fit starts a new size range join "
-                             "the fit, marked +)")
+                             "sizes inside each gap where the first round's fit starts a new size range, or next to "
+                             "the size it misses most, join the fit, marked +)")
     parser.add_argument("--check", action="store_true",
                         help="verify every result on rank-dependent inputs; wrong elements make the exit code 1")
     parser.add_argument("--timeout-s", type=_seconds(allow_zero=False), default=120.0,

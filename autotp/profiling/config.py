@@ -98,7 +98,7 @@ class ProfileConfig:
     min_time_s: float = 0.0
     rounds: int = 1
     held_out: bool = True  # also time the held-out sizes between the fit sizes (sweep.held_out_sizes)
-    refine: bool = True  # add fit sizes where the fit starts a new size range (sweep.refinement_sizes)
+    refine: bool = True  # add fit sizes where the times bend (sweep.refinement_sizes)
 
     @property
     def sizes_bytes(self) -> tuple[int, ...]:

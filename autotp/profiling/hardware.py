@@ -30,6 +30,7 @@ import torch
 from autotp.profiling import collectives
 from autotp.profiling.config import ProfileConfig, format_size
 from autotp.profiling.device import DeviceMeasurement
+from autotp.profiling.sweep import REFINE_MISS
 from autotp.profiling.fit import (
     BREAKPOINT_PENALTY,
     HELD_OUT_MIN_BYTES,
@@ -138,7 +139,9 @@ def measurements_dict(
                 "group_size": fit.group_size,
                 "method": (
                     "least squares on relative error, the fit sizes (sweep) only, in up to "
-                    f"{MAX_SEGMENTS} size ranges (penalty {BREAKPOINT_PENALTY:g} per breakpoint); "
+                    f"{MAX_SEGMENTS} size ranges (penalty {BREAKPOINT_PENALTY:g} per breakpoint), joined across the "
+                    "gaps between them (a segment of 0 points bridges a rise; after a drop the next range starts "
+                    "right after the last size of the one before); "
                     "held_out = the fit's error on each held-out size (held_out_sweep, never fitted); "
                     "leave_one_out = each fit size left out of the whole fit, ranges included"
                 ),
@@ -178,7 +181,8 @@ def measurements_dict(
         ),
         "refine": (
             "after the first round, two fit sizes (a quarter and three quarters of the way, log scale) added "
-            "inside each gap where the fit starts a new size range, timed in the remaining rounds; "
+            "inside each gap where the fit starts a new size range, and in both gaps next to the "
+            f"bandwidth-bound size it misses most if by over {REFINE_MISS:.0%}, timed in the remaining rounds; "
             "marked refined in the sweep"
             if config.refine and config.rounds >= 2
             else None

@@ -61,8 +61,13 @@ between two fit sizes is seen by neither line, and a held-out size inside that g
 predicted by one of them extrapolated. After the first round, the sweep fits what it has
 (:func:`refinement_sizes`) and, in each gap where the fit starts a new range, adds fit sizes
 a quarter and three quarters of the way across (on a log scale; the held-out midpoint stays
-out). They are prepared like the others and timed in the remaining rounds, interleaved with
-the rest, for the same total time. The fit sizes themselves stay the ``-b``/``-e``/``-f``
+out). It does the same in both gaps next to the bandwidth-bound size the fit misses most,
+where that miss is over ``REFINE_MISS`` (10%): a bend too narrow for the grid's two or three
+sizes to buy a range of their own. On this project's VM gloo's all_to_all runs 8-16 MiB
+faster per byte (0.32-0.39 ns/B) than the sizes on either side (0.45-0.51 from 16 MiB), one
+range spanned it, and its held-out size at 11.3 MiB came out 15-27% slow in 7 of 8
+profiles. The added sizes are prepared like the others and timed in the remaining rounds,
+interleaved with the rest, for the same total time. The fit sizes themselves stay the ``-b``/``-e``/``-f``
 grid as nccl-tests has it; for a group size that is not a power of two its shards are then
 off cache lines while the held-out and refinement shards are not. On this project's VM,
 gloo's all_gather slows from 0.6-0.7 to 1.1-1.3 ns/B between 16 and 32 MiB, and its held-out
@@ -76,6 +81,7 @@ All ranks must call :func:`sweep` with the same arguments; only the callbacks di
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from dataclasses import dataclass
@@ -90,7 +96,8 @@ from autotp.profiling.mesh import MeshAxis
 
 
 SHARD_ALIGN_BYTES = 64  # held-out shards are whole cache lines (see the module doc)
-MAX_REFINED = 2 * (fit.MAX_SEGMENTS - 1)  # refinement sizes per kind and axis, at most
+MAX_REFINED = 2 * (fit.MAX_SEGMENTS - 1 + 2)  # refinement sizes per kind and axis, at most: 2 per gap
+REFINE_MISS = 0.1  # relative error past which the fit's worst bandwidth-bound size is refined
 TRIM = 0.1  # share of blocks dropped at each end before a point's mean (see the module doc)
 
 
@@ -167,28 +174,58 @@ def held_out_sizes(sizes_bytes: Sequence[int], group_size: int) -> tuple[int, ..
 def refinement_sizes(
     kind: str, group_size: int, sizes_bytes: Sequence[int], times_s: Sequence[float], avoid: Sequence[int] = ()
 ) -> tuple[int, ...]:
-    """Fit sizes to add where the fit of ``times_s`` (at ``sizes_bytes``, ascending) starts a new
-    size range: in each such gap ``lo < hi``, the sizes at a quarter and three quarters of the
-    way on a log scale (``lo * (hi / lo) ** 0.25`` and ``** 0.75``), aligned as held-out sizes
-    are, never one of ``sizes_bytes`` or ``avoid`` (the held-out sizes: the midpoints stay out
-    of the fit). At most ``MAX_REFINED`` sizes (``fit.MAX_SEGMENTS - 1`` gaps, two each).
+    """Fit sizes to add where the fit of ``times_s`` (at ``sizes_bytes``, ascending) bends or
+    misses, two inside each such gap ``lo < hi`` between neighbouring fit sizes, at a quarter and
+    three quarters of the way on a log scale (``lo * (hi / lo) ** 0.25`` and ``** 0.75``), aligned
+    as held-out sizes are, never one of ``sizes_bytes`` or ``avoid`` (the held-out sizes: the
+    midpoints stay out of the fit). The gaps:
+
+    * each gap where the fit starts a new size range (at most ``fit.MAX_SEGMENTS - 1``);
+    * both gaps next to the *worst bandwidth-bound size*: of the sizes whose bandwidth term is
+      at least their range's latency, the one the fit misses by the largest relative error,
+      if that is over ``REFINE_MISS`` (a curve one line cannot follow, but whose few points
+      fall short of buying a range of their own).
+
+    At most ``MAX_REFINED`` sizes.
 
     >>> step = [2e-5 + s / (3e9 if s < 1 << 25 else 1e9) for s in fit.SIZES_1K_TO_64M]
     >>> refinement_sizes("broadcast", 2, fit.SIZES_1K_TO_64M, step)  # the step lies in 16-32 MiB
     (19951616, 28215808)
     """
     factor = bus_factor(kind, group_size)
-    ranges = fit.fit_segments(list(sizes_bytes), [s * factor for s in sizes_bytes], list(times_s))
+    xs = [s * factor for s in sizes_bytes]
+    ranges = fit.fit_segments(list(sizes_bytes), xs, list(times_s))
+    gaps = [start for start, _, _ in ranges[1:]]  # gap i lies between sizes i - 1 and i
+    worst = _worst_bandwidth_bound(ranges, xs, times_s)
+    if worst is not None:
+        gaps += [g for g in (worst, worst + 1) if 0 < g < len(sizes_bytes) and g not in gaps]
     taken = set(sizes_bytes) | set(avoid)
     added = []
-    for start, _, _ in ranges[1:]:
-        lo, hi = sizes_bytes[start - 1], sizes_bytes[start]
+    for gap in gaps:
+        lo, hi = sizes_bytes[gap - 1], sizes_bytes[gap]
         for share in (0.25, 0.75):
             size = _aligned_between(lo * (hi / lo) ** share, lo, hi, group_size)
             if size is not None and size not in taken:
                 taken.add(size)
                 added.append(size)
     return tuple(sorted(added))
+
+
+def _worst_bandwidth_bound(
+    ranges: Sequence[tuple[int, float, float]], xs: Sequence[float], times_s: Sequence[float]
+) -> int | None:
+    """Index of the size, among those whose fitted bandwidth term ``b * x`` is at least the
+    latency ``a`` of their range, with the largest relative error; None if there is none.
+    Below that, a size's time is mostly latency, and its scatter mostly the host's jitter.
+    Only an error over ``REFINE_MISS`` counts."""
+    starts = [start for start, _, _ in ranges]
+    worst, worst_error = None, REFINE_MISS
+    for i, (x, t) in enumerate(zip(xs, times_s)):
+        _, a, b = ranges[bisect.bisect_right(starts, i) - 1]
+        error = abs((a + b * x) / t - 1.0)
+        if b * x >= a and error > worst_error:
+            worst, worst_error = i, error
+    return worst
 
 
 def planned_sizes(sizes_bytes: Sequence[int], group_size: int, held_out: bool) -> tuple[tuple[int, bool], ...]:
@@ -318,7 +355,8 @@ def sweep_kind(
     marks ``sizes_bytes[i]`` as a held-out size (default: none is).
 
     ``refine`` (with at least two rounds): after the first round, the fit sizes' times so far
-    are fitted and :func:`refinement_sizes` are added where a new size range starts. They are
+    are fitted and :func:`refinement_sizes` are added where a new size range starts and around
+    the worst-fitted bandwidth-bound size. They are
     prepared like the others and timed in the remaining rounds, interleaved with the rest,
     ``min_time_s / (rounds - 1)`` per round, so that they get the same time in all (with
     ``min_time_s`` 0, one block per round: one block fewer than the others).

@@ -113,7 +113,8 @@ def format_fits(fits: Sequence[tuple[str, AlphaBetaFit]]) -> str:
         if worst is not None and worst > HELD_OUT_TOLERANCE:
             lines.append(
                 f"# note: {fit.kind} on {name}: held-out sizes off by up to {100 * worst:.0f}%; its times do not "
-                f"follow {len(fit.segments)} straight line(s) in size closely (noise, or a step between sizes)"
+                f"follow {sum(1 for seg in fit.segments if seg.points)} straight line(s) in size closely (noise, or a step "
+                f"between sizes)"
             )
     return "\n".join(lines)
 
