@@ -25,13 +25,14 @@ _reduce_scatter_dim0 = getattr(funcol, "reduce_scatter_single", None) or funcol.
 
 def _gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     # concatenating along dim 0 of the moved tensors is concatenating along ``dim``
+    # one copy each way unless ``dim`` is leading (autotp.redistribute.step_copies prices them)
     front = x.movedim(dim, 0).contiguous()
-    return funcol.wait_tensor(_all_gather_dim0(front, 0, group)).movedim(0, dim)
+    return funcol.wait_tensor(_all_gather_dim0(front, 0, group)).movedim(0, dim).contiguous()
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     front = x.movedim(dim, 0).contiguous()
-    return funcol.wait_tensor(_reduce_scatter_dim0(front, "sum", 0, group)).movedim(0, dim)
+    return funcol.wait_tensor(_reduce_scatter_dim0(front, "sum", 0, group)).movedim(0, dim).contiguous()
 
 
 def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -11,7 +11,9 @@
     read again (what the forward saved) and its gradient written, each integer input read once.
 * An edge costs the collectives of :mod:`autotp.redistribute` between the producer's output
   placement and the placement the consumer needs, forward and (in train mode, for tensors that
-  carry gradients) backward.
+  carry gradients) backward, and the local copies the runtime makes around them
+  (:func:`autotp.redistribute.step_copies`: a step on a dim other than the first rearranges the
+  tensor on each rank), each priced as a memory-bound kernel.
 * A **gradient reduction** is the backward ``all_reduce`` of a tensor that is replicated on an
   axis where a consumer works on shards: each rank then holds only a partial gradient. One
   reduction serves every such consumer of the tensor (q, k and v share one).
@@ -38,7 +40,7 @@ from cost_models import HardwareProfile, collective_time_s, compute_time_s, mode
 from autotp.graph import PARAMETER, OpNode, TensorInfo, dtype_bytes
 from autotp.mesh import MeshSpec
 from autotp.placement import Placement, Strategy, shard_divisor
-from autotp.redistribute import conversion_steps, is_convertible
+from autotp.redistribute import conversion_steps, is_convertible, step_copies
 
 __all__ = ["CostModel", "MemoryParts", "BACKWARD_FLOP_RATIO", "MODES"]
 
@@ -99,13 +101,20 @@ class CostModel:
         if not is_convertible(src, dst):
             return INFEASIBLE_S
         total = 0.0
+        backward = self.train and requires_grad
         for step in conversion_steps(src, dst, self.mesh.shape, grad_axes if self.train else ()):
             size = info.nbytes / step.divisor
             if step.forward:
                 total += self.collective_s(step.forward, step.axis, size)
-            if step.backward and self.train and requires_grad:
+            if step.backward and backward:
                 total += self.collective_s(step.backward, step.axis, size)
+            copies_fwd, copies_bwd = step_copies(step, info.shape, self.mesh.shape[step.axis], info.nbytes)
+            total += sum(self.copy_s(b, info.dtype) for b in copies_fwd + (copies_bwd if backward else ()))
         return total
+
+    def copy_s(self, bytes_moved: float, dtype: str) -> float:
+        """Seconds of one local copy kernel moving ``bytes_moved`` (read plus written)."""
+        return compute_time_s(self.profile.device, 0.0, bytes_moved, dtype)
 
     def grad_reduce_s(self, info: TensorInfo, placements: Sequence[Placement], axis: int) -> float:
         """Backward all_reduce over ``axis`` of the gradient of a tensor held with ``placements``."""

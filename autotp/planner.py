@@ -21,7 +21,7 @@ from autotp.graph import OpGraph
 from autotp.mesh import MeshSpec
 from autotp.placement import format_placements, parse_placements
 from autotp.plan import MemoryPerDevice, NodeChoice, Plan, PredictedTime, SolveStats, module_choices
-from autotp.program import collectives
+from autotp.program import collectives, local_copies
 from autotp.solver import solve
 from autotp.strategies import all_strategies
 from autotp.tying import find_repeats
@@ -130,7 +130,8 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
 
     colls = tuple(collectives(graph, chosen, spec, cost.train))
     compute_s = sum(cost.node_compute_s(n, chosen[n.name]) for n in graph.nodes)
-    comm_s = sum(cost.collective_s(c.kind, spec.axis_names.index(c.mesh_axis), c.bytes) for c in colls)
+    comm_s = (sum(cost.collective_s(c.kind, spec.axis_names.index(c.mesh_axis), c.bytes) for c in colls)
+              + sum(cost.copy_s(c.bytes, c.dtype) for c in local_copies(graph, chosen, spec, cost.train)))
     parts = [cost.node_memory(n, chosen[n.name]) for n in graph.nodes]
     memory = MemoryPerDevice(
         parameters_bytes=sum(p.parameters_bytes for p in parts), gradients_bytes=sum(p.gradients_bytes for p in parts),

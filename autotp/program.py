@@ -5,8 +5,9 @@ For every input ``k`` of every node the program names the producer, the placemen
 tensor replicated on that axis while working on shards there). Reads of one producer with the same
 ``q`` share one redistribution, and reads that also share ``grad_axes`` share one gradient
 reduction; where the read gathers on a gradient axis, the gather's backward reduce-scatters the
-partial gradient instead (:func:`autotp.redistribute.fused_axes`). The runtime executes exactly this program and :func:`collectives` lists it, so the
-plan's collectives are the ones that run.
+partial gradient instead (:func:`autotp.redistribute.fused_axes`). The runtime executes exactly this
+program: :func:`collectives` lists its collectives and :func:`local_copies` the copy kernels around
+them, so the plan's collectives are the ones that run and its predicted time prices both.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from typing import Mapping, Optional
 from autotp.graph import OpGraph
 from autotp.mesh import MeshSpec
 from autotp.placement import Placement, R, Strategy
-from autotp.redistribute import conversion_steps, fused_axes
+from autotp.redistribute import conversion_steps, fused_axes, step_copies
 
-__all__ = ["Read", "Collective", "reads", "collectives", "OUTPUT"]
+__all__ = ["Read", "Collective", "LocalCopy", "reads", "collectives", "local_copies", "OUTPUT"]
 
 OUTPUT = "<output>"
 
@@ -54,6 +55,18 @@ class Collective:
         return f"{self.phase} {self.kind} over {self.mesh_axis}: {self.bytes / 2**20:.2f} MiB at {self.at}"
 
 
+@dataclass(frozen=True)
+class LocalCopy:
+    """One copy kernel on each rank around a redistribution over ``mesh_axis`` of node ``at``:
+    ``bytes`` read plus written (:func:`autotp.redistribute.step_copies`)."""
+
+    phase: str
+    mesh_axis: str
+    bytes: float
+    dtype: str
+    at: str
+
+
 def reads(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, train: bool) -> list[Read]:
     """Every read of the graph under the chosen strategies, the graph outputs last (as ``OUTPUT``)."""
     out: list[Read] = []
@@ -72,8 +85,21 @@ def reads(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, train:
 
 def collectives(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, train: bool) -> list[Collective]:
     """The collectives of one step (forward, and backward when ``train``), in program order."""
+    return _program(graph, chosen, mesh, train)[0]
+
+
+def local_copies(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, train: bool) -> list[LocalCopy]:
+    """The copy kernels the redistributions run on each rank (:func:`autotp.redistribute.step_copies`),
+    forward then backward, in program order."""
+    return _program(graph, chosen, mesh, train)[1]
+
+
+def _program(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec,
+             train: bool) -> tuple[list[Collective], list[LocalCopy]]:
     fwd: list[Collective] = []
     bwd: list[Collective] = []
+    fwd_copies: list[LocalCopy] = []
+    bwd_copies: list[LocalCopy] = []
     done_redistribute: set[tuple] = set()
     done_reduce: set[tuple] = set()
     for r in reads(graph, chosen, mesh, train):
@@ -88,10 +114,15 @@ def collectives(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, 
             for step in conversion_steps(p, r.placements, mesh.shape, fused):
                 size = info.nbytes / step.divisor
                 axis = mesh.axis_names[step.axis]
+                backward = train and src.requires_grad
                 if step.forward:
                     fwd.append(Collective(step.forward, "forward", axis, size, r.producer))
-                if step.backward and train and src.requires_grad:
+                if step.backward and backward:
                     bwd.append(Collective(step.backward, "backward", axis, size, r.producer))
+                copies_fwd, copies_bwd = step_copies(step, info.shape, mesh.shape[step.axis], info.nbytes)
+                fwd_copies += [LocalCopy("forward", axis, b, info.dtype, r.producer) for b in copies_fwd]
+                if backward:
+                    bwd_copies += [LocalCopy("backward", axis, b, info.dtype, r.producer) for b in copies_bwd]
         reduce_axes = tuple(a for a in r.grad_axes if a not in fused)
         key = (r.value, r.placements, r.grad_axes)
         if reduce_axes and key not in done_reduce:
@@ -102,4 +133,4 @@ def collectives(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, 
                     if b != a and pl.is_shard:
                         divisor *= n
                 bwd.append(Collective("all_reduce", "backward", mesh.axis_names[a], info.nbytes / divisor, r.producer))
-    return fwd + bwd
+    return fwd + bwd, fwd_copies + bwd_copies

@@ -23,9 +23,34 @@ they return is a partial sum; the backward of the gather then reduce-scatters it
 instead of slicing a gradient that would need a separate all_reduce: Megatron's sequence-parallel
 pairing of all_gather forward with reduce_scatter backward.
 
+**Local copies.** Collectives move whole buffers along dim 0, so a step on any other dim
+rearranges memory on the rank, and the runtime (:mod:`autotp.collectives`) does it with one copy
+kernel each (bytes read plus written, for a contiguous input; ``size`` is the full tensor along
+the axis, ``shard = size / n``):
+
+=================  =====================================================  ==================
+primitive          copies                                                 when
+=================  =====================================================  ==================
+slice S(d)         the shard out of the tensor: ``2 shard``               d not leading
+all_gather S(d)    the shard to dim 0 first, the result back: ``2 shard``  d not leading
+                   and ``2 size``
+reduce_scatter     the input to dim 0 first, the shard back: ``2 size``    d not leading
+S(d)               and ``2 shard``
+all_to_all         the pieces stacked, the received ones concatenated:    always
+                   ``2 shard`` each
+R -> P             rank 0 keeps a clone: ``2 size``                        always
+=================  =====================================================  ==================
+
+A dim is *leading* when every dim before it has size 1: moving it to the front is then a view
+of the same memory. :func:`step_copies` lists them per step, forward and backward, and the cost
+model prices each as a memory-bound kernel, so what is priced is what runs here too.
+
 >>> from autotp.placement import R, S, P
 >>> [str(s) for s in conversion_steps((S(0), P), (R, R), (2, 4))]
 ['axis 1: P -> R (forward all_reduce)', 'axis 0: S(0) -> R (forward all_gather)']
+>>> step, = conversion_steps((S(2),), (R,), (2,))  # gather the last dim of a (4, 8, 16) float32
+>>> step_copies(step, (4, 8, 16), 2, 8192.0)  # forward: the shard in, the result out; backward: a slice
+((8192.0, 16384.0), (8192.0,))
 """
 
 from __future__ import annotations
@@ -36,7 +61,7 @@ from typing import Optional, Sequence
 
 from autotp.placement import Placement
 
-__all__ = ["Step", "conversion_steps", "step_kinds", "is_convertible", "fused_axes"]
+__all__ = ["Step", "conversion_steps", "step_kinds", "is_convertible", "fused_axes", "step_copies"]
 
 
 @dataclass(frozen=True)
@@ -100,3 +125,39 @@ def conversion_steps(src: Sequence[Placement], dst: Sequence[Placement], mesh_sh
             bwd = "reduce_scatter"
         steps.append(Step(a, src[a], dst[a], fwd, bwd, divisor))
     return steps
+
+
+def step_copies(step: Step, shape: Sequence[int], n: int, nbytes: float) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Bytes (read plus written) of each local copy kernel the runtime runs for ``step``: forward,
+    then backward (the backward ones run only for a tensor that carries a gradient, in training).
+
+    ``shape`` is the tensor's (full) shape, ``n`` the size of the step's mesh axis, ``nbytes`` the
+    full tensor's bytes. See the module docstring for the table.
+    """
+    size = nbytes / step.divisor
+    shard = size / n
+
+    def moved(dim: int) -> bool:  # a copy is needed to bring ``dim`` to the front, or back
+        return math.prod(shape[:dim]) > 1
+
+    def sliced(dim: int) -> tuple[float, ...]:
+        return (2 * shard,) if moved(dim) else ()
+
+    def gathered(dim: int) -> tuple[float, ...]:
+        return (2 * shard, 2 * size) if moved(dim) else ()
+
+    def scattered(dim: int) -> tuple[float, ...]:
+        return (2 * size, 2 * shard) if moved(dim) else ()
+
+    s, d = step.src, step.dst
+    if s.is_replicate:
+        if d.is_shard:
+            return sliced(d.dim), gathered(d.dim)
+        return (2 * size,), ()  # R -> P
+    if s.is_shard:
+        if d.is_shard:
+            return (2 * shard, 2 * shard), (2 * shard, 2 * shard)
+        return gathered(s.dim), (scattered(s.dim) if step.backward == "reduce_scatter" else sliced(s.dim))
+    if d.is_shard:  # P -> S(d)
+        return scattered(d.dim), gathered(d.dim)
+    return (), ()  # P -> R

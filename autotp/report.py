@@ -61,7 +61,7 @@ def _text(plan: "Plan") -> str:
     budget = f" of {_b(mem.budget_bytes)} budget" if mem.budget_bytes else ""
     lines += [
         "",
-        f"Predicted step time: {_t(t.total_s)} (compute {_t(t.compute_s)}, communication {_t(t.communication_s)})",
+        f"Predicted step time: {_t(t.total_s)} (compute {_t(t.compute_s)}, communication {_t(t.communication_s)}, local copies included)",
         f"Memory per device: {_b(mem.total_bytes)}{budget} (parameters {_b(mem.parameters_bytes)}, gradients "
         f"{_b(mem.gradients_bytes)}, optimizer {_b(mem.optimizer_bytes)}, activations {_b(mem.activations_bytes)})",
         f"Solve: {st.solver}, {st.status}; {st.variables} variables, {st.constraints} constraints, "
