@@ -19,7 +19,7 @@ from autotp.capture import capture
 from autotp.costing import MODES, CostModel
 from autotp.graph import OpGraph
 from autotp.mesh import MeshSpec
-from autotp.placement import format_placements, parse_placements
+from autotp.placement import Strategy, format_placements, parse_placements
 from autotp.plan import MemoryPerDevice, NodeChoice, Plan, PredictedTime, SolveStats, module_choices
 from autotp.program import collectives, local_copies
 from autotp.solver import solve
@@ -104,6 +104,16 @@ def _apply_pins(graph: OpGraph, spec: MeshSpec, rep: Mapping[str, str], strat_re
             strat_rep[c] = reading
 
 
+def predicted_time(graph: OpGraph, chosen: Mapping[str, Strategy], spec: MeshSpec, cost: CostModel) -> PredictedTime:
+    """Seconds of one step under ``chosen``: every node's compute, and every collective and local
+    copy the program runs (:mod:`autotp.program`), each priced by ``cost``."""
+    compute_s = sum(cost.node_compute_s(n, chosen[n.name]) for n in graph.nodes)
+    comm_s = (sum(cost.collective_s(c.kind, spec.axis_names.index(c.mesh_axis), c.bytes)
+                  for c in collectives(graph, chosen, spec, cost.train))
+              + sum(cost.copy_s(c.bytes, c.dtype) for c in local_copies(graph, chosen, spec, cost.train)))
+    return PredictedTime(compute_s, comm_s)
+
+
 def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "train",
                memory_budget: Any = None, time_limit_s: float = 60.0, capture_s: float = 0.0,
                pin: Optional[Mapping[str, str]] = None) -> Plan:
@@ -129,9 +139,6 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
     chosen = {name: strategies[name][i] for name, i in solution.choice.items()}
 
     colls = tuple(collectives(graph, chosen, spec, cost.train))
-    compute_s = sum(cost.node_compute_s(n, chosen[n.name]) for n in graph.nodes)
-    comm_s = (sum(cost.collective_s(c.kind, spec.axis_names.index(c.mesh_axis), c.bytes) for c in colls)
-              + sum(cost.copy_s(c.bytes, c.dtype) for c in local_copies(graph, chosen, spec, cost.train)))
     parts = [cost.node_memory(n, chosen[n.name]) for n in graph.nodes]
     memory = MemoryPerDevice(
         parameters_bytes=sum(p.parameters_bytes for p in parts), gradients_bytes=sum(p.gradients_bytes for p in parts),
@@ -148,7 +155,7 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
         nodes=tuple(NodeChoice(n.name, n.target, n.module_path, n.outputs[0].shape, str(chosen[n.name]))
                     for n in graph.nodes),
         parameter_placements={p.fqn: format_placements(chosen[p.node].output) for p in graph.parameters},
-        collective_list=colls, time=PredictedTime(compute_s, comm_s), memory=memory, stats=stats,
+        collective_list=colls, time=predicted_time(graph, chosen, spec, cost), memory=memory, stats=stats,
         modules=module_choices(graph, chosen),
     )
 

@@ -66,7 +66,8 @@ __all__ = ["Step", "conversion_steps", "step_kinds", "is_convertible", "fused_ax
 
 @dataclass(frozen=True)
 class Step:
-    """One axis of a redistribution; ``divisor`` is how many pieces the other axes cut the tensor into."""
+    """One axis of a redistribution; ``divisor`` is how many pieces the other axes cut the tensor
+    into, ``cuts`` which dims they cut and in how many pieces (``(dim, pieces)`` per other axis)."""
 
     axis: int
     src: Placement
@@ -74,6 +75,7 @@ class Step:
     forward: Optional[str]
     backward: Optional[str]
     divisor: int
+    cuts: tuple[tuple[int, int], ...] = ()
 
     def __str__(self) -> str:
         what = f"forward {self.forward}" if self.forward else "free"
@@ -119,11 +121,11 @@ def conversion_steps(src: Sequence[Placement], dst: Sequence[Placement], mesh_sh
     gathers = [a for a in changing if src[a].is_shard and dst[a].is_replicate]
     for a in [a for a in changing if a not in gathers] + gathers:
         current[a] = dst[a]
-        divisor = math.prod(n for b, (p, n) in enumerate(zip(current, mesh_shape)) if b != a and p.is_shard)
+        cuts = tuple((p.dim, n) for b, (p, n) in enumerate(zip(current, mesh_shape)) if b != a and p.is_shard)
         fwd, bwd = step_kinds(src[a], dst[a])
         if a in grad_axes and src[a].is_shard and dst[a].is_replicate:
             bwd = "reduce_scatter"
-        steps.append(Step(a, src[a], dst[a], fwd, bwd, divisor))
+        steps.append(Step(a, src[a], dst[a], fwd, bwd, math.prod(n for _, n in cuts), cuts))
     return steps
 
 
@@ -132,13 +134,17 @@ def step_copies(step: Step, shape: Sequence[int], n: int, nbytes: float) -> tupl
     then backward (the backward ones run only for a tensor that carries a gradient, in training).
 
     ``shape`` is the tensor's (full) shape, ``n`` the size of the step's mesh axis, ``nbytes`` the
-    full tensor's bytes. See the module docstring for the table.
+    full tensor's bytes. See the module docstring for the table. Whether a dim is leading is judged
+    on the tensor the step runs on: the full shape cut by the other axes (``step.cuts``).
     """
     size = nbytes / step.divisor
     shard = size / n
+    local = list(shape)
+    for dim, pieces in step.cuts:
+        local[dim] = max(1, local[dim] // pieces)
 
     def moved(dim: int) -> bool:  # a copy is needed to bring ``dim`` to the front, or back
-        return math.prod(shape[:dim]) > 1
+        return math.prod(local[:dim]) > 1
 
     def sliced(dim: int) -> tuple[float, ...]:
         return (2 * shard,) if moved(dim) else ()

@@ -44,8 +44,7 @@ def one(name: str, tying: bool, solver_limit_s: float) -> dict:
     import autotp
     from autotp.costing import CostModel
     from autotp.mesh import MeshSpec
-    from autotp.planner import plan_graph, resolve_hardware
-    from autotp.program import collectives
+    from autotp.planner import plan_graph, predicted_time, resolve_hardware
     from autotp.solver import solve
     from autotp.strategies import all_strategies
     from autotp.tying import find_repeats
@@ -73,9 +72,7 @@ def one(name: str, tying: bool, solver_limit_s: float) -> dict:
     cost = CostModel(spec, profile, "train")
     solution = solve(graph, strategies, rep, cost, float(profile.device.memory_bytes), solver_limit_s)
     chosen = {k: strategies[k][i] for k, i in solution.choice.items()}
-    colls = collectives(graph, chosen, spec, True)
-    predicted = (sum(cost.node_compute_s(n, chosen[n.name]) for n in graph.nodes)
-                 + sum(cost.collective_s(c.kind, spec.axis_names.index(c.mesh_axis), c.bytes) for c in colls))
+    predicted = predicted_time(graph, chosen, spec, cost).total_s
     out.update(solve_s=solution.seconds, variables=solution.variables, constraints=solution.constraints,
                representatives=solution.representatives, status=solution.status, predicted_ms=predicted * 1e3)
     _ = find_repeats  # (the tied path's first step; unused here on purpose)

@@ -84,6 +84,22 @@ def test_runtime_copies_equal_the_priced_ones(two_fake_ranks, shape, src, dst, r
     assert leaf.grad is not None and leaf.grad.shape == leaf.shape
 
 
+def test_a_dim_the_other_axes_cut_to_size_one_is_leading(two_fake_ranks):
+    """On a (2, 2) mesh, a (2, 8, 16) tensor split on dim 0 over the first axis is (1, ., 16) on
+    each rank: gathering its dim 1 over the second axis needs no copy, as the runtime shows on that
+    local tensor; a (4, 8, 16) one, (2, ., 16) on each rank, needs both."""
+    for shape, copies in (((2, 8, 16), 0), ((4, 8, 16), 2)):
+        step, = conversion_steps((S(0), S(1)), (S(0), R), (2, 2))
+        assert step.cuts == ((0, 2),)
+        nbytes = torch.Size(shape).numel() * 4.0
+        forward, _ = step_copies(step, shape, 2, nbytes)
+        assert len(forward) == copies
+        seen = _Copies()
+        with seen:
+            RedistributeStep(S(1), R, "tp", two_fake_ranks, 2, rank=0)(torch.randn(shape[0] // 2, 4, 16))
+        assert sorted(seen.bytes) == sorted(forward)
+
+
 def test_a_gather_on_a_later_dim_costs_more_than_on_the_first():
     """The cost model sees the copies: the same all_gather costs more on a non-leading dim, by
     exactly the two copy kernels, and nothing more on the first dim."""
