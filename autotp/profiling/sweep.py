@@ -181,8 +181,8 @@ def refinement_sizes(
     midpoints stay out of the fit). The gaps:
 
     * each gap where the fit starts a new size range (at most ``fit.MAX_SEGMENTS - 1``);
-    * both gaps next to the *worst bandwidth-bound size*: of the sizes whose bandwidth term is
-      at least their range's latency, the one the fit misses by the largest relative error,
+    * both gaps next to the *worst bandwidth-bound size*: of the sizes that would take at least
+      half their time at the best rate any size reached, the one the fit misses by the largest relative error,
       if that is over ``REFINE_MISS`` (a curve one line cannot follow, but whose few points
       fall short of buying a range of their own).
 
@@ -214,16 +214,18 @@ def refinement_sizes(
 def _worst_bandwidth_bound(
     ranges: Sequence[tuple[int, float, float]], xs: Sequence[float], times_s: Sequence[float]
 ) -> int | None:
-    """Index of the size, among those whose fitted bandwidth term ``b * x`` is at least the
-    latency ``a`` of their range, with the largest relative error; None if there is none.
-    Below that, a size's time is mostly latency, and its scatter mostly the host's jitter.
-    Only an error over ``REFINE_MISS`` counts."""
+    """Index of the size, among the bandwidth-bound ones, with the largest relative error of the
+    fit; None if there is none. A size is bandwidth-bound when moving its bytes at the best rate
+    any size reached (``max(x / t)``) takes at least half its time: below that its time is mostly
+    latency, and its scatter mostly the host's jitter (which a fitted range's own line, bent to
+    that jitter, would not tell). Only an error over ``REFINE_MISS`` counts."""
     starts = [start for start, _, _ in ranges]
+    best_rate = max(x / t for x, t in zip(xs, times_s))
     worst, worst_error = None, REFINE_MISS
     for i, (x, t) in enumerate(zip(xs, times_s)):
         _, a, b = ranges[bisect.bisect_right(starts, i) - 1]
         error = abs((a + b * x) / t - 1.0)
-        if b * x >= a and error > worst_error:
+        if x / best_rate >= t / 2 and error > worst_error:
             worst, worst_error = i, error
     return worst
 
