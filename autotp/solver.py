@@ -53,6 +53,7 @@ from autotp.costing import INFEASIBLE_S, CostModel
 from autotp.graph import OpGraph
 from autotp.ilp import SolverError, solve_with_first_solver
 from autotp.placement import Placement, Strategy
+from autotp.redistribute import fused_axes
 
 __all__ = ["solve", "Solution", "MemoryBudgetError", "SolverError"]
 
@@ -234,11 +235,14 @@ class _Formulation:
         """Several readers: readers that need the same thing share one redistribution, paid once.
 
         Each reader ``c`` gets the exact product variables ``y_c[p,κ]`` of the single-reader case, and
-        ``w[p,κ] ≥ y_c[p,κ]`` for every reader pays ``cost(p, κ)`` once.
+        ``w[p,ρ] ≥ y_c[p,κ]`` for every reader pays the redistribution ``ρ`` that ``κ`` needs from
+        ``p`` once. Two requirements that differ only in partial-gradient axes where no gather
+        runs need the same redistribution (:func:`_redistribution`), as the program shares it.
         """
         su = self.strategies[ru]
         outs = sorted({s.output for s in su})
-        c: dict[tuple, float] = defaultdict(float)
+        c: dict[tuple, float] = defaultdict(float)  # per (p, requirement): what that pair costs
+        shared: dict[tuple, float] = defaultdict(float)  # per (p, redistribution): what it costs once
         readers_rep: set[tuple[str, int]] = set()
         keys: set[tuple] = set()
         alike: Counter = Counter()  # instances with the same tensor, grad flag and readers cost the same
@@ -255,16 +259,18 @@ class _Formulation:
             for q, axes in mine:
                 for p in outs:
                     c[(p, (q, axes))] += count * self.cost.edge_s(info, p, q, grad, axes)
+            for p, once in {_redistribution(p, kk) for kk in mine for p in outs}:
+                shared[(p, once)] += count * self.cost.edge_s(info, p, once[0], grad, once[1])
             keys |= mine
-        ordered = [kk for kk in sorted(keys, key=_key_order) if any(c[(p, kk)] for p in outs)]
-        if not ordered:
+        if not any(c[(p, kk)] for kk in keys for p in outs):
             return
+        ordered = sorted({_redistribution(p, kk)[1] for kk in keys for p in outs}, key=_key_order)
         pay: dict[tuple, pulp.LpVariable] = {}
         for i, p in enumerate(outs):
-            for j, kk in enumerate(ordered):
-                if c[(p, kk)] not in (0.0, INFEASIBLE_S):
-                    pay[(p, kk)] = self.var(f"w{e}_{i}_{j}", 0, 1)
-                    self.objective.append(c[(p, kk)] * pay[(p, kk)])
+            for j, once in enumerate(ordered):
+                if shared[(p, once)] not in (0.0, INFEASIBLE_S):
+                    pay[(p, once)] = self.var(f"w{e}_{i}_{j}", 0, 1)
+                    self.objective.append(shared[(p, once)] * pay[(p, once)])
         self.n_vars += len(pay)
         grad = self.cost.train and any(self.graph[u.split("[")[0]].requires_grad for u in instances)
         for r, (rv, k) in enumerate(sorted(readers_rep)):
@@ -272,9 +278,10 @@ class _Formulation:
             y = self._product(f"{e}_r{r}", ru, outs, rv, need, sorted(set(need), key=_key_order), c)
             if grad:
                 self.products[(ru, rv, k)] = y
-            for n, (pq, var) in enumerate(y.items()):
-                if pq in pay:
-                    self.prob += pay[pq] >= var, f"pay_{e}_{r}_{n}"
+            for n, ((p, kk), var) in enumerate(y.items()):
+                once = _redistribution(p, kk)
+                if once in pay:
+                    self.prob += pay[once] >= var, f"pay_{e}_{r}_{n}"
 
     def _product(self, tag: str, ru: str, outs: list, rv: str, need: list, ins: list,
                  c: Mapping[tuple, float]) -> dict[tuple, pulp.LpVariable]:
@@ -402,6 +409,16 @@ def _is_follower(node) -> bool:
     if node.is_view:
         return True
     return node.target in _NOOP_TARGETS and node.input_infos[0] == node.output
+
+
+def _redistribution(p: tuple, requirement: tuple) -> tuple:
+    """``(p, (q, fused))``: the redistribution from ``p`` that a read needing ``(q, grad_axes)``
+    runs. Its steps depend on the gradient axes only where a gather absorbs the reduction
+    (:func:`autotp.redistribute.fused_axes`); the program shares reads with the same one."""
+    q, axes = requirement
+    if q is None:
+        return p, requirement
+    return p, (q, fused_axes(p, q, axes))
 
 
 def _key_order(kk: tuple) -> tuple:

@@ -501,6 +501,50 @@ class _LinearSum(torch.nn.Module):
         return self.fc(x).sum()
 
 
+class _TwoReaders(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(1024, 1024, bias=False)
+        self.fc2 = torch.nn.Linear(1024, 1024, bias=False)
+
+    def forward(self, x):  # (512, 1024)
+        y = self.fc1(x)
+        return self.fc2(y).sum() + torch.tanh(y).sum()
+
+
+def test_ilp_pays_once_for_a_redistribution_two_readers_share():
+    """fc1 rowwise makes y a partial sum; fc2 (colwise) and tanh (replicated) both read it whole. fc2
+    works on shards, so its read carries a partial-gradient axis and tanh's does not, but both need
+    the same all_reduce, which the program runs once: the objective must pay it once too."""
+    from autotp.costing import CostModel
+    from autotp.mesh import MeshSpec
+    from autotp.placement import P, R, S
+    from autotp.program import collectives
+    from autotp.solver import solve
+    from autotp.strategies import all_strategies
+
+    graph = autotp.capture(_TwoReaders().to("meta"), (torch.randn(512, 1024, device="meta"),))
+    spec = MeshSpec.of((2,))
+    fc1, fc2 = [n.name for n in graph.nodes if n.target == "aten.linear.default"]
+    tanh = next(n.name for n in graph.nodes if n.target == "aten.tanh.default")
+    wanted = {
+        "p_fc1_weight": lambda st: st.output == (S(1),),
+        fc1: lambda st: st.output == (P,),
+        "p_fc2_weight": lambda st: st.output == (S(0),),
+        fc2: lambda st: st.inputs[0] == (R,) and st.output == (S(1),),
+        tanh: lambda st: st.inputs[0] == (R,) and st.output == (R,),
+    }
+    strategies = {k: [st for st in v if k not in wanted or wanted[k](st)]
+                  for k, v in all_strategies(graph, spec.shape).items()}
+    assert all(strategies[k] for k in wanted)
+    cost = CostModel(spec, load_profile(FAST), "train")
+    solution = solve(graph, strategies, {n.name: n.name for n in graph.nodes}, cost, None)
+    chosen = {k: strategies[k][i] for k, i in solution.choice.items()}
+    forward = [(c.kind, c.at) for c in collectives(graph, chosen, spec, True) if c.phase == "forward"]
+    assert forward.count(("all_reduce", fc1)) == 1
+    assert solution.objective_s == pytest.approx(_predicted_s(graph, chosen, spec, cost), rel=1e-6)
+
+
 def test_ilp_prices_the_gradient_reduction_of_the_chosen_read():
     """(2, 4) mesh, one Linear then sum. Choices left to the solver: the weight stored R,S(0) or R,R, the
     linear batch-over-dp with the weight split over tp or whole. Splitting wins (4x less compute); then the
