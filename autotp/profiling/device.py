@@ -1,7 +1,8 @@
 """What one device can do: matmul FLOP/s per dtype, memory bandwidth, per-kernel overhead.
 
 Measured on the device the ranks compute on (``cuda`` with nccl, ``cpu`` with gloo), by
-one rank while the others wait. On CPU the figure is for the threads this process has
+every rank at once, as they compute at once in a training step (``autotp profile`` keeps the
+slowest rank's figures). On CPU the figure is for the threads this process has
 (``torch.get_num_threads()``): when N ranks share one host, each is given its share of
 the cores, so the figure is that of one of the N "devices".
 
