@@ -22,6 +22,11 @@ minutes on a shared VM, hits all alike, and no plan always goes first);
 the rank's CPU time over wall time (well below 1 with the ranks waiting on each other or on
 collectives, and lower still when other processes take the cores: a warning sign).
 
+``device now`` prices the same plans with the profile's links and the device measured again (as
+``autotp profile`` does, both ranks at once) just before and just after the steps, the mean of the
+two: this VM's matmul rate drifts by up to half between minutes, so ``pred/meas`` moves with the
+drift since the profile was taken, and ``now/meas`` shows the cost model without it.
+
 Then, for each two plans (or groups of plans tied in the prediction) next to each other in the
 predicted ranking, the measured difference of their steps in the same turn, with a 95% interval:
 where the interval holds zero, this machine cannot tell the two plans apart in that many steps,
@@ -121,6 +126,7 @@ def _measure(rank: int, world: int, plan_jsons: dict, batch: int, seq: int, step
     for _ in range(2):  # warm-up
         for pm, inputs, targets in models.values():
             step(pm, inputs, targets)
+    devices = [_device_now(world)]
     names = list(models)
     turn = 0
     wall = {name: [] for name in models}  # one list of step times per round
@@ -136,11 +142,43 @@ def _measure(rank: int, world: int, plan_jsons: dict, batch: int, seq: int, step
                 w, c = step(*models[name])
                 wall[name][-1].append(w)
                 cpu[name][-1].append(c)
-    return {name: {"median_s": statistics.median(t for r in wall[name] for t in r),
-                   "steps_s": [t for r in wall[name] for t in r],  # in the order taken, paired across plans
-                   "round_medians_s": [statistics.median(r) for r in wall[name]],
-                   "cpu_over_wall": sum(map(sum, cpu[name])) / sum(map(sum, wall[name]))}
-            for name in models}
+    devices.append(_device_now(world))
+    plans_measured = {name: {"median_s": statistics.median(t for r in wall[name] for t in r),
+                             "steps_s": [t for r in wall[name] for t in r],  # in the order taken, paired
+                             "round_medians_s": [statistics.median(r) for r in wall[name]],
+                             "cpu_over_wall": sum(map(sum, cpu[name])) / sum(map(sum, wall[name]))}
+                      for name in models}
+    return {"plans": plans_measured, "devices": devices}
+
+
+def _device_now(world: int):
+    """The device as ``autotp profile`` measures it (every rank at once, the slowest kept), now."""
+    from autotp.profiling.device import measure_device, slowest
+
+    every = [None] * world
+    torch.distributed.all_gather_object(every, measure_device(torch.device("cpu")))
+    return slowest(every)
+
+
+def predicted_now_s(planned: dict, profile, devices: list, batch: int, seq: int) -> dict[str, float]:
+    """Each plan's predicted step, loss included, with the profile's links and the device measured
+    just before and just after the steps (the mean of the two predictions): what the cost model
+    says once the host's drift in speed since the profile is taken out."""
+    from autotp.costing import CostModel
+    from autotp.planner import predicted_time
+    from autotp.profiling.hardware import device_spec
+
+    with torch.device("meta"):
+        model, inputs, _ = build(batch, seq)
+    graph = autotp.capture(model, inputs)
+    out = {name: 0.0 for name in planned}
+    for measured in devices:
+        now = dataclasses.replace(profile, device=device_spec(measured))
+        loss_s = loss_predicted_s(now, batch, seq)
+        for name, plan in planned.items():
+            cost = CostModel(plan.mesh, now, plan.mode)
+            out[name] += (predicted_time(graph, dict(plan.strategies), plan.mesh, cost).total_s + loss_s) / len(devices)
+    return out
 
 
 def main() -> None:
@@ -167,19 +205,25 @@ def main() -> None:
     measured = run_ranks(_measure, 2, {k: p.to_json() for k, p in planned.items()}, args.batch, args.seq,
                          args.steps, args.repeats)
     load_after = os.getloadavg()[0]
-    rank0 = measured[0]  # rank 0's steps (the ranks start each step together at a barrier)
+    rank0 = measured[0]["plans"]  # rank 0's steps (the ranks start each step together at a barrier)
 
     print(f"GPT-2-small shape, {CFG.n_layer} layers, batch {args.batch} x seq {args.seq}, 2 gloo ranks, "
           f"profile {profile.name}; forward + backward, loss included (predicted loss {loss_s * 1e3:.1f} ms)")
-    print(f"{'plan':12}{'predicted ms':>14}{'measured ms':>13}{'pred/meas':>11}{'spread ms':>17}{'cpu/wall':>10}   styles")
+    print(f"{'plan':12}{'predicted ms':>14}{'measured ms':>13}{'pred/meas':>11}{'spread ms':>17}{'cpu/wall':>10}"
+          f"{'device now':>12}{'now/meas':>10}   styles")
     predicted = {k: p.predicted_time().total_s + loss_s for k, p in planned.items()}
+    now = predicted_now_s(planned, profile, measured[0]["devices"], args.batch, args.seq)
     for name, plan in planned.items():
         m = rank0[name]
         lo, hi = min(m["round_medians_s"]), max(m["round_medians_s"])
         styles = ", ".join(sorted({v for v in plan.module_styles().values()}))
         print(f"{name:12}{predicted[name] * 1e3:>14.1f}{m['median_s'] * 1e3:>13.1f}"
               f"{predicted[name] / m['median_s']:>11.2f}{f'{lo * 1e3:.0f}..{hi * 1e3:.0f}':>17}"
-              f"{m['cpu_over_wall']:>10.2f}   {styles}")
+              f"{m['cpu_over_wall']:>10.2f}{now[name] * 1e3:>12.1f}{now[name] / m['median_s']:>10.2f}   {styles}")
+    before, after = (d.peak_flops["float32"] for d in measured[0]["devices"])
+    print(f"device now: the profile's links with the device measured again just before and just after the "
+          f"steps (float32 matmul peak {before / 1e9:.0f} and {after / 1e9:.0f} GFLOP/s; the profile's "
+          f"{profile.device.peak_flops['float32'] / 1e9:.0f})")
     same = _ties(planned, predicted)
     for a, b in same:
         how = ("the same plan" if dict(planned[a].strategies) == dict(planned[b].strategies)

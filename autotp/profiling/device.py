@@ -47,6 +47,7 @@ True
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -213,6 +214,26 @@ CPU_MATMUL_CURVE_SIZES = (128, 256, 512, 1024)
 GPU_MATMUL_CURVE_SIZES = (512, 1024, 2048, 4096, 8192)
 CPU_MEMORY_CURVE_BYTES = (1 << 18, 1 << 21, 1 << 24, 1 << 27)  # 256 KiB .. 128 MiB operands
 GPU_MEMORY_CURVE_BYTES = (1 << 20, 1 << 23, 1 << 26, 1 << 29)  # 1 MiB .. 512 MiB operands
+
+
+def slowest(measurements: Sequence[DeviceMeasurement]) -> DeviceMeasurement:
+    """The figures of the slowest of ``measurements`` (one per rank, measured at once): least
+    FLOP/s and bandwidth, most kernel overhead, curves point by point (a rank that stopped a
+    curve early, a slow device, ends it for all)."""
+    first = measurements[0]
+
+    def least(curves):
+        return tuple((points[0][0], min(rate for _, rate in points)) for points in zip(*curves))
+
+    return dataclasses.replace(
+        first,
+        peak_flops={dtype: min(m.peak_flops[dtype] for m in measurements) for dtype in first.peak_flops},
+        memory_bandwidth_bytes_per_s=min(m.memory_bandwidth_bytes_per_s for m in measurements),
+        kernel_overhead_s=max(m.kernel_overhead_s for m in measurements),
+        matmul_curve={dtype: least([m.matmul_curve[dtype] for m in measurements]) for dtype in first.matmul_curve},
+        memory_curve=least([m.memory_curve for m in measurements]),
+        memory_overlap=None if first.memory_overlap is None else min(m.memory_overlap for m in measurements),
+    )
 
 
 def measure_device(

@@ -204,7 +204,7 @@ def build_profile(
     fits: dict[tuple[int, str], AlphaBetaFit] | None = None,
 ):
     """The ``cost_models.HardwareProfile`` of this run (imports cost_models when called)."""
-    from cost_models import CollectiveCost, CostSegment, DeviceSpec, HardwareProfile, LinkSpec
+    from cost_models import CollectiveCost, CostSegment, HardwareProfile, LinkSpec
 
     fits = fits if fits is not None else fit_sweep(points)
     links, link_note = axis_links(groups, info.hostnames)
@@ -259,18 +259,25 @@ def build_profile(
     return HardwareProfile(
         name=f"measured-{info.backend}-{info.world_size}x-{host}",
         source=source,
-        device=DeviceSpec(
-            peak_flops=dict(device.peak_flops),
-            memory_bandwidth_bytes_per_s=device.memory_bandwidth_bytes_per_s,
-            memory_bytes=device.memory_bytes,
-            kernel_overhead_s=device.kernel_overhead_s,
-            matmul_curve={dtype: points for dtype, points in device.matmul_curve.items() if points} or None,
-            memory_curve=device.memory_curve or None,
-            memory_overlap=1.0 if device.memory_overlap is None else device.memory_overlap,
-        ),
+        device=device_spec(device),
         devices_per_node=info.local_world_size,
         links=link_specs,
         measurements=measurements_dict(config, info, groups, points, fits, links, device),
+    )
+
+
+def device_spec(device: DeviceMeasurement) -> DeviceSpec:
+    """The profile's ``device`` (a ``cost_models.DeviceSpec``) from a measurement."""
+    from cost_models import DeviceSpec
+
+    return DeviceSpec(
+        peak_flops=dict(device.peak_flops),
+        memory_bandwidth_bytes_per_s=device.memory_bandwidth_bytes_per_s,
+        memory_bytes=device.memory_bytes,
+        kernel_overhead_s=device.kernel_overhead_s,
+        matmul_curve={dtype: points for dtype, points in device.matmul_curve.items() if points} or None,
+        memory_curve=device.memory_curve or None,
+        memory_overlap=1.0 if device.memory_overlap is None else device.memory_overlap,
     )
 
 

@@ -12,7 +12,6 @@ Exit code: 0, or 1 when ``--check`` found wrong elements (rank 0 only).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
 import sys
@@ -24,7 +23,7 @@ import torch.distributed as dist
 
 from autotp.profiling import collectives
 from autotp.profiling.config import ProfileConfig, format_size
-from autotp.profiling.device import measure_device
+from autotp.profiling.device import measure_device, slowest
 from autotp.profiling.heartbeat import Fault, Heartbeat
 from autotp.profiling.launch import CONFIG_ENV, LAUNCHED_ENV
 from autotp.profiling.mesh import mesh_axes
@@ -62,21 +61,10 @@ def _device(backend: str, local_rank: int) -> torch.device:
 
 
 def _slowest_rank(mine, world_size: int):
-    """The device figures of the slowest rank: least FLOP/s and bandwidth, most kernel overhead."""
+    """The device figures of the slowest rank (:func:`autotp.profiling.device.slowest`)."""
     every = [None] * world_size
     dist.all_gather_object(every, mine)
-    peak = {dtype: min(m.peak_flops[dtype] for m in every) for dtype in mine.peak_flops}
-
-    def slowest(curves):  # point by point; a rank that stopped early (a slow device) ends the curve
-        return tuple((points[0][0], min(rate for _, rate in points)) for points in zip(*curves))
-
-    return dataclasses.replace(
-        mine, peak_flops=peak,
-        memory_bandwidth_bytes_per_s=min(m.memory_bandwidth_bytes_per_s for m in every),
-        kernel_overhead_s=max(m.kernel_overhead_s for m in every),
-        matmul_curve={dtype: slowest([m.matmul_curve[dtype] for m in every]) for dtype in mine.matmul_curve},
-        memory_curve=slowest([m.memory_curve for m in every]),
-        memory_overlap=None if mine.memory_overlap is None else min(m.memory_overlap for m in every))
+    return slowest(every)
 
 
 def run_rank(config: ProfileConfig, launched: bool) -> int:
