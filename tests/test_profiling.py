@@ -25,7 +25,7 @@ from autotp.profiling.collectives import CollectiveCall, bus_factor, expected, f
 from autotp.profiling.config import parse_mesh, parse_size, size_sweep
 from autotp.profiling.fit import TimedPoint, fit_alpha_beta, fit_collective
 from autotp.profiling.mesh import mesh_axes
-from autotp.profiling.sweep import MAX_REFINED
+from autotp.profiling.sizes import MAX_REFINED
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--backend", "gloo", "-b", "1K", "-e", "64K", "-n", "3", "-w", "1", "--min-time-s", "0", "--rounds", "1"]
@@ -345,7 +345,7 @@ def test_a_point_follows_the_mix_of_two_clusters_of_blocks_and_ignores_a_rare_st
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 6, 7, 8, 16])
 @pytest.mark.parametrize("sweep_args", [(1024, 2**26, 2), (4, 2**20, 2), (1000, 10**7, 3), (1024, 2**26, 4)])
 def test_held_out_sizes_lie_strictly_between_and_suit_every_collective(n, sweep_args):
-    from autotp.profiling.sweep import SHARD_ALIGN_BYTES, held_out_sizes, planned_sizes
+    from autotp.profiling.sizes import SHARD_ALIGN_BYTES, held_out_sizes, planned_sizes
 
     sizes = size_sweep(*sweep_args)
     measured = sorted({collectives.element_count(s, n) * collectives.DTYPE_BYTES for s in sizes})
@@ -386,7 +386,7 @@ def _step_times(sizes, break_bytes=2**25):
 
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_refinement_adds_two_sizes_inside_the_gap_where_a_range_starts(n):
-    from autotp.profiling.sweep import SHARD_ALIGN_BYTES, held_out_sizes, refinement_sizes
+    from autotp.profiling.sizes import SHARD_ALIGN_BYTES, held_out_sizes, refinement_sizes
 
     sizes = [collectives.element_count(s, n) * 4 for s in size_sweep(1024, 2**26, 2)]
     held = held_out_sizes(sizes, n)
@@ -407,7 +407,7 @@ def test_refinement_adds_sizes_around_the_bandwidth_bound_size_the_fit_misses_mo
     gaps next to it; latency-bound sizes that scatter by 30% get none, and a miss under
     ``REFINE_MISS`` gets none."""
     from autotp.profiling.fit import SIZES_1K_TO_64M, fit_collective
-    from autotp.profiling.sweep import REFINE_MISS, refinement_sizes
+    from autotp.profiling.sizes import REFINE_MISS, refinement_sizes
 
     sizes = list(SIZES_1K_TO_64M)
     jitter = {1 << 10: 1.3, 1 << 11: 0.7, 1 << 12: 1.3, 1 << 13: 0.7, 1 << 14: 1.3}  # latency-bound
@@ -469,7 +469,8 @@ def test_a_refining_sweep_times_the_added_sizes_and_fits_them(tmp_path, monkeypa
 
 
 def test_no_refine_flag_turns_refinement_off_and_the_progress_reserves_room_for_it():
-    from autotp.profiling.sweep import MAX_REFINED, Timing, total_steps
+    from autotp.profiling.sizes import MAX_REFINED
+    from autotp.profiling.sweep import Timing, total_steps
 
     assert command.config_from_args(_parser().parse_args([]), 2).refine is True
     config = command.config_from_args(_parser().parse_args(["--no-refine"]), 2)
@@ -497,7 +498,8 @@ def test_no_held_out_flag_turns_them_off():
 def test_profile_json_keeps_held_out_measurements_and_errors():
     from autotp.profiling.config import ProfileConfig
     from autotp.profiling.hardware import RunInfo, fit_sweep, measurements_dict
-    from autotp.profiling.sweep import SweepPoint, held_out_sizes
+    from autotp.profiling.sizes import held_out_sizes
+    from autotp.profiling.sweep import SweepPoint
 
     sizes = size_sweep(2**18, 2**24, 2)
     held = held_out_sizes(sizes, 2)

@@ -97,8 +97,8 @@ class ProfileConfig:
     output: str | None
     min_time_s: float = 0.0
     rounds: int = 1
-    held_out: bool = True  # also time the held-out sizes between the fit sizes (sweep.held_out_sizes)
-    refine: bool = True  # add fit sizes where the times bend (sweep.refinement_sizes)
+    held_out: bool = True  # also time the held-out sizes between the fit sizes (sizes.held_out_sizes)
+    refine: bool = True  # add fit sizes where the times bend (sizes.refinement_sizes)
 
     @property
     def sizes_bytes(self) -> tuple[int, ...]:

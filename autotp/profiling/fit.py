@@ -48,7 +48,7 @@ How the fit is made (and why):
   ``-f`` each step). Its errors are reported three ways:
 
   - ``held_out``, the headline: a conventional train/test split. The sweep also measures
-    *held-out sizes* (``sweep.held_out_sizes``: the geometric midpoint between each two
+    *held-out sizes* (``sizes.held_out_sizes``: the geometric midpoint between each two
     consecutive fit sizes, e.g. about 1.41x each size of a doubling sweep), interleaved
     with the fit sizes in the same rounds, so slow drifts of the machine hit both alike.
     They never enter the fit (:func:`fit_collective` takes them as ``test_points``); each

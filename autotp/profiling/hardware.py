@@ -30,7 +30,7 @@ import torch
 from autotp.profiling import collectives
 from autotp.profiling.config import ProfileConfig, format_size
 from autotp.profiling.device import DeviceMeasurement
-from autotp.profiling.sweep import REFINE_MISS
+from autotp.profiling.sizes import REFINE_MISS
 from autotp.profiling.fit import (
     BREAKPOINT_PENALTY,
     HELD_OUT_MIN_BYTES,

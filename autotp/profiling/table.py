@@ -11,8 +11,8 @@ them: bytes, elements, microseconds, GB/s = 1e9 bytes per second)::
     # Avg bus bandwidth    : 0.0291
     # * held-out size: timed in the same rounds, never used by the fit
 
-A trailing ``*`` marks a held-out size (``sweep.held_out_sizes``) and a trailing ``+`` a
-refinement size (``sweep.refinement_sizes``); other rows are exactly nccl-tests' columns.
+A trailing ``*`` marks a held-out size (``sizes.held_out_sizes``) and a trailing ``+`` a
+refinement size (``sizes.refinement_sizes``); other rows are exactly nccl-tests' columns.
 """
 
 from __future__ import annotations
