@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 from cost_models import HardwareProfile, load_profile
@@ -21,7 +21,7 @@ from autotp.graph import OpGraph
 from autotp.mesh import MeshSpec
 from autotp.placement import Strategy, format_placements, parse_placements
 from autotp.plan import MemoryPerDevice, NodeChoice, Plan, PredictedTime, SolveStats, module_choices
-from autotp.program import collectives, local_copies
+from autotp.program import Collective, LocalCopy, program
 from autotp.solver import solve
 from autotp.strategies import all_strategies
 from autotp.tying import find_repeats
@@ -104,13 +104,14 @@ def _apply_pins(graph: OpGraph, spec: MeshSpec, rep: Mapping[str, str], strat_re
             strat_rep[c] = reading
 
 
-def predicted_time(graph: OpGraph, chosen: Mapping[str, Strategy], spec: MeshSpec, cost: CostModel) -> PredictedTime:
+def predicted_time(graph: OpGraph, chosen: Mapping[str, Strategy], spec: MeshSpec, cost: CostModel,
+                   steps: Optional[tuple[Sequence[Collective], Sequence[LocalCopy]]] = None) -> PredictedTime:
     """Seconds of one step under ``chosen``: every node's compute, and every collective and local
-    copy the program runs (:mod:`autotp.program`), each priced by ``cost``."""
+    copy the program runs (:func:`autotp.program.program`, or ``steps`` if given), each priced by ``cost``."""
+    colls, copies = steps if steps is not None else program(graph, chosen, spec, cost.train)
     compute_s = sum(cost.node_compute_s(n, chosen[n.name]) for n in graph.nodes)
-    comm_s = (sum(cost.collective_s(c.kind, spec.axis_names.index(c.mesh_axis), c.bytes)
-                  for c in collectives(graph, chosen, spec, cost.train))
-              + sum(cost.copy_s(c.bytes, c.dtype) for c in local_copies(graph, chosen, spec, cost.train)))
+    comm_s = (sum(cost.collective_s(c.kind, spec.axis_names.index(c.mesh_axis), c.bytes) for c in colls)
+              + sum(cost.copy_s(c.bytes, c.dtype) for c in copies))
     return PredictedTime(compute_s, comm_s)
 
 
@@ -138,7 +139,7 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
     solution = solve(graph, strategies, rep, cost, budget, time_limit_s)
     chosen = {name: strategies[name][i] for name, i in solution.choice.items()}
 
-    colls = tuple(collectives(graph, chosen, spec, cost.train))
+    colls, copies = program(graph, chosen, spec, cost.train)
     parts = [cost.node_memory(n, chosen[n.name]) for n in graph.nodes]
     memory = MemoryPerDevice(
         parameters_bytes=sum(p.parameters_bytes for p in parts), gradients_bytes=sum(p.gradients_bytes for p in parts),
@@ -155,7 +156,8 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
         nodes=tuple(NodeChoice(n.name, n.target, n.module_path, n.outputs[0].shape, str(chosen[n.name]))
                     for n in graph.nodes),
         parameter_placements={p.fqn: format_placements(chosen[p.node].output) for p in graph.parameters},
-        collective_list=colls, time=predicted_time(graph, chosen, spec, cost), memory=memory, stats=stats,
+        collective_list=tuple(colls), time=predicted_time(graph, chosen, spec, cost, (colls, copies)),
+        memory=memory, stats=stats,
         modules=module_choices(graph, chosen),
     )
 

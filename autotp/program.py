@@ -20,7 +20,7 @@ from autotp.mesh import MeshSpec
 from autotp.placement import Placement, R, Strategy
 from autotp.redistribute import conversion_steps, fused_axes, step_copies
 
-__all__ = ["Read", "Collective", "LocalCopy", "reads", "collectives", "local_copies", "OUTPUT"]
+__all__ = ["Read", "Collective", "LocalCopy", "reads", "collectives", "local_copies", "program", "OUTPUT"]
 
 OUTPUT = "<output>"
 
@@ -85,17 +85,18 @@ def reads(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, train:
 
 def collectives(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, train: bool) -> list[Collective]:
     """The collectives of one step (forward, and backward when ``train``), in program order."""
-    return _program(graph, chosen, mesh, train)[0]
+    return program(graph, chosen, mesh, train)[0]
 
 
 def local_copies(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, train: bool) -> list[LocalCopy]:
     """The copy kernels the redistributions run on each rank (:func:`autotp.redistribute.step_copies`),
     forward then backward, in program order."""
-    return _program(graph, chosen, mesh, train)[1]
+    return program(graph, chosen, mesh, train)[1]
 
 
-def _program(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec,
-             train: bool) -> tuple[list[Collective], list[LocalCopy]]:
+def program(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec,
+            train: bool) -> tuple[list[Collective], list[LocalCopy]]:
+    """Both lists of one step at once: :func:`collectives` and :func:`local_copies`."""
     fwd: list[Collective] = []
     bwd: list[Collective] = []
     fwd_copies: list[LocalCopy] = []
