@@ -66,16 +66,20 @@ __all__ = ["Step", "conversion_steps", "step_kinds", "is_convertible", "fused_ax
 
 @dataclass(frozen=True)
 class Step:
-    """One axis of a redistribution; ``divisor`` is how many pieces the other axes cut the tensor
-    into, ``cuts`` which dims they cut and in how many pieces (``(dim, pieces)`` per other axis)."""
+    """One axis of a redistribution; ``cuts`` are the dims the other axes cut the tensor along and
+    in how many pieces (``(dim, pieces)`` per other axis)."""
 
     axis: int
     src: Placement
     dst: Placement
     forward: Optional[str]
     backward: Optional[str]
-    divisor: int
     cuts: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def divisor(self) -> int:
+        """How many pieces the other axes cut the tensor into."""
+        return math.prod(pieces for _, pieces in self.cuts)
 
     def __str__(self) -> str:
         what = f"forward {self.forward}" if self.forward else "free"
@@ -125,7 +129,7 @@ def conversion_steps(src: Sequence[Placement], dst: Sequence[Placement], mesh_sh
         fwd, bwd = step_kinds(src[a], dst[a])
         if a in grad_axes and src[a].is_shard and dst[a].is_replicate:
             bwd = "reduce_scatter"
-        steps.append(Step(a, src[a], dst[a], fwd, bwd, math.prod(n for _, n in cuts), cuts))
+        steps.append(Step(a, src[a], dst[a], fwd, bwd, cuts))
     return steps
 
 

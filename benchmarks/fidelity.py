@@ -153,11 +153,9 @@ def _measure(rank: int, world: int, plan_jsons: dict, batch: int, seq: int, step
 
 def _device_now(world: int):
     """The device as ``autotp profile`` measures it (every rank at once, the slowest kept), now."""
-    from autotp.profiling.device import measure_device, slowest
+    from autotp.profiling.device import measure_device, slowest_rank
 
-    every = [None] * world
-    torch.distributed.all_gather_object(every, measure_device(torch.device("cpu")))
-    return slowest(every)
+    return slowest_rank(measure_device(torch.device("cpu")), world)
 
 
 def predicted_now_s(planned: dict, profile, devices: list, batch: int, seq: int) -> dict[str, float]:

@@ -566,8 +566,9 @@ def test_device_curves_measure_what_they_say():
 def test_slowest_rank_takes_each_curve_point_from_the_slowest_rank(monkeypatch):
     import dataclasses
 
-    from autotp.profiling import worker
-    from autotp.profiling.device import DeviceMeasurement
+    import torch.distributed as dist
+
+    from autotp.profiling.device import DeviceMeasurement, slowest_rank
 
     mine = DeviceMeasurement("cpu", "cpu", 1, {"float32": 2e11}, 1e10, 2**30, 3e-6,
                              matmul_curve={"float32": ((1e6, 1e11), (1e9, 2e11))},
@@ -579,8 +580,8 @@ def test_slowest_rank_takes_each_curve_point_from_the_slowest_rank(monkeypatch):
     def all_gather_object(out, obj):
         out[:] = [obj, other]
 
-    monkeypatch.setattr(worker.dist, "all_gather_object", all_gather_object)
-    slow = worker._slowest_rank(mine, 2)
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    slow = slowest_rank(mine, 2)
     assert slow.peak_flops == {"float32": 1.5e11} and slow.memory_bandwidth_bytes_per_s == 1e10
     assert slow.matmul_curve == {"float32": ((1e6, 1e11), (1e9, 1.5e11))}
     assert slow.memory_curve == ((3e6, 8e9), (3e8, 5e9))

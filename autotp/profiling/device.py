@@ -236,6 +236,15 @@ def slowest(measurements: Sequence[DeviceMeasurement]) -> DeviceMeasurement:
     )
 
 
+def slowest_rank(mine: DeviceMeasurement, world_size: int) -> DeviceMeasurement:
+    """:func:`slowest` over every rank's ``mine`` (a collective: every rank must call it)."""
+    import torch.distributed as dist
+
+    every = [None] * world_size
+    dist.all_gather_object(every, mine)
+    return slowest(every)
+
+
 def measure_device(
     device: torch.device,
     matmul_sizes: Sequence[int] | None = None,

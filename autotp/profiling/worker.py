@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from autotp.profiling import collectives
 from autotp.profiling.config import ProfileConfig, format_size
-from autotp.profiling.device import measure_device, slowest
+from autotp.profiling.device import measure_device, slowest_rank
 from autotp.profiling.heartbeat import Fault, Heartbeat
 from autotp.profiling.launch import CONFIG_ENV, LAUNCHED_ENV
 from autotp.profiling.mesh import mesh_axes
@@ -58,13 +58,6 @@ def _device(backend: str, local_rank: int) -> torch.device:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
-
-
-def _slowest_rank(mine, world_size: int):
-    """The device figures of the slowest rank (:func:`autotp.profiling.device.slowest`)."""
-    every = [None] * world_size
-    dist.all_gather_object(every, mine)
-    return slowest(every)
 
 
 def run_rank(config: ProfileConfig, launched: bool) -> int:
@@ -174,7 +167,7 @@ def _profile(
         print("measuring the device (matmul FLOP/s, memory bandwidth, kernel overhead) ...", file=sys.stderr)
     # every rank measures at once, as every rank computes at once in a training step: ranks that share
     # a host share its cores and memory bandwidth, and the profile keeps the slowest rank's figures
-    device_measurement = _slowest_rank(measure_device(device), world_size)
+    device_measurement = slowest_rank(measure_device(device), world_size)
     barrier(device)
     heartbeat.beat(step + 2, "writing the profile")
     wrong = sum(p.wrong or 0 for p in points) if config.check else 0
