@@ -9,6 +9,10 @@
   - an op without (elementwise, norm, softmax, gather; ``flop_counter`` counts none): memory-bound,
     priced on the bytes its backward moves: the output's gradient read, each floating-point input
     read again (what the forward saved) and its gradient written, each integer input read once.
+
+  A tensor read by several nodes that carry gradients (a residual stream, a norm's output read by
+  q, k and v, a weight tied to two layers) gets one gradient from each, and autograd adds them up:
+  each addition is priced as a memory-bound kernel on the tensor's local shard.
 * An edge costs the collectives of :mod:`autotp.redistribute` between the producer's output
   placement and the placement the consumer needs, forward and (in train mode, for tensors that
   carry gradients) backward, and the local copies the runtime makes around them
@@ -40,7 +44,7 @@ from cost_models import HardwareProfile, collective_time_s, compute_time_s, mode
 from autotp.graph import PARAMETER, OpNode, TensorInfo, dtype_bytes
 from autotp.mesh import MeshSpec
 from autotp.placement import Placement, Strategy, shard_divisor
-from autotp.redistribute import conversion_steps, is_convertible, step_copies
+from autotp.redistribute import all_reduce_copies, conversion_steps, is_convertible, step_copies
 
 __all__ = ["CostModel", "MemoryParts", "BACKWARD_FLOP_RATIO", "MODES"]
 
@@ -117,12 +121,15 @@ class CostModel:
         return compute_time_s(self.profile.device, 0.0, bytes_moved, dtype)
 
     def grad_reduce_s(self, info: TensorInfo, placements: Sequence[Placement], axis: int) -> float:
-        """Backward all_reduce over ``axis`` of the gradient of a tensor held with ``placements``."""
+        """Backward all_reduce over ``axis`` of the gradient of a tensor held with ``placements``, and
+        the clone of the gradient it reduces into (:func:`autotp.redistribute.all_reduce_copies`)."""
         if not self.train:
             return 0.0
         divisor = shard_divisor(info.shape, [p for b, p in enumerate(placements) if b != axis],
                                 [n for b, n in enumerate(self.mesh.shape) if b != axis])
-        return self.collective_s("all_reduce", axis, info.nbytes / divisor)
+        size = info.nbytes / divisor
+        return (self.collective_s("all_reduce", axis, size)
+                + sum(self.copy_s(b, info.dtype) for b in all_reduce_copies(size)))
 
     # -- compute -------------------------------------------------------------------------------
 
@@ -131,10 +138,24 @@ class CostModel:
             return 0.0
         return info.nbytes / shard_divisor(info.shape, placements, self.mesh.shape)
 
-    def node_compute_s(self, node: OpNode, strategy: Strategy) -> float:
-        """Roofline seconds of the node's local work (forward, plus backward when training)."""
+    def node_compute_s(self, node: OpNode, strategy: Strategy, gradient_reads: int = 1) -> float:
+        """Roofline seconds of the node's local work (forward, plus backward when training), and, when
+        training, the sums of the ``gradient_reads`` gradients its output gets back
+        (:meth:`autotp.graph.OpGraph.gradient_reads`): ``gradient_reads - 1`` additions of its local
+        output, a memory-bound kernel each (read two, write one)."""
+        seconds = self.gradient_sums_s(node, strategy, gradient_reads)
         if node.is_placeholder or node.is_view:
+            return seconds
+        return seconds + self._work_s(node, strategy)
+
+    def gradient_sums_s(self, node: OpNode, strategy: Strategy, gradient_reads: int) -> float:
+        """Seconds of adding up the ``gradient_reads`` gradients of the node's output (training only)."""
+        if not self.train or not node.requires_grad or gradient_reads < 2:
             return 0.0
+        local = self.local_bytes(node.outputs[0], strategy.output)
+        return (gradient_reads - 1) * compute_time_s(self.profile.device, 0.0, 3 * local, node.outputs[0].dtype)
+
+    def _work_s(self, node: OpNode, strategy: Strategy) -> float:
         # the work splits over an axis only where some tensor is cut in pieces on it: an op on
         # partials (P) does the whole work on every rank
         work_divisor = 1

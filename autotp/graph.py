@@ -157,6 +157,17 @@ class OpGraph:
         """Names of the nodes that read ``name`` (each once)."""
         return self._consumers[name]
 
+    def gradient_reads(self, name: str) -> int:
+        """How many gradients flow back into ``name``'s output in a training step, which autograd
+        then adds up: one per read by a node that carries a gradient (a node reading it twice counts
+        twice), and one more if the model returns it. 0 for a node without a gradient, or with
+        several outputs (each of its items is read, and summed, on its own)."""
+        node = self[name]
+        if not node.requires_grad or len(node.outputs) != 1 or not node.output.is_float:
+            return 0
+        reads = sum(self[c].inputs.count(name) for c in self._consumers[name] if self[c].requires_grad)
+        return reads + self.outputs.count(name)
+
     def ops(self) -> tuple[OpNode, ...]:
         return tuple(n for n in self.nodes if n.role == OP)
 

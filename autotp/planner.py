@@ -109,7 +109,7 @@ def predicted_time(graph: OpGraph, chosen: Mapping[str, Strategy], spec: MeshSpe
     """Seconds of one step under ``chosen``: every node's compute, and every collective and local
     copy the program runs (:func:`autotp.program.program`, or ``steps`` if given), each priced by ``cost``."""
     colls, copies = steps if steps is not None else program(graph, chosen, spec, cost.train)
-    compute_s = sum(cost.node_compute_s(n, chosen[n.name]) for n in graph.nodes)
+    compute_s = sum(cost.node_compute_s(n, chosen[n.name], graph.gradient_reads(n.name)) for n in graph.nodes)
     comm_s = (sum(cost.collective_s(c.kind, spec.axis_names.index(c.mesh_axis), c.bytes) for c in colls)
               + sum(cost.copy_s(c.bytes, c.dtype) for c in copies))
     return PredictedTime(compute_s, comm_s)

@@ -18,7 +18,7 @@ from typing import Mapping, Optional
 from autotp.graph import OpGraph
 from autotp.mesh import MeshSpec
 from autotp.placement import Placement, R, Strategy
-from autotp.redistribute import conversion_steps, fused_axes, step_copies
+from autotp.redistribute import all_reduce_copies, conversion_steps, fused_axes, step_copies
 
 __all__ = ["Read", "Collective", "LocalCopy", "reads", "collectives", "local_copies", "program", "OUTPUT"]
 
@@ -58,7 +58,8 @@ class Collective:
 @dataclass(frozen=True)
 class LocalCopy:
     """One copy kernel on each rank around a redistribution over ``mesh_axis`` of node ``at``:
-    ``bytes`` read plus written (:func:`autotp.redistribute.step_copies`)."""
+    ``bytes`` read plus written (:func:`autotp.redistribute.step_copies`, and for a gradient reduction
+    :func:`autotp.redistribute.all_reduce_copies`)."""
 
     phase: str
     mesh_axis: str
@@ -89,8 +90,8 @@ def collectives(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, 
 
 
 def local_copies(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, train: bool) -> list[LocalCopy]:
-    """The copy kernels the redistributions run on each rank (:func:`autotp.redistribute.step_copies`),
-    forward then backward, in program order."""
+    """The copy kernels the redistributions and gradient reductions run on each rank
+    (:func:`autotp.redistribute.step_copies`), forward then backward, in program order."""
     return program(graph, chosen, mesh, train)[1]
 
 
@@ -133,5 +134,8 @@ def program(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec,
                 for b, (pl, n) in enumerate(zip(r.placements, mesh.shape)):
                     if b != a and pl.is_shard:
                         divisor *= n
-                bwd.append(Collective("all_reduce", "backward", mesh.axis_names[a], info.nbytes / divisor, r.producer))
+                size = info.nbytes / divisor
+                bwd.append(Collective("all_reduce", "backward", mesh.axis_names[a], size, r.producer))
+                bwd_copies += [LocalCopy("backward", mesh.axis_names[a], b, info.dtype, r.producer)
+                               for b in all_reduce_copies(size)]
     return fwd + bwd, fwd_copies + bwd_copies

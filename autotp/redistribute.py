@@ -25,8 +25,9 @@ pairing of all_gather forward with reduce_scatter backward.
 
 **Local copies.** Collectives move whole buffers along dim 0, so a step on any other dim
 rearranges memory on the rank, and the runtime (:mod:`autotp.collectives`) does it with one copy
-kernel each (bytes read plus written, for a contiguous input; ``size`` is the full tensor along
-the axis, ``shard = size / n``):
+kernel each; its all_reduce (PyTorch's functional one, which leaves its input untouched) reduces
+into a clone of the input. Bytes read plus written, for a contiguous input; ``size`` is the full
+tensor along the axis, ``shard = size / n``:
 
 =================  =====================================================  ==================
 primitive          copies                                                 when
@@ -39,6 +40,8 @@ S(d)               and ``2 shard``
 all_to_all         the pieces stacked, the received ones concatenated:    always
                    ``2 shard`` each
 R -> P             rank 0 keeps a clone: ``2 size``                        always
+all_reduce         the input cloned into the output: ``2 size``            always (P -> R, and
+                                                                          a gradient reduction)
 =================  =====================================================  ==================
 
 A dim is *leading* when every dim before it has size 1: moving it to the front is then a view
@@ -61,7 +64,8 @@ from typing import Optional, Sequence
 
 from autotp.placement import Placement
 
-__all__ = ["Step", "conversion_steps", "step_kinds", "is_convertible", "fused_axes", "step_copies"]
+__all__ = ["Step", "conversion_steps", "step_kinds", "is_convertible", "fused_axes", "step_copies",
+           "all_reduce_copies"]
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,12 @@ def conversion_steps(src: Sequence[Placement], dst: Sequence[Placement], mesh_sh
     return steps
 
 
+def all_reduce_copies(size_bytes: float) -> tuple[float, ...]:
+    """Bytes of the copy kernels the runtime's all_reduce of ``size_bytes`` runs: one clone of its
+    input, which it then reduces in place (the forward of ``P -> R`` and every gradient reduction)."""
+    return (2.0 * size_bytes,)
+
+
 def step_copies(step: Step, shape: Sequence[int], n: int, nbytes: float) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Bytes (read plus written) of each local copy kernel the runtime runs for ``step``: forward,
     then backward (the backward ones run only for a tensor that carries a gradient, in training).
@@ -170,4 +180,4 @@ def step_copies(step: Step, shape: Sequence[int], n: int, nbytes: float) -> tupl
         return gathered(s.dim), (scattered(s.dim) if step.backward == "reduce_scatter" else sliced(s.dim))
     if d.is_shard:  # P -> S(d)
         return scattered(d.dim), gathered(d.dim)
-    return (), ()  # P -> R
+    return all_reduce_copies(size), ()  # P -> R

@@ -176,6 +176,12 @@ class _Formulation:
         for r in self.reps:  # tied nodes are identical: price the representative once, times its count
             node, m = self.graph[r], self.mult[r]
             self.add_cost(r, lambda st, node=node, m=m: m * self.cost.node_compute_s(node, st))
+        # ... but not how often their outputs are read: the last block's output feeds the final norm
+        # alone, the others' the next block's norm and residual too; each adds its own gradients
+        for n in self.graph.nodes:
+            reads = self.graph.gradient_reads(n.name)
+            if reads > 1:
+                self.add_cost(self.rep[n.name], lambda st, n=n, reads=reads: self.cost.gradient_sums_s(n, st, reads))
         # graph outputs are returned replicated (plain tensors, as the original model returns them)
         for o in self.graph.outputs:
             node = self.graph[o]

@@ -19,6 +19,9 @@ from autotp.placement import P, R, S
 from autotp.redistribute import conversion_steps, step_copies
 
 _COPY_OPS = ("aten.clone.", "aten.cat.", "aten.stack.", "aten.copy.", "aten.copy_.", "aten._to_copy.")
+# collectives that copy their input into a fresh output inside the op, where a dispatch mode does not
+# see it; test_the_functional_all_reduce_clones_its_input checks it with the profiler, which does
+_CLONING_OPS = ("_c10d_functional.all_reduce.",)
 
 
 class _Copies(TorchDispatchMode):
@@ -33,6 +36,8 @@ class _Copies(TorchDispatchMode):
         if str(func).startswith(_COPY_OPS):
             written = out if isinstance(out, torch.Tensor) else args[0]
             self.bytes.append(2.0 * written.numel() * written.element_size())
+        elif str(func).startswith(_CLONING_OPS):  # its clone runs inside, below this mode
+            self.bytes.append(2.0 * args[0].numel() * args[0].element_size())
         return out
 
 
@@ -98,6 +103,41 @@ def test_a_dim_the_other_axes_cut_to_size_one_is_leading(two_fake_ranks):
         with seen:
             RedistributeStep(S(1), R, "tp", two_fake_ranks, 2, rank=0)(torch.randn(shape[0] // 2, 4, 16))
         assert sorted(seen.bytes) == sorted(forward)
+
+
+def test_the_functional_all_reduce_clones_its_input(two_fake_ranks):
+    """The runtime's all_reduce (P -> R, and the gradient reduction's backward) writes a clone of its
+    input: one copy kernel of the input's bytes, which the profiler sees inside the collective."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from autotp.collectives import GradAllReduce
+    from autotp.redistribute import all_reduce_copies
+
+    x = torch.randn(4, 8, 16)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        RedistributeStep(P, R, "tp", two_fake_ranks, 2, rank=0)(x)
+    copies = [e for e in prof.events() if e.name == "aten::copy_"]
+    assert [e.input_shapes[0] for e in copies] == [[4, 8, 16]]
+    assert all_reduce_copies(x.numel() * 4.0) == (2.0 * x.numel() * 4,)
+
+    leaf = torch.randn(4, 8, 16, requires_grad=True)
+    y = GradAllReduce("tp", two_fake_ranks)(leaf * 2.0)
+    seen = _Copies()
+    with seen:
+        y.backward(torch.ones_like(y))
+    assert sorted(seen.bytes) == sorted(all_reduce_copies(x.numel() * 4.0))
+
+
+def test_a_gradient_reduction_prices_its_clone():
+    from autotp.costing import CostModel
+    from autotp.graph import TensorInfo
+    from autotp.mesh import MeshSpec
+    from cost_models import load_profile
+
+    cost = CostModel(MeshSpec.of((2,)), load_profile("cpu-gloo"), "train")
+    info = TensorInfo((4, 256, 768), "float32")
+    assert cost.grad_reduce_s(info, (R,), 0) == pytest.approx(
+        cost.collective_s("all_reduce", 0, info.nbytes) + cost.copy_s(2 * info.nbytes, "float32"))
 
 
 def test_a_gather_on_a_later_dim_costs_more_than_on_the_first():

@@ -140,11 +140,13 @@ def _hand_count_gpt(plan) -> collections.Counter:
       sequence shards;
     * a norm's output read by colwise linears (q, k, v share one read): replicated -> backward all_reduce
       of the input's gradient; sequence shards -> forward all_gather, backward reduce_scatter;
-    * a norm on sequence shards reads its weight and bias replicated: backward all_reduce of each gradient;
+    * a norm on sequence shards reads its weight and bias replicated: a backward all_reduce of each
+      gradient, or, for one stored sharded, a forward all_gather and a backward reduce_scatter;
     * colwise lm_head: its logits are gathered, the model returns them whole.
     Keys: (phase, kind, bytes).
     """
     mods = {m.module: m for m in plan.modules}
+    stored_as = {n.name: n.strategy.split(" -> ")[1] for n in plan.nodes if n.target == "parameter"}
     act, logits = B * T * DIM * F32, B * T * VOCAB["gpt"] * F32
     param = DIM * F32
     count: collections.Counter = collections.Counter()
@@ -157,8 +159,15 @@ def _hand_count_gpt(plan) -> collections.Counter:
         else:
             count[("forward", "reduce_scatter", act)] += 1
             count[("backward", "all_gather", act)] += 1
-        if q == "S(1)":
-            count[("backward", "all_reduce", param)] += 2  # weight and bias gradients
+        if q == "S(1)":  # weight and bias: read whole by a norm working on shards
+            for kind in ("weight", "bias"):
+                stored = stored_as[f"p_{norm.replace('.', '_')}_{kind}"]
+                assert stored in ("R", "S(0)"), (norm, kind, stored)
+                if stored == "R":  # the gradient summed
+                    count[("backward", "all_reduce", param)] += 1
+                else:  # kept sharded: gathered for use, its gradient reduce-scattered back
+                    count[("forward", "all_gather", param)] += 1
+                    count[("backward", "reduce_scatter", param)] += 1
 
     def norm_into_colwise(norm: str, readers: list[str]) -> None:
         out = mods[norm].output
@@ -363,12 +372,12 @@ def _two_nodes():
 
 
 def _predicted_s(graph, chosen, spec, cost) -> float:
-    """Compute of every node plus every collective and local copy the program runs, each priced by
-    the cost model."""
+    """Compute of every node (with the sums of its output's gradients) plus every collective and
+    local copy the program runs, each priced by the cost model."""
     from autotp.program import collectives, local_copies
 
     colls = collectives(graph, chosen, spec, cost.train)
-    return (sum(cost.node_compute_s(n, chosen[n.name]) for n in graph.nodes)
+    return (sum(cost.node_compute_s(n, chosen[n.name], graph.gradient_reads(n.name)) for n in graph.nodes)
             + sum(cost.collective_s(c.kind, spec.axis_names.index(c.mesh_axis), c.bytes) for c in colls)
             + sum(cost.copy_s(c.bytes, c.dtype) for c in local_copies(graph, chosen, spec, cost.train)))
 
@@ -418,20 +427,29 @@ def test_two_axis_plan_is_no_slower_than_data_parallel_times_tensor_parallel():
 
 def test_two_axis_data_parallel_layout_reduces_gradients_over_dp():
     """The hand layout itself: parameters R on dp, batch S(0) on dp, so every weight gradient is
-    all-reduced over dp in backward, at the size of the weight's tp shard."""
+    all-reduced over dp in backward, once, at the size its reader reads it over tp: a matrix's tp
+    shard (stored and read split alike); a vector a norm on sequence shards reads whole, even where
+    it is stored split over tp and gathered for use."""
     from autotp.mesh import MeshSpec
-    from autotp.program import collectives
+    from autotp.program import collectives, reads
 
     graph = _gpt_2d_graph()
+    spec = MeshSpec.of((2, 4))
     chosen, _ = _dp_tp_layout(graph, (2, 4))
-    colls = collectives(graph, chosen, MeshSpec.of((2, 4)), True)
-    reduced = {c.at: c.bytes for c in colls if c.phase == "backward" and c.kind == "all_reduce" and c.mesh_axis == "dp"}
+    colls = collectives(graph, chosen, spec, True)
+    reduced = collections.Counter()
+    for c in colls:
+        if c.phase == "backward" and c.kind == "all_reduce" and c.mesh_axis == "dp":
+            reduced[(c.at, c.bytes)] += 1
+    read_on_tp = {r.producer: r.placements[1] for r in reads(graph, chosen, spec, True) if r.placements}
     for p in graph.parameters:
         if p.fqn == "embed_positions.weight":
             continue  # its lookup has no batch dim; the gradient is summed at the lookup's output instead
-        tp = chosen[p.node].output[1]
-        assert p.node in reduced, p.fqn
-        assert reduced[p.node] == p.info.nbytes / (4 if tp.is_shard else 1), p.fqn
+        stored, read = chosen[p.node].output[1], read_on_tp[p.node]
+        if len(p.info.shape) == 2:
+            assert stored == read, p.fqn
+        assert reduced[(p.node, p.info.nbytes / (4 if read.is_shard else 1))] == 1, p.fqn
+        assert sum(n for (at, _), n in reduced.items() if at == p.node) == 1, p.fqn
 
 
 def test_two_axis_mesh_across_two_nodes_puts_the_batch_on_dp_and_the_layers_on_tp():
@@ -458,11 +476,16 @@ def test_two_axis_mesh_across_two_nodes_puts_the_batch_on_dp_and_the_layers_on_t
         dp, tp = autotp.placement.parse_placements(plan.parameter_placements[p.fqn])
         over_dp = [(c.kind, c.bytes) for c in plan.collectives()
                    if c.at == p.node and c.phase == "backward" and c.mesh_axis == "dp"]
-        # the gradient of its tp shard is summed over dp once: all-reduced where the weight is whole
-        # over dp, reduce-scattered where it is stored split there too (and gathered for use)
+        # the gradient is summed over dp once: all-reduced where the weight is whole over dp,
+        # reduce-scattered where it is stored split there too (and gathered for use); a matrix's at
+        # the size of its tp shard, a norm's vector (read whole by a norm on sequence shards) at the
+        # size its norm reads it
         assert dp.is_replicate or dp.is_shard, (p.fqn, plan.parameter_placements[p.fqn])
         kind = "all_reduce" if dp.is_replicate else "reduce_scatter"
-        assert over_dp == [(kind, p.info.nbytes / (4 if tp.is_shard else 1))], (p.fqn, over_dp)
+        sizes = {p.info.nbytes / 4} if len(p.info.shape) == 2 and tp.is_shard else {p.info.nbytes / 4, p.info.nbytes}
+        assert len(over_dp) == 1 and over_dp[0][0] == kind and over_dp[0][1] in sizes, (p.fqn, over_dp)
+        if len(p.info.shape) == 2:
+            assert tp.is_shard, p.fqn
     for node in graph.ops():
         if node.module_path.startswith("layers.") and node.outputs[0].shape[:1] == (batch,):
             assert str(plan.strategy(node.name).output[0]) == "S(0)", (node.name, plan.strategy(node.name))
@@ -564,9 +587,12 @@ def test_ilp_prices_the_gradient_reduction_of_the_chosen_read():
     solution = solve(graph, strategies, {n.name: n.name for n in graph.nodes}, cost, None)
     chosen = {k: strategies[k][i] for k, i in solution.choice.items()}
     assert str(chosen["linear"]) == "(S(0)R, RS(0)) -> S(0)S(1)"
-    by_hand = (sum(cost.node_compute_s(n, chosen[n.name]) for n in graph.nodes)
+    weight_shard = 4096 * 4096 * 4 / 4
+    by_hand = (sum(cost.node_compute_s(n, chosen[n.name], graph.gradient_reads(n.name)) for n in graph.nodes)
                + cost.collective_s("all_reduce", 0, 4) + cost.collective_s("all_reduce", 1, 4)  # the loss, PP -> RR
-               + cost.collective_s("all_reduce", 0, 4096 * 4096 * 4 / 4))  # weight gradient over dp
+               + 2 * cost.copy_s(2 * 4, "float32")  # each all_reduce reduces a clone of its input
+               + cost.collective_s("all_reduce", 0, weight_shard)  # weight gradient over dp, and its clone
+               + cost.copy_s(2 * weight_shard, "float32"))
     assert _predicted_s(graph, chosen, spec, cost) == pytest.approx(by_hand, rel=1e-9)  # the program agrees
     assert solution.objective_s == pytest.approx(by_hand, rel=1e-6)
 
