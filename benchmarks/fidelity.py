@@ -117,6 +117,7 @@ def _measure(rank: int, world: int, plan_jsons: dict, batch: int, seq: int, step
         models[name] = (autotp.parallelize(model, mesh, inputs, plan=autotp.Plan.from_json(text)), inputs, targets)
 
     def step(pm, inputs, targets) -> tuple[float, float]:
+        pm.zero_grad(set_to_none=True)  # as a training step does: backward writes fresh gradients
         torch.distributed.barrier()
         t0, c0 = time.perf_counter(), time.process_time()
         logits = pm(*inputs)  # (B, T, V)
