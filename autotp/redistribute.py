@@ -40,8 +40,8 @@ S(d)               and ``2 shard``
 all_to_all         the pieces stacked, the received ones concatenated:    always
                    ``2 shard`` each
 R -> P             rank 0 keeps a clone: ``2 size``                        always
-all_reduce         the input cloned into the output: ``2 size``            always (P -> R, and
-                                                                          a gradient reduction)
+all_reduce         its input cloned, then reduced in place: ``2 size``     always
+                   (P -> R, and every gradient reduction)
 =================  =====================================================  ==================
 
 A dim is *leading* when every dim before it has size 1: moving it to the front is then a view
