@@ -85,11 +85,11 @@ def _measure(rank: int, world: int, plan_jsons: dict, batch: int, seq: int, step
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    # the same gradient of the logits on every rank, as a loss on the replicated logits would give
+    grad = torch.randn(batch, seq, CFG.vocab_size, generator=torch.Generator().manual_seed(1)) / (batch * seq)
     models = {}
     for name, text in plan_jsons.items():
         model, inputs, _ = build(batch, seq)
-        # the same gradient of the logits on every rank, as a loss on the replicated logits would give
-        grad = torch.randn(batch, seq, CFG.vocab_size, generator=torch.Generator().manual_seed(1)) / (batch * seq)
         models[name] = (autotp.parallelize(model, mesh, inputs, plan=autotp.Plan.from_json(text)), inputs, grad)
 
     def step(pm, inputs, grad) -> tuple[float, float]:
