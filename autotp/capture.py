@@ -40,6 +40,14 @@ VIEW_TARGETS = frozenset(
         aten.view_as.default, aten.expand_as.default, aten.lift_fresh_copy.default,
     )
 ) | {"getitem"}
+# ops whose output carries no gradient back to their inputs, whatever those carry
+NO_GRADIENT_TARGETS = frozenset(
+    str(op)
+    for op in (
+        aten.detach.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
+        aten.full_like.default, aten.rand_like.default, aten.randn_like.default, aten.randint_like.default,
+    )
+)
 
 
 class CaptureError(RuntimeError):
@@ -253,7 +261,8 @@ def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.
                     src_infos.append(infos[src][0])
             is_view = target in VIEW_TARGETS
             path, mtype, stack = _module_info(node)
-            needs_grad = any(grad.get(s, False) for s in srcs) and any(o.is_float for o in outs)
+            needs_grad = (any(grad.get(s, False) for s in srcs) and any(o.is_float for o in outs)
+                          and target not in NO_GRADIENT_TARGETS)
             grad[node.name] = needs_grad
             infos[node.name] = outs
             nodes.append(

@@ -12,7 +12,10 @@
 
   A tensor read by several nodes that carry gradients (a residual stream, a norm's output read by
   q, k and v, a weight tied to two layers) gets one gradient from each, and autograd adds them up:
-  each addition is priced as a memory-bound kernel on the tensor's local shard.
+  each addition is priced as a memory-bound kernel on the producer's local shard. (Where readers
+  share a redistribution, the runtime adds their gradients at the placement they read, before the
+  redistribution's backward: a gathered tensor's at full size, priced at the shard's. Pricing that
+  exactly needs the additions keyed by redistribution, as the collectives are.)
 * An edge costs the collectives of :mod:`autotp.redistribute` between the producer's output
   placement and the placement the consumer needs, forward and (in train mode, for tensors that
   carry gradients) backward, and the local copies the runtime makes around them

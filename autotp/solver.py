@@ -34,7 +34,9 @@ layer tying, ``m_r`` is how many nodes ``r`` stands for):
   activations kept for backward), added only when the optimum without it does not fit (that
   optimum, if it fits, is the optimum with it) and left out when even the largest choice of every
   node fits.
-* **objective**: ``Σ_r m_r Σ_s compute(r,s) x[r,s] + Σ_e Σ c(p,q) y + Σ g z``.
+* **objective**: ``Σ_r m_r Σ_s compute(r,s) x[r,s] + Σ_e Σ c(p,q) y + Σ g z``; ``compute(r,s)``
+  also holds, once per member of r's tie group, the additions of that member's output gradients
+  (``OpGraph.gradient_reads``: the last block's output is read less often than the others').
 
 HiGHS (through ``highspy``) solves it; CBC is the fallback. A time limit returns the best plan
 found, marked as not proven optimal. The same inputs always give the same plan.

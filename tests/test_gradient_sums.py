@@ -37,6 +37,19 @@ class _Toy(nn.Module):
         return z @ self.emb.weight.t() + h.sum(-1, keepdim=True)  # the embedding's weight, tied
 
 
+class _NoGradientReaders(nn.Module):
+    """Readers that take no gradient back: a detached copy, a tensor shaped like it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, idx):
+        h = self.lin(self.emb(idx))
+        return h * h.detach() + torch.zeros_like(h) + torch.ones_like(h) * self.lin(h)
+
+
 class _Adds(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
@@ -48,9 +61,9 @@ class _Adds(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _graph_and_run():
+def _graph_and_run(model_class=_Toy):
     torch.manual_seed(0)
-    model, idx = _Toy(), torch.randint(0, 16, (4, 6))
+    model, idx = model_class(), torch.randint(0, 16, (4, 6))
     graph = autotp.capture(model, (idx,))
     out = model(idx)
     adds = _Adds()
@@ -59,16 +72,28 @@ def _graph_and_run():
     return graph, adds.shapes
 
 
-def test_gradient_reads_count_the_additions_autograd_runs():
-    graph, seen = _graph_and_run()
+def _wanted(graph) -> collections.Counter:
     want: collections.Counter = collections.Counter()
     for n in graph.nodes:
         reads = graph.gradient_reads(n.name)
         if reads > 1:
             want[n.output.shape] += reads - 1
+    return want
+
+
+def test_gradient_reads_count_the_additions_autograd_runs():
+    graph, seen = _graph_and_run()
+    want = _wanted(graph)
     assert want[(16, 8)] == 1  # the tied weight: the lookup's gradient and the head's
     assert want[(4, 6, 8)] >= 4  # the two residual reads, the norm, the product's three
     assert seen == want
+
+
+def test_readers_that_take_no_gradient_back_add_nothing():
+    """``h`` is read by a product, ``detach``, ``zeros_like`` and a linear: two gradients come back
+    (and the linear, used twice, gets two for its weight and two for its bias)."""
+    graph, seen = _graph_and_run(_NoGradientReaders)
+    assert _wanted(graph) == seen == collections.Counter({(4, 6, 8): 1, (8, 8): 1, (8,): 1})
 
 
 def test_each_addition_is_priced_on_the_local_shard():
