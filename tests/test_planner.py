@@ -460,6 +460,8 @@ def test_two_axis_mesh_across_two_nodes_puts_the_batch_on_dp_and_the_layers_on_t
     with its weights gathered for use, whichever prices lower); the batch is split over dp through
     the block; each block weight's gradient is summed over dp once at the size of its tp shard; and
     the plan is no slower than the hand-written dp x tp layout."""
+    from autotp.program import reads
+
     batch = 16
     graph = _gpt_2d_graph(batch)
     plan = plan_graph(graph, (2, 4), _two_nodes(), mode="train")
@@ -470,20 +472,22 @@ def test_two_axis_mesh_across_two_nodes_puts_the_batch_on_dp_and_the_layers_on_t
     for node in graph.ops():
         if node.module_path.startswith("layers.") and node.flops > 0:
             assert plan.strategy(node.name).split_on(1), (node.name, plan.strategy(node.name))
+    read_on_tp = {r.producer: r.placements[1]
+                  for r in reads(graph, dict(plan.strategies), plan.mesh, True) if r.placements}
     for p in graph.parameters:
         if not p.fqn.startswith("layers."):
             continue
         dp, tp = autotp.placement.parse_placements(plan.parameter_placements[p.fqn])
         over_dp = [(c.kind, c.bytes) for c in plan.collectives()
                    if c.at == p.node and c.phase == "backward" and c.mesh_axis == "dp"]
-        # the gradient is summed over dp once: all-reduced where the weight is whole over dp,
-        # reduce-scattered where it is stored split there too (and gathered for use); a matrix's at
-        # the size of its tp shard, a norm's vector (read whole by a norm on sequence shards) at the
-        # size its norm reads it
+        # the gradient is summed over dp once: all-reduced where the weight is whole over dp, at the
+        # size its reader reads it over tp (a norm on sequence shards reads its vector whole);
+        # reduce-scattered where it is stored split over dp too and gathered for use, as the
+        # backward of that gather, which runs on the tp shard it is stored as (gathers run last)
         assert dp.is_replicate or dp.is_shard, (p.fqn, plan.parameter_placements[p.fqn])
         kind = "all_reduce" if dp.is_replicate else "reduce_scatter"
-        sizes = {p.info.nbytes / 4} if len(p.info.shape) == 2 and tp.is_shard else {p.info.nbytes / 4, p.info.nbytes}
-        assert len(over_dp) == 1 and over_dp[0][0] == kind and over_dp[0][1] in sizes, (p.fqn, over_dp)
+        on_tp = read_on_tp[p.node] if dp.is_replicate else tp
+        assert over_dp == [(kind, p.info.nbytes / (4 if on_tp.is_shard else 1))], (p.fqn, over_dp, on_tp)
         if len(p.info.shape) == 2:
             assert tp.is_shard, p.fqn
     for node in graph.ops():
