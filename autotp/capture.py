@@ -16,6 +16,7 @@ The model is never modified, and a model on the meta device costs no memory.
 from __future__ import annotations
 
 import operator
+import threading
 from typing import Any
 
 import torch
@@ -166,6 +167,11 @@ def _module_info(node: torch.fx.Node) -> tuple[str, str, tuple[str, ...]]:
     return paths[-1], type_name.rsplit(".", 1)[-1], paths
 
 
+# torch.export sets process-wide state while it traces (fx's stack-trace switch below, patched
+# functions): two threads tracing at once would see each other's. One trace at a time.
+_EXPORT_LOCK = threading.Lock()
+
+
 def capture(model: torch.nn.Module, example_inputs: Any) -> OpGraph:
     """Trace ``model`` on ``example_inputs`` and return its :class:`OpGraph`.
 
@@ -182,17 +188,18 @@ def capture(model: torch.nn.Module, example_inputs: Any) -> OpGraph:
         import torch.fx.config as fx_config
     except ImportError:  # older torch: no switch, stack traces are recorded
         fx_config = None
-    saved = getattr(fx_config, "do_not_emit_stack_traces", None)
-    if saved is not None:
-        fx_config.do_not_emit_stack_traces = True
-    try:
-        exported = torch.export.export(model, args, kwargs, strict=False)
-    except Exception as err:  # noqa: BLE001 - re-raised with context
-        raise CaptureError(_explain_export_failure(err)) from err
-    finally:
+    with _EXPORT_LOCK:
+        saved = getattr(fx_config, "do_not_emit_stack_traces", None)
         if saved is not None:
-            fx_config.do_not_emit_stack_traces = saved
-    return graph_from_exported(exported, model)
+            fx_config.do_not_emit_stack_traces = True
+        try:
+            exported = torch.export.export(model, args, kwargs, strict=False)
+        except Exception as err:  # noqa: BLE001 - re-raised with context
+            raise CaptureError(_explain_export_failure(err)) from err
+        finally:
+            if saved is not None:
+                fx_config.do_not_emit_stack_traces = saved
+        return graph_from_exported(exported, model)
 
 
 def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.Module) -> OpGraph:

@@ -16,7 +16,9 @@ Module names follow Hugging Face where one exists (``layers.0.self_attn.q_proj``
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -337,6 +339,22 @@ def _init_normal(model: nn.Module, std: float, residual_std: float | None = None
 
 # ---------------------------------------------------------------------- factories
 
+_BUILD_LOCK = threading.RLock()
+
+
+def _serialized(factory):
+    """One factory call at a time in this process: a build seeds the global generator and draws
+    from it (and the Hugging Face imports are lazy), so two threads (``run_threads``' ranks) building
+    at once would each get the other's random numbers."""
+
+    @functools.wraps(factory)
+    def build(*args, **kwargs):
+        with _BUILD_LOCK:
+            return factory(*args, **kwargs)
+
+    return build
+
+
 @contextlib.contextmanager
 def _building(device, seed: int):
     """Build under `device`; seeded on real devices so two calls give identical weights."""
@@ -351,6 +369,7 @@ def _token_ids(vocab: int, batch: int, seq: int, device) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, seq), device=device, dtype=torch.int64)  # (B, T)
 
 
+@_serialized
 def mlp(batch: int = 8, dim: int = 64, hidden: int = 256, depth: int = 2, *,
         device="cpu", dtype=torch.float32, seed: int = 0):
     with _building(device, seed):
@@ -375,12 +394,14 @@ def _llama(cfg: LlamaConfig, batch, seq, device, dtype, seed):
     return model, (ids,)
 
 
+@_serialized
 def tiny_gpt(batch: int = 2, seq: int = 16, n_layer: int = 2, dim: int = 64, n_head: int = 4,
              vocab: int = 128, *, device="cpu", dtype=torch.float32, seed: int = 0):
     cfg = GPTConfig(vocab_size=vocab, n_layer=n_layer, n_head=n_head, dim=dim, max_seq_len=max(seq, 16))
     return _gpt(cfg, batch, seq, device, dtype, seed)
 
 
+@_serialized
 def gpt2_small(batch: int = 1, seq: int = 1024, n_layer: int = 12, *,
                device="meta", dtype=torch.float32, seed: int = 0):
     """GPT-2 124M, vocab 50257 padded to 50304 (a multiple of 64, as nanoGPT does)."""
@@ -388,6 +409,7 @@ def gpt2_small(batch: int = 1, seq: int = 1024, n_layer: int = 12, *,
     return _gpt(cfg, batch, seq, device, dtype, seed)
 
 
+@_serialized
 def tiny_llama(batch: int = 2, seq: int = 16, n_layer: int = 2, dim: int = 64, n_head: int = 4,
                n_kv_head: int = 2, ffn_dim: int = 128, vocab: int = 128, *,
                device="cpu", dtype=torch.float32, seed: int = 0):
@@ -396,6 +418,7 @@ def tiny_llama(batch: int = 2, seq: int = 16, n_layer: int = 2, dim: int = 64, n
     return _llama(cfg, batch, seq, device, dtype, seed)
 
 
+@_serialized
 def llama3_8b(batch: int = 1, seq: int = 2048, n_layer: int = 32, *,
               device="meta", dtype=torch.float32, seed: int = 0):
     cfg = LlamaConfig(vocab_size=128256, n_layer=n_layer, n_head=32, n_kv_head=8,
@@ -403,6 +426,7 @@ def llama3_8b(batch: int = 1, seq: int = 2048, n_layer: int = 32, *,
     return _llama(cfg, batch, seq, device, dtype, seed)
 
 
+@_serialized
 def llama3_70b(batch: int = 1, seq: int = 2048, n_layer: int = 80, *,
                device="meta", dtype=torch.float32, seed: int = 0):
     cfg = LlamaConfig(vocab_size=128256, n_layer=n_layer, n_head=64, n_kv_head=8,
@@ -410,6 +434,7 @@ def llama3_70b(batch: int = 1, seq: int = 2048, n_layer: int = 80, *,
     return _llama(cfg, batch, seq, device, dtype, seed)
 
 
+@_serialized
 def tiny_bert(batch: int = 2, seq: int = 16, n_layer: int = 2, dim: int = 64, n_head: int = 4,
               ffn_dim: int = 128, vocab: int = 128, *, device="cpu", dtype=torch.float32, seed: int = 0):
     cfg = BertConfig(vocab_size=vocab, n_layer=n_layer, n_head=n_head, dim=dim, ffn_dim=ffn_dim,
@@ -430,6 +455,7 @@ def _hf_build(model_cls, config, vocab, batch, seq, device, dtype, seed, **kwarg
     return model, (ids,)
 
 
+@_serialized
 def hf_llama(batch: int = 2, seq: int = 16, n_layer: int = 2, hidden: int = 64, ffn: int = 128,
              heads: int = 4, kv_heads: int = 2, vocab: int = 128, *,
              device="cpu", dtype=torch.float32, seed: int = 0):
@@ -444,6 +470,7 @@ def hf_llama(batch: int = 2, seq: int = 16, n_layer: int = 2, hidden: int = 64, 
     return _hf_build(LlamaForCausalLM, config, vocab, batch, seq, device, dtype, seed)
 
 
+@_serialized
 def hf_gpt2(batch: int = 2, seq: int = 16, n_layer: int = 2, hidden: int = 64, heads: int = 4,
             vocab: int = 128, *, device="cpu", dtype=torch.float32, seed: int = 0):
     """transformers' GPT2LMHeadModel from a config. Note: GPT-2 uses Conv1D (weight (in, out))."""
@@ -455,6 +482,7 @@ def hf_gpt2(batch: int = 2, seq: int = 16, n_layer: int = 2, hidden: int = 64, h
     return _hf_build(GPT2LMHeadModel, config, vocab, batch, seq, device, dtype, seed)
 
 
+@_serialized
 def hf_bert(batch: int = 2, seq: int = 16, n_layer: int = 2, hidden: int = 64, ffn: int = 128,
             heads: int = 4, vocab: int = 128, *, device="cpu", dtype=torch.float32, seed: int = 0):
     """transformers' BertModel (no pooler) from a config."""

@@ -1,9 +1,25 @@
-"""Run a function on N local processes with the gloo backend and collect what each rank returns.
+"""Run a function on N ranks and collect what each rank returns.
 
-Used by the demo, the benchmarks and the multi-process tests:
 ``run_ranks(fn, 2, *args)`` calls ``fn(rank, world, *args)`` on 2 spawned processes, each in its
 own gloo process group, and returns the ranks' results (a rank that raises fails the call with
-its traceback). ``fn`` must be importable (a module-level function) for spawn to find it.
+its traceback). ``fn`` must be importable (a module-level function) for spawn to find it. Used by
+the demo, the benchmarks and the multi-process tests.
+
+``run_threads(fn, 2, *args)`` is the same contract in this process: one thread per rank, joined
+by PyTorch's in-process "threaded" test backend. The ranks' collectives are real (every rank's
+tensors are summed, gathered, exchanged), but no process starts and nothing is imported twice,
+so a check costs seconds instead of tens of seconds. What ``fn`` does must be safe to run on
+several threads at once: autotp's capture and the factories of ``examples/models.py`` are; the
+global random generator is shared by the threads, so seed through the factories' ``seed`` or a
+``torch.Generator``. Used by the tests.
+
+>>> def total(rank, world):
+...     import torch, torch.distributed as dist
+...     t = torch.tensor([float(rank + 1)])
+...     dist.all_reduce(t)
+...     return t.item()
+>>> run_threads(total, 3)
+[6.0, 6.0, 6.0]
 """
 
 from __future__ import annotations
@@ -11,6 +27,7 @@ from __future__ import annotations
 import os
 import pickle
 import tempfile
+import threading
 import traceback
 from typing import Any, Callable
 
@@ -52,3 +69,49 @@ def run_ranks(fn: Callable, world: int, *args: Any) -> list[Any]:
                 raise AssertionError(f"rank {rank} failed:\n{value}")
             results.append(value)
         return results
+
+
+def run_threads(fn: Callable, world: int, *args: Any, timeout_s: float = 600.0) -> list[Any]:
+    """``fn(rank, world, *args)`` on ``world`` threads of this process (module docstring)."""
+    import torch
+    from torch.testing._internal.distributed.multi_threaded_pg import (
+        ProcessLocalGroup, _install_threaded_pg, _uninstall_threaded_pg)
+
+    if dist.is_initialized():
+        raise RuntimeError("run_threads needs this process to have no default process group; "
+                           "it has one already (call it outside any distributed run)")
+    results: list[tuple[str, Any]] = [("error", "the rank did not finish")] * world
+
+    def worker(rank: int, store: dist.Store) -> None:
+        dist.init_process_group("threaded", rank=rank, world_size=world, store=store)
+        try:
+            results[rank] = ("ok", fn(rank, world, *args))
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller
+            results[rank] = ("error", traceback.format_exc())
+            ProcessLocalGroup.exception_handle(exc)  # wake the other ranks out of their collectives
+        finally:
+            dist.destroy_process_group()
+
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    _install_threaded_pg()
+    try:
+        store = dist.HashStore()
+        threads = [threading.Thread(target=worker, args=(rank, store), name=f"rank{rank}") for rank in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout_s)
+        hung = [rank for rank, t in enumerate(threads) if t.is_alive()]
+        ProcessLocalGroup.reset()
+    finally:
+        _uninstall_threaded_pg()
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+    if hung:
+        raise AssertionError(f"ranks {hung} did not finish within {timeout_s:.0f} s")
+    # a rank that failed first ends the others' collectives: report the first cause, not the echo
+    failed = [(rank, value) for rank, (status, value) in enumerate(results) if status != "ok"]
+    causes = [f for f in failed if "termination event" not in f[1]] or failed
+    if causes:
+        rank, value = causes[0]
+        raise AssertionError(f"rank {rank} failed:\n{value}")
+    return [value for _, value in results]

@@ -1,16 +1,22 @@
-"""The parallel module on real process groups (gloo, CPU): DESIGN.md "What correct means" 1-3.
+"""The parallel module on real process groups: what "correct" means for autotp, points 1-3.
 
-Every case spawns ``world`` processes (see ``tests/distributed.py``) and, inside one run, checks:
+Every case runs ``world`` ranks and, inside one run, checks:
 
 - outputs equal a single-process run of the original model (float32, 1e-5 of the output's scale);
 - every parameter gradient equals the reference (to 1e-5 of the model's largest gradient);
-- the collectives ``CommDebugMode`` sees over the forward, and over the backward, equal
-  ``plan.collectives()`` per kind (and nothing else communicates);
+- the collectives that run over the forward, and over the backward, equal ``plan.collectives()``
+  collective by collective: kind, mesh axis and bytes (``tests/observed.py``), and nothing else
+  communicates;
 - the parameter bytes each rank holds equal ``plan.memory_per_device().parameters_bytes``;
 - the plan really shards (some module is ``colwise`` or ``rowwise``): a memory budget a little
   above the planner's minimum forces it, the costs of these tiny models would replicate;
 - the ``state_dict`` keys (and global shapes) equal the original model's;
 - in train mode, three AdamW steps track the reference, loss by loss.
+
+The ranks are threads of this process (``examples.ranks.run_threads``: real collectives, no
+process start-up). ``test_gloo_processes_run_as_planned`` runs the same checks, and every
+redistribution step of the runtime, on spawned gloo processes, where PyTorch's ``CommDebugMode``
+must see the same collectives as ``tests/observed.py``.
 
 The trusted references are the original model in one process and PyTorch's own
 ``parallelize_module`` with a hand-written Megatron plan.
@@ -18,13 +24,14 @@ The trusted references are the original model in one process and PyTorch's own
 
 from __future__ import annotations
 
-import re
+import contextlib
 from collections import Counter
 
 import pytest
 import torch
 
-from examples.ranks import run_ranks
+from examples.ranks import run_ranks, run_threads
+from observed import CollectiveLog, assert_as_planned, planned, tensor_of
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -37,8 +44,8 @@ _COMM_KIND = {
 }
 
 # A memory budget per device a little (~5 %) above the minimum any plan needs (what
-# MemoryBudgetError states): the planner then has to shard nearly everything. If the cost model
-# moves the minimum, _parallelize reads the new minimum from the error and retries.
+# MemoryBudgetError states): the planner then has to shard nearly everything. These are first
+# guesses; if the cost model moves the minimum, _parallelize takes the error's minimum_bytes.
 _BUDGET = {
     ("mlp", 2, "train"): 580_000, ("mlp", 2, "inference"): 140_000,
     ("mlp", 4, "train"): 290_000, ("mlp", 4, "inference"): 70_000,
@@ -61,23 +68,10 @@ _NON_PERSISTENT_BUFFERS = ("hf_llama", "hf_bert")
 # ----------------------------------------------------------------------------- helpers
 # (module level: the spawned ranks import this module to find the functions they run)
 
-def _tensor(out):
-    """The tensor a model returns: itself, or a HF ModelOutput's logits / last_hidden_state."""
-    if isinstance(out, torch.Tensor):
-        return out
-    for name in ("logits", "last_hidden_state"):
-        value = getattr(out, name, None)
-        if isinstance(value, torch.Tensor):
-            return value
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-        return out[0]
-    raise AssertionError(f"cannot find the output tensor in a {type(out).__name__}")
-
-
 def _loss(out):
     """Mean squared distance to a fixed random target. (Not ``out.pow(2).mean()``: after a final
     LayerNorm that is a constant, and every gradient but the norm's own would be rounding noise.)"""
-    t = _tensor(out).float()
+    t = tensor_of(out).float()
     target = torch.randn(t.shape, generator=torch.Generator().manual_seed(1234))
     return (t - target).pow(2).mean()
 
@@ -93,10 +87,6 @@ def _kind_counts(comm_counts) -> Counter:
     return out
 
 
-def _planned_counts(plan, phase: str) -> Counter:
-    return Counter(c.kind for c in plan.collectives() if c.phase == phase)
-
-
 def _mesh(world: int):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -110,11 +100,36 @@ def _parallelize(model, mesh, inp, factory, world, mode, budget=None):
     try:
         return autotp.parallelize(model, mesh, inp, hardware="cpu-gloo", mode=mode, memory_budget=budget)
     except autotp.MemoryBudgetError as err:  # the minimum moved: take the new one, plus 5 %
-        found = re.search(r"\((\d+) bytes\)", str(err))
-        if not found:
-            raise
         return autotp.parallelize(model, mesh, inp, hardware="cpu-gloo", mode=mode,
-                                  memory_budget=int(int(found.group(1)) * 1.05) + 1)
+                                  memory_budget=int(err.minimum_bytes * 1.05) + 1)
+
+
+def _prepare(factory, world, mode):
+    """``(graph, plan)`` captured and planned once, in the calling thread, as ``_parallelize`` plans.
+
+    The threaded ranks share them and each builds its module with ``build_parallel_module`` (what
+    ``autotp.parallelize`` does after planning): torch.export must not trace while other threads run
+    torch ops, so no rank thread captures. ``test_gloo_processes_run_as_planned`` covers the whole
+    ``autotp.parallelize`` on every rank."""
+    import autotp
+    from autotp.planner import plan_graph
+
+    from examples import models
+
+    model, inp = getattr(models, factory)(device="cpu")
+    graph = autotp.capture(model, inp)
+    try:
+        plan = plan_graph(graph, (world,), "cpu-gloo", mode, _BUDGET[(factory, world, mode)])
+    except autotp.MemoryBudgetError as err:  # the minimum moved: take the new one, plus 5 %
+        plan = plan_graph(graph, (world,), "cpu-gloo", mode, int(err.minimum_bytes * 1.05) + 1)
+    return graph, plan
+
+
+def _build(model, mesh, prepared):
+    from autotp.rewrite import build_parallel_module
+
+    graph, plan = prepared
+    return build_parallel_module(graph, plan, mesh, model)
 
 
 def _local_param_bytes(module) -> int:
@@ -158,19 +173,38 @@ def _assert_grads_match(pm, ref) -> float:
     return gmax
 
 
-def _check_against_reference(rank, world, factory, mode, steps):
-    """One spawned run: every check of the module docstring for one model/mode/world."""
+@contextlib.contextmanager
+def _watch(mesh, comm_debug: bool):
+    """A CollectiveLog over the block; with ``comm_debug`` PyTorch's CommDebugMode too (one process
+    per rank only: it tracks modules with process-wide hooks), which must see the same kinds."""
+    log = CollectiveLog(mesh)
+    if not comm_debug:
+        with log:
+            yield log
+        return
     from torch.distributed.tensor.debug import CommDebugMode
 
+    with CommDebugMode() as comm, log:
+        yield log
+    assert _kind_counts(comm.get_comm_counts()) == log.kind_counts(), (
+        f"CommDebugMode saw {dict(_kind_counts(comm.get_comm_counts()))}, the log {dict(log.kind_counts())}")
+
+
+def _check_against_reference(rank, world, factory, mode, steps, comm_debug=False, prepared=None):
+    """One run of ``world`` ranks: every check of the module docstring for one model/mode/world.
+    With ``prepared`` (``_prepare``'s graph and plan) the rank builds from them, else it calls
+    ``autotp.parallelize``."""
     from examples import models
 
-    torch.manual_seed(0)
     mesh = _mesh(world)
-    model, inp = getattr(models, factory)(device="cpu")
+    model, inp = getattr(models, factory)(device="cpu")  # seeded: identical on every rank
     ref = getattr(models, factory)(device="cpu")[0]
     original_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     original_keys = list(original_state)
-    pm = _parallelize(model, mesh, inp, factory, world, mode)
+    if prepared is None:
+        pm = _parallelize(model, mesh, inp, factory, world, mode)
+    else:
+        pm = _build(model, mesh, prepared)
     plan = pm.plan
     styles = plan.module_styles()
     assert {"colwise", "rowwise"} & set(styles.values()), f"the plan does not shard: {styles}"
@@ -194,30 +228,26 @@ def _check_against_reference(rank, world, factory, mode, steps):
     # 1. same outputs, 2. the planned forward collectives
     train = mode == "train"
     out_ref = ref(*inp)
-    with torch.set_grad_enabled(train), CommDebugMode() as fwd:
+    with torch.set_grad_enabled(train), _watch(mesh, comm_debug) as fwd:
         out = pm(*inp)
     assert type(out) is type(out_ref), f"the parallel module returns a {type(out).__name__}, the model a {type(out_ref).__name__}"
-    ref_t, out_t = _tensor(out_ref), _tensor(out)
+    ref_t, out_t = tensor_of(out_ref), tensor_of(out)
     scale = ref_t.abs().max().item()
     torch.testing.assert_close(out_t, ref_t, rtol=1e-4, atol=1e-5 * scale)
-    fwd_seen = _kind_counts(fwd.get_comm_counts())
-    assert fwd_seen == _planned_counts(plan, "forward"), (
-        f"forward: observed {dict(fwd_seen)}, planned {dict(_planned_counts(plan, 'forward'))}")
+    assert_as_planned(fwd, plan, "forward")
     decisions = {k: v for k, v in plan.to_dict().items() if k != "stats"}  # stats hold timings
-    result = {"styles": styles, "plan": decisions, "forward": dict(fwd_seen)}
+    result = {"styles": styles, "plan": decisions, "forward": dict(fwd.kind_counts())}
     if not train:
-        assert not _planned_counts(plan, "backward"), "an inference plan with backward collectives"
+        assert not planned(plan, "backward"), "an inference plan with backward collectives"
         return result
 
     # 1. same gradients, 2. the planned backward collectives
     loss = _loss(out)
     _loss(out_ref).backward()
-    with CommDebugMode() as bwd:
+    with _watch(mesh, comm_debug) as bwd:
         loss.backward()
-    bwd_seen = _kind_counts(bwd.get_comm_counts())
-    assert bwd_seen == _planned_counts(plan, "backward"), (
-        f"backward: observed {dict(bwd_seen)}, planned {dict(_planned_counts(plan, 'backward'))}")
-    result["backward"] = dict(bwd_seen)
+    assert_as_planned(bwd, plan, "backward")
+    result["backward"] = dict(bwd.kind_counts())
     _assert_grads_match(pm, ref)
 
     # several optimizer steps track the reference
@@ -243,8 +273,8 @@ def _check_against_reference(rank, world, factory, mode, steps):
 
 
 def _run(factory, mode, world, steps=0):
-    results = run_ranks(_check_against_reference, world, factory, mode, steps)
-    assert all(r["plan"] == results[0]["plan"] for r in results), "the ranks planned differently"
+    results = run_threads(_check_against_reference, world, factory, mode, steps, False,
+                          _prepare(factory, world, mode))
     return results[0]
 
 
@@ -252,16 +282,13 @@ def _run(factory, mode, world, steps=0):
 
 MATRIX = [(f, m) for f in ("mlp", "tiny_gpt", "tiny_llama", "tiny_bert", "hf_llama", "hf_gpt2", "hf_bert")
           for m in ("train", "inference")]
-DEFAULT = {("tiny_llama", "train"), ("tiny_gpt", "inference"), ("hf_llama", "train")}
+DEFAULT = {("tiny_llama", "train"), ("tiny_gpt", "inference"), ("hf_llama", "train"), ("hf_gpt2", "train")}
 
 
 @pytest.mark.parametrize("factory, mode", [
     pytest.param(f, m, marks=() if (f, m) in DEFAULT else pytest.mark.slow) for f, m in MATRIX])
 def test_two_ranks_match_single_process(factory, mode):
-    steps = 3 if (factory, mode) == ("tiny_llama", "train") else 0
-    result = _run(factory, mode, 2, steps)
-    if steps:
-        assert len(result["losses"]) == steps
+    _run(factory, mode, 2, steps=3 if (factory, mode) == ("tiny_llama", "train") else 0)
 
 
 @pytest.mark.parametrize("factory, mode", [
@@ -300,17 +327,81 @@ def test_gqa_with_fewer_kv_heads_than_ranks(mode):
 @pytest.mark.parametrize("factory, mode", [("tiny_gpt", "train"), ("tiny_bert", "train"), ("hf_bert", "train")])
 def test_training_steps_track_reference(factory, mode):
     result = _run(factory, mode, 2, steps=3)
-    assert len(result["losses"]) == 3
+    losses = result["losses"]
+    assert len(losses) == 3 and losses[-1] < losses[0], losses
+
+
+# ------------------------------------------------------------- on spawned gloo processes
+
+def _every_step(rank, world):
+    """Each redistribution step of the runtime, forward and backward, against the values it must
+    give: one step per kind of collective in each phase."""
+    from autotp.collectives import GradAllReduce, RedistributeStep
+    from autotp.placement import Placement
+
+    R, P, S0, S1 = Placement("R"), Placement("P"), Placement("S", 0), Placement("S", 1)
+    mesh = _mesh(world)
+    group = mesh.get_group(0)
+    gen = torch.Generator().manual_seed(7)
+    X, G = torch.randn(4, 6, generator=gen), torch.randn(4, 6, generator=gen)
+
+    def chunk(t, dim):
+        return t.chunk(world, dim)[rank].contiguous()
+
+    partial = float(rank + 1)  # rank r holds (r + 1) X: the partial values sum to total X
+    total = world * (world + 1) / 2
+    # (module, local input, local gradient fed back, expected output, expected input gradient)
+    cases = {
+        "R -> S(1)": (RedistributeStep(R, S1, "tp", group, world, rank), X, chunk(G, 1), chunk(X, 1), G),
+        "S(1) -> R": (RedistributeStep(S1, R, "tp", group, world, rank), chunk(X, 1), G, X, chunk(G, 1)),
+        "S(1) -> R, partial gradients": (RedistributeStep(S1, R, "tp", group, world, rank, reduce_grad=True),
+                                         chunk(X, 1), partial * G, X, total * chunk(G, 1)),
+        "S(0) -> S(1)": (RedistributeStep(S0, S1, "tp", group, world, rank), chunk(X, 0), chunk(G, 1),
+                         chunk(X, 1), chunk(G, 0)),
+        "P -> R": (RedistributeStep(P, R, "tp", group, world, rank), partial * X, G, total * X, G),
+        "P -> S(1)": (RedistributeStep(P, S1, "tp", group, world, rank), partial * X, chunk(G, 1),
+                      total * chunk(X, 1), G),
+        "gradient all_reduce": (GradAllReduce("tp", group), X, partial * G, X, total * G),
+    }
+    seen = {}
+    for name, (module, x, g, want_out, want_grad) in cases.items():
+        x = x.clone().requires_grad_(True)
+        with _watch(mesh, comm_debug=True) as fwd:
+            out = module(x)
+        with _watch(mesh, comm_debug=True) as bwd:
+            out.backward(g)
+        torch.testing.assert_close(out, want_out, msg=lambda m, name=name: f"{name} forward: {m}")
+        torch.testing.assert_close(x.grad, want_grad, msg=lambda m, name=name: f"{name} backward: {m}")
+        seen[name] = (sorted(fwd.kind_counts()), sorted(bwd.kind_counts()))
+    return seen
+
+
+def _gloo_checks(rank, world):
+    return {"steps": _every_step(rank, world),
+            "tiny_llama": _check_against_reference(rank, world, "tiny_llama", "train", 2, comm_debug=True)}
+
+
+def test_gloo_processes_run_as_planned():
+    """Two spawned gloo processes: every redistribution step gives the values it must, forward and
+    backward, and between them they run every kind of collective in both phases; a model's step
+    communicates exactly as planned, seen by PyTorch's CommDebugMode and by tests/observed.py."""
+    results = run_ranks(_gloo_checks, 2)
+    assert results[0]["tiny_llama"]["plan"] == results[1]["tiny_llama"]["plan"], "the ranks planned differently"
+    steps = results[0]["steps"]
+    assert steps["S(1) -> R"] == (["all_gather"], [])
+    assert steps["S(1) -> R, partial gradients"] == (["all_gather"], ["reduce_scatter"])
+    assert steps["gradient all_reduce"] == ([], ["all_reduce"])
+    for phase in (0, 1):
+        kinds = {kind for seen in steps.values() for kind in seen[phase]}
+        assert kinds == set(_COMM_KIND.values()), f"phase {phase}: only {sorted(kinds)} ran"
 
 
 # ---------------------------------------------------------- q, k and v share one input
 
-def _megatron_reference(rank, world):
+def _megatron_reference(rank, world, prepared):
     """autotp vs ``parallelize_module`` with the hand-written Megatron plan, on tiny_llama."""
-    from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    import autotp
     from examples import models
 
     mesh = _mesh(world)
@@ -321,13 +412,12 @@ def _megatron_reference(rank, world):
     n_layer = len(model.layers)
 
     # autotp
-    pm = _parallelize(model, mesh, inp, "tiny_llama", world, "train")
-    plan = pm.plan
+    pm = _build(model, mesh, prepared)
+    graph, plan = prepared
     styles = plan.module_styles()
     for i in range(n_layer):
         for proj in ("q_proj", "k_proj", "v_proj"):
             assert styles[f"layers.{i}.self_attn.{proj}"] == "colwise", styles
-    graph = autotp.capture(models.tiny_llama(device="cpu")[0], inp)
     qkv_input = {}
     for node in graph.ops():
         for proj in ("q_proj", "k_proj", "v_proj"):
@@ -340,13 +430,12 @@ def _megatron_reference(rank, world):
         at_src = [c for c in plan.collectives() if c.phase == "backward" and c.kind == "all_reduce" and c.at == src]
         assert len(at_src) == 1, f"{layer}: {len(at_src)} backward all_reduces for the shared q/k/v input {src}"
 
-    with CommDebugMode() as fwd:
+    with CollectiveLog(mesh) as fwd:
         out = pm(*inp)
     torch.testing.assert_close(out, out_ref, rtol=1e-4, atol=1e-5 * out_ref.abs().max().item())
-    with CommDebugMode() as bwd:
+    with CollectiveLog(mesh) as bwd:
         _loss(out).backward()
-    autotp_bwd = _kind_counts(bwd.get_comm_counts())
-    assert autotp_bwd == _planned_counts(plan, "backward")
+    assert_as_planned(bwd, plan, "backward")
     _assert_grads_match(pm, ref)
 
     # PyTorch's own, the expert way: local head counts, Megatron plan
@@ -360,19 +449,18 @@ def _megatron_reference(rank, world):
             "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel(),
         })
-    with CommDebugMode() as tfwd:
+    with CollectiveLog(mesh) as tfwd:
         out_tp = tp(*inp)
     torch.testing.assert_close(out_tp, out_ref, rtol=1e-4, atol=1e-5 * out_ref.abs().max().item())
-    with CommDebugMode() as tbwd:
+    with CollectiveLog(mesh) as tbwd:
         _loss(out_tp).backward()
-    torch_bwd = _kind_counts(tbwd.get_comm_counts())
     _assert_grads_match(tp, ref)
-    return {"autotp": dict(autotp_bwd), "torch": dict(torch_bwd), "torch_forward": dict(_kind_counts(tfwd.get_comm_counts())),
-            "autotp_forward": dict(_kind_counts(fwd.get_comm_counts())), "n_layer": n_layer}
+    return {"autotp": dict(bwd.kind_counts()), "torch": dict(tbwd.kind_counts()),
+            "torch_forward": dict(tfwd.kind_counts()), "autotp_forward": dict(fwd.kind_counts()), "n_layer": n_layer}
 
 
 def test_qkv_shared_input_reduces_once_per_layer():
-    r = run_ranks(_megatron_reference, 2)[0]
+    r = run_threads(_megatron_reference, 2, _prepare("tiny_llama", 2, "train"))[0]
     n_layer = r["n_layer"]
     # the hand-written plan reduces the gradient of each colwise input on its own (q, k, v, gate, up:
     # 5 per layer in torch 2.13); at the least one each for q, k and v
@@ -397,7 +485,7 @@ def _state_dict_keys(rank, world, factories):
 
 def test_state_dict_keys_with_non_persistent_buffers():
     extra = {}
-    for factory, (keys, pm_keys) in run_ranks(_state_dict_keys, 1, list(_NON_PERSISTENT_BUFFERS))[0].items():
+    for factory, (keys, pm_keys) in run_threads(_state_dict_keys, 1, list(_NON_PERSISTENT_BUFFERS))[0].items():
         if sorted(pm_keys) != sorted(keys):
             extra[factory] = sorted(set(pm_keys) ^ set(keys))
     assert not extra, f"state_dict keys differ from the model's: {extra}"

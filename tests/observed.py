@@ -1,0 +1,99 @@
+"""What a run communicates, recorded per collective: kind, mesh axis and bytes.
+
+``CollectiveLog`` is a ``TorchDispatchMode`` that sees every ``_c10d_functional`` collective the
+code under it issues (autotp's runtime, DTensor's redistributions, ``parallelize_module``'s
+plans) and records it as the plan states collectives, so the two compare per (kind, mesh axis,
+bytes) and not by count alone:
+
+- the mesh axis is named from the process group the op runs on (``mesh.get_group(axis)``);
+- the bytes are those of the tensor the collective spans on its axis, as
+  :func:`autotp.program.collectives` counts them: an all_reduce's and a reduce_scatter's input,
+  an all_gather's output, an all_to_all's input times the axis size.
+
+Dispatch modes are per thread, so each rank of ``examples.ranks.run_threads`` records its own
+collectives (PyTorch's ``CommDebugMode`` tracks modules with process-wide hooks and is kept for
+the multi-process runs, where the tests check that both see the same collectives).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# functional op name -> (autotp kind, factor from the op's first argument to the plan's bytes)
+_KINDS = {
+    "all_reduce": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+}
+_TIMES_GROUP_SIZE = {"all_gather", "all_to_all"}
+
+
+@dataclass(frozen=True)
+class Seen:
+    kind: str
+    mesh_axis: str
+    bytes: int
+
+
+class CollectiveLog(TorchDispatchMode):
+    """Records every functional collective run under it; ``mesh`` names the axes."""
+
+    def __init__(self, mesh) -> None:
+        super().__init__()
+        names = mesh.mesh_dim_names or tuple(f"axis{a}" for a in range(mesh.ndim))
+        self.axis_of_group = {mesh.get_group(a).group_name: names[a] for a in range(mesh.ndim)}
+        self.size_of_group = {mesh.get_group(a).group_name: mesh.size(a) for a in range(mesh.ndim)}
+        self.seen: list[Seen] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.__name__.split(".")[0]
+        if func.namespace == "_c10d_functional" and name in _KINDS:
+            kind, x, group = _KINDS[name], args[0], args[-1]
+            if group not in self.axis_of_group:
+                raise AssertionError(f"{kind} on process group {group!r}, which is no axis of the mesh "
+                                     f"{self.axis_of_group}")
+            nbytes = x.numel() * x.element_size()
+            if kind in _TIMES_GROUP_SIZE:
+                nbytes *= self.size_of_group[group]
+            self.seen.append(Seen(kind, self.axis_of_group[group], nbytes))
+        return func(*args, **kwargs)
+
+    def counts(self) -> Counter:
+        """``{(kind, mesh_axis, bytes): count}``."""
+        return Counter((s.kind, s.mesh_axis, s.bytes) for s in self.seen)
+
+    def kind_counts(self) -> Counter:
+        return Counter(s.kind for s in self.seen)
+
+
+def planned(plan, phase: str) -> Counter:
+    """``plan.collectives()`` of one phase as ``{(kind, mesh_axis, bytes): count}``."""
+    return Counter((c.kind, c.mesh_axis, int(round(c.bytes))) for c in plan.collectives() if c.phase == phase)
+
+
+def assert_as_planned(log: CollectiveLog, plan, phase: str) -> None:
+    """What ran equals what the plan says, collective by collective (kind, axis and size)."""
+    seen, want = log.counts(), planned(plan, phase)
+    if seen != want:
+        raise AssertionError(f"{phase}: the run and the plan differ.\n"
+                             f"  ran, not planned: {dict(seen - want)}\n"
+                             f"  planned, not run: {dict(want - seen)}")
+
+
+def tensor_of(out) -> torch.Tensor:
+    """The tensor a model returns: itself, or a HF ModelOutput's logits / last_hidden_state."""
+    if isinstance(out, torch.Tensor):
+        return out
+    for name in ("logits", "last_hidden_state"):
+        value = getattr(out, name, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise AssertionError(f"cannot find the output tensor in a {type(out).__name__}")
