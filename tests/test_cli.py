@@ -23,10 +23,27 @@ def test_plan_prints_the_report_and_writes_json_and_html(tmp_path, capsys):
     assert out_html.read_text().startswith("<!doctype html>")
 
 
-def test_two_axis_mesh_and_memory_budget(capsys):
-    rc = main(["plan", "examples.models:tiny_gpt", "--mesh", "2x2", "--memory-budget", "1GB"])
+def test_two_axis_mesh_and_memory_budget(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    rc = main(["plan", "examples.models:tiny_gpt", "--mesh", "2x2", "--memory-budget", "1GB", "--json", str(out)])
     assert rc == 0
     assert "2x2 (dp, tp)" in capsys.readouterr().out
+    assert autotp.load_plan(out).memory_per_device().budget_bytes == 1e9
+
+
+def test_memory_budget_reaches_the_solver(tmp_path, capsys):
+    """A budget the free plan does not fit makes the plan store weights split until it fits."""
+    free_json, tight_json = tmp_path / "free.json", tmp_path / "tight.json"
+    assert main(["plan", "examples.models:tiny_gpt", "--mesh", "2", "--json", str(free_json)]) == 0
+    free = autotp.load_plan(free_json)
+    assert set(free.parameter_placements.values()) == {"R"}, "the free plan must not fit the budget below"
+    budget = int(free.memory_per_device().total_bytes * 0.75)
+    assert main(["plan", "examples.models:tiny_gpt", "--mesh", "2", "--memory-budget", str(budget),
+                 "--json", str(tight_json)]) == 0
+    tight = autotp.load_plan(tight_json)
+    assert tight.memory_per_device().budget_bytes == budget
+    assert tight.memory_per_device().total_bytes <= budget
+    assert set(tight.parameter_placements.values()) != {"R"}, tight.parameter_placements
 
 
 def test_refusals(capsys):

@@ -2,23 +2,26 @@
 
 Each refusal must raise the documented error with a message that says what was wrong, leave the
 user's model exactly as it was (same state_dict values, plain tensors, same requires_grad and
-training flag) and communicate nothing (``CommDebugMode`` sees no collective).
+training flag) and communicate nothing (``tests/observed.py`` sees no collective).
 
-The cases that need a live ``DeviceMesh`` run inside one spawned gloo run per mesh size (one rank,
-or three for the uneven case); the module-scoped fixtures collect every outcome once and the tests
+The cases that need a live ``DeviceMesh`` run on threaded ranks of this process
+(``examples.ranks.run_threads``), one run per mesh size (one rank, or three for the uneven case);
+every refusal comes before any communication, so the ranks take turns (torch.export must not trace
+beside another thread's work). The module-scoped fixtures collect every outcome once and the tests
 below read them.
 """
 
 from __future__ import annotations
 
-import re
+import threading
 
 import pytest
 import torch
 
 import autotp
 from examples import models
-from examples.ranks import run_ranks
+from examples.ranks import run_threads
+from observed import CollectiveLog
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -52,19 +55,20 @@ def _unchanged(model: torch.nn.Module, before: dict) -> list[str]:
     return diffs
 
 
-def _attempt(model, call) -> dict:
+def _attempt(mesh, model, call) -> dict:
     """Run ``call()``; record the error, whether the model is unchanged and the collectives seen."""
-    from torch.distributed.tensor.debug import CommDebugMode
-
     before = _snapshot(model)
-    with CommDebugMode() as comm:
+    with CollectiveLog(mesh) as comm:
         try:
             call()
             error, message = None, ""
         except Exception as err:  # noqa: BLE001 - recorded for the test to judge
             error, message = type(err).__name__, str(err)
     return {"error": error, "message": message, "changes": _unchanged(model, before),
-            "collectives": comm.get_total_counts()}
+            "collectives": len(comm.seen)}
+
+
+_TURNS = threading.Lock()  # one rank at a time (module docstring)
 
 
 def _mesh(world: int):
@@ -76,6 +80,11 @@ def _mesh(world: int):
 def _one_rank_cases(rank, world):
     """Every refusal that a one-rank mesh can show."""
     mesh = _mesh(world)
+    with _TURNS:
+        return _one_rank_outcomes(mesh)
+
+
+def _one_rank_outcomes(mesh):
     out = {}
 
     model, (x,) = models.mlp()  # Linear(64, 256) -> GELU -> Linear(256, 64), twice; x (8, 64) float32
@@ -86,36 +95,36 @@ def _one_rank_cases(rank, world):
         "wrong_dtype_float64": (x.double(),),
         "wrong_dtype_int64": (x.long(),),
     }.items():
-        out[name] = _attempt(model, lambda inputs=inputs: autotp.parallelize(model, mesh, inputs, hardware="cpu-gloo"))
+        out[name] = _attempt(mesh, model, lambda inputs=inputs: autotp.parallelize(model, mesh, inputs, hardware="cpu-gloo"))
 
     llama, (ids,) = models.tiny_llama()
     out["float_token_ids"] = _attempt(
-        llama, lambda: autotp.parallelize(llama, mesh, (ids.float(),), hardware="cpu-gloo"))
+        mesh, llama, lambda: autotp.parallelize(llama, mesh, (ids.float(),), hardware="cpu-gloo"))
 
     # a plan made for another model / other inputs / another mesh
     narrow_plan = autotp.plan(models.mlp(hidden=128)[0], (1,), (x,), hardware="cpu-gloo")
-    out["plan_other_width"] = _attempt(model, lambda: autotp.parallelize(model, mesh, (x,), plan=narrow_plan))
+    out["plan_other_width"] = _attempt(mesh, model, lambda: autotp.parallelize(model, mesh, (x,), plan=narrow_plan))
     deep_plan = autotp.plan(models.mlp(depth=3)[0], (1,), (x,), hardware="cpu-gloo")
-    out["plan_other_depth"] = _attempt(model, lambda: autotp.parallelize(model, mesh, (x,), plan=deep_plan))
+    out["plan_other_depth"] = _attempt(mesh, model, lambda: autotp.parallelize(model, mesh, (x,), plan=deep_plan))
     batch_plan = autotp.plan(model, (1,), (x[:4],), hardware="cpu-gloo")
-    out["plan_other_batch"] = _attempt(model, lambda: autotp.parallelize(model, mesh, (x,), plan=batch_plan))
+    out["plan_other_batch"] = _attempt(mesh, model, lambda: autotp.parallelize(model, mesh, (x,), plan=batch_plan))
     gpt, gpt_inputs = models.tiny_gpt()
     gpt_plan = autotp.plan(gpt, (1,), gpt_inputs, hardware="cpu-gloo")
-    out["plan_gpt_on_llama"] = _attempt(llama, lambda: autotp.parallelize(llama, mesh, (ids,), plan=gpt_plan))
+    out["plan_gpt_on_llama"] = _attempt(mesh, llama, lambda: autotp.parallelize(llama, mesh, (ids,), plan=gpt_plan))
     # the same plan through a JSON round trip (what a saved plan is)
     loaded = autotp.Plan.from_json(gpt_plan.to_json())
-    out["loaded_plan_gpt_on_llama"] = _attempt(llama, lambda: autotp.parallelize(llama, mesh, (ids,), plan=loaded))
+    out["loaded_plan_gpt_on_llama"] = _attempt(mesh, llama, lambda: autotp.parallelize(llama, mesh, (ids,), plan=loaded))
     mesh2_plan = autotp.plan(model, (2,), (x,), hardware="cpu-gloo")
-    out["plan_other_mesh"] = _attempt(model, lambda: autotp.parallelize(model, mesh, (x,), plan=mesh2_plan))
+    out["plan_other_mesh"] = _attempt(mesh, model, lambda: autotp.parallelize(model, mesh, (x,), plan=mesh2_plan))
     mesh1x1_plan = autotp.plan(model, (1, 1), (x,), hardware="cpu-gloo")
-    out["plan_other_mesh_ndim"] = _attempt(model, lambda: autotp.parallelize(model, mesh, (x,), plan=mesh1x1_plan))
+    out["plan_other_mesh_ndim"] = _attempt(mesh, model, lambda: autotp.parallelize(model, mesh, (x,), plan=mesh1x1_plan))
     out["plan_not_a_plan"] = _attempt(
-        model, lambda: autotp.parallelize(model, mesh, (x,), plan=narrow_plan.to_dict()))
+        mesh, model, lambda: autotp.parallelize(model, mesh, (x,), plan=narrow_plan.to_dict()))
 
     meta_model, meta_inputs = models.mlp(device="meta")
-    out["meta_model"] = _attempt(meta_model, lambda: autotp.parallelize(meta_model, mesh, meta_inputs))
+    out["meta_model"] = _attempt(mesh, meta_model, lambda: autotp.parallelize(meta_model, mesh, meta_inputs))
     meta_inputs_cpu = (torch.randn(8, 64),)
-    out["meta_model_cpu_inputs"] = _attempt(meta_model, lambda: autotp.parallelize(meta_model, mesh, meta_inputs_cpu))
+    out["meta_model_cpu_inputs"] = _attempt(mesh, meta_model, lambda: autotp.parallelize(meta_model, mesh, meta_inputs_cpu))
 
     # the control: the same calls with fitting inputs and the right plan succeed
     good_plan = autotp.plan(model, (1,), (x,), hardware="cpu-gloo")
@@ -128,35 +137,39 @@ def _one_rank_cases(rank, world):
 
 def _three_rank_cases(rank, world):
     """A plan for 2 ranks on a 3-rank mesh: 256 hidden units do not split in 3."""
+    mesh = _mesh(world)
+    with _TURNS:
+        return _three_rank_outcomes(mesh, world)
+
+
+def _three_rank_outcomes(mesh, world):
     from autotp.plan import Plan
 
-    mesh = _mesh(world)
     model, inputs = models.mlp()
     try:  # a budget just above the minimum (132 kB today) makes the plan shard the hidden dim
         plan2 = autotp.plan(model, (2,), inputs, hardware="cpu-gloo", mode="inference", memory_budget=140_000)
     except autotp.MemoryBudgetError as err:  # the minimum moved: take the new one, plus 5 %
-        minimum = int(re.search(r"\((\d+) bytes\)", str(err)).group(1))
         plan2 = autotp.plan(model, (2,), inputs, hardware="cpu-gloo", mode="inference",
-                            memory_budget=int(minimum * 1.05) + 1)
+                            memory_budget=int(err.minimum_bytes * 1.05) + 1)
     sharded = {k: v for k, v in plan2.module_styles().items() if v in ("colwise", "rowwise")}
     out = {"sharded_on_2": sharded}
-    out["plan_2_on_3"] = _attempt(model, lambda: autotp.parallelize(model, mesh, inputs, plan=plan2))
+    out["plan_2_on_3"] = _attempt(mesh, model, lambda: autotp.parallelize(model, mesh, inputs, plan=plan2))
     # the same plan with its mesh edited to (3,) in the JSON: the mesh check passes, the dims do not divide
     d = plan2.to_dict()
     d["mesh"]["shape"] = [world]
     edited = Plan.from_dict(d)
-    out["edited_plan_uneven"] = _attempt(model, lambda: autotp.parallelize(model, mesh, inputs, plan=edited))
+    out["edited_plan_uneven"] = _attempt(mesh, model, lambda: autotp.parallelize(model, mesh, inputs, plan=edited))
     return out
 
 
 @pytest.fixture(scope="module")
 def one_rank():
-    return run_ranks(_one_rank_cases, 1)[0]
+    return run_threads(_one_rank_cases, 1)[0]
 
 
 @pytest.fixture(scope="module")
 def three_ranks():
-    return run_ranks(_three_rank_cases, 3)
+    return run_threads(_three_rank_cases, 3)
 
 
 def _assert_refused(outcome: dict, error: str, *fragments: str) -> None:
@@ -188,8 +201,8 @@ def test_other_non_mesh_is_a_type_error(mesh):
 # ---------------------------------------------------------------------- inputs that don't fit
 
 @pytest.mark.parametrize("case, fragment", [
-    ("wrong_shape", "63"),
-    ("wrong_ndim", ""),
+    ("wrong_shape", "[8, 63] X [64, 256]"),
+    ("wrong_ndim", "[512, 2] X [64, 256]"),
     ("too_many_inputs", "positional"),
     ("float_token_ids", "float32"),
 ])
@@ -260,4 +273,5 @@ def test_plan_for_2_ranks_on_a_3_rank_mesh_is_refused(three_ranks):
 
 def test_plan_whose_dims_do_not_divide_the_mesh_is_refused(three_ranks):
     for result in three_ranks:
-        _assert_refused(result["edited_plan_uneven"], "PlanError", "3")
+        _assert_refused(result["edited_plan_uneven"], "PlanError", "dim 0 (size 256)", "p_layers_0_up_proj_weight",
+                        "over 3 ranks", "does not divide")

@@ -33,6 +33,12 @@ def test_replicated_pins_give_no_collectives_in_inference(gpt):
     names = [n for n, _ in model.named_parameters()]
     plan = autotp.plan(model, (4,), inputs, hardware="h100-sxm", mode="inference", pin={n: "R" for n in names})
     assert set(plan.parameter_placements.values()) == {"R"}
+    assert plan.collectives() == [], [str(c) for c in plan.collectives()]
+    assert plan.predicted_time().communication_s == 0.0
+    # the control: under a tight budget the same model, unpinned, shards and communicates
+    tight = autotp.plan(model, (4,), inputs, hardware="h100-sxm", mode="inference",
+                        memory_budget=plan.memory_per_device().total_bytes * 0.5)
+    assert tight.collectives(), "a plan under half the replicated memory must communicate"
 
 
 @pytest.mark.parametrize("pin, fragment", [

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import autotp
-from autotp.planner import plan_graph
+from autotp.planner import plan_graph, predicted_time
 from cost_models import load_profile
 
 from examples import models as M
@@ -371,15 +371,41 @@ def _two_nodes():
     return dataclasses.replace(load_profile(FAST), devices_per_node=4)
 
 
-def _predicted_s(graph, chosen, spec, cost) -> float:
-    """Compute of every node (with the sums of its output's gradients) plus every collective and
-    local copy the program runs, each priced by the cost model."""
-    from autotp.program import collectives, local_copies
+def _hand_profile():
+    """A profile whose figures make the arithmetic easy: 1 TFLOP/s, 100 GB/s, 1 us a kernel, every
+    collective 10 us + bytes / 10 GB/s of bus bandwidth."""
+    from cost_models import HardwareProfile
 
-    colls = collectives(graph, chosen, spec, cost.train)
-    return (sum(cost.node_compute_s(n, chosen[n.name], graph.gradient_reads(n.name)) for n in graph.nodes)
-            + sum(cost.collective_s(c.kind, spec.axis_names.index(c.mesh_axis), c.bytes) for c in colls)
-            + sum(cost.copy_s(c.bytes, c.dtype) for c in local_copies(graph, chosen, spec, cost.train)))
+    link = {kind: {"latency_s": 1e-5, "bus_bandwidth_bytes_per_s": 1e10}
+            for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")}
+    return HardwareProfile.from_json(json.dumps({
+        "schema": "autotp.hardware/1", "name": "hand", "source": "round figures for a hand count",
+        "device": {"peak_flops": {"float32": 1e12}, "memory_bandwidth_bytes_per_s": 1e11,
+                   "memory_bytes": 8e10, "kernel_overhead_s": 1e-6},
+        "devices_per_node": 8, "links": {"intra_node": link, "inter_node": link}}))
+
+
+@pytest.mark.parametrize("mode", ["inference", "train"])
+def test_predicted_time_equals_a_hand_count(mode):
+    """One bias-free Linear(64 -> 32) on one token, its weight pinned colwise on 2 ranks: each rank
+    multiplies x (1, 64) by its (16, 64) half of the weight, and the output (1, 32) is gathered.
+
+    linear, per rank: 2 * 1 * 64 * 16 = 2048 FLOPs (2.048 ns at 1 TFLOP/s); bytes read and written
+    64*4 (x) + 16*64*4 (weight shard) + 16*4 (output shard) = 4416 (44.16 ns at 100 GB/s): memory-
+    bound, 44.16 ns + 1 us of kernel overhead. Training adds its backward, 2 kernels like it.
+    all_gather of the (1, 32) output, 128 bytes over 2 ranks: 10 us + 128 * 1/2 / 10 GB/s = 10.0064
+    us; its backward is a local slice. No copies (the gathered dim has nothing before it), no
+    gradient reduction (x carries no gradient), no gradient sums (every tensor is read once)."""
+    model = torch.nn.Linear(64, 32, bias=False)
+    x = torch.randn(1, 64)
+    plan = autotp.plan(model, (2,), (x,), hardware=_hand_profile(), mode=mode, pin={"weight": "S(0)"})
+    linear_s = 4416 / 1e11 + 1e-6
+    kernels = 3 if mode == "train" else 1
+    gather_s = 1e-5 + 128 * 0.5 / 1e10
+    t = plan.predicted_time()
+    assert t.compute_s == pytest.approx(kernels * linear_s, rel=1e-12)
+    assert t.communication_s == pytest.approx(gather_s, rel=1e-12)
+    assert [(c.kind, c.phase, c.bytes) for c in plan.collectives()] == [("all_gather", "forward", 128)]
 
 
 def _dp_tp_layout(graph, shape, profile=FAST, batch: int = 8):
@@ -403,7 +429,7 @@ def _dp_tp_layout(graph, shape, profile=FAST, batch: int = 8):
     cost = CostModel(spec, profile if not isinstance(profile, str) else load_profile(profile), "train")
     solution = solve(graph, strategies, find_repeats(graph), cost, None)
     chosen = {k: strategies[k][i] for k, i in solution.choice.items()}
-    return chosen, _predicted_s(graph, chosen, spec, cost)
+    return chosen, predicted_time(graph, chosen, spec, cost).total_s
 
 
 def _plan_2d():
@@ -502,7 +528,9 @@ def test_two_axis_mesh_across_two_nodes_puts_the_batch_on_dp_and_the_layers_on_t
 
 
 def test_ilp_objective_equals_the_predicted_step_time():
-    """1 axis: the solver's objective for its own choice equals compute + collectives of the plan."""
+    """1 axis: the solver's objective for its own choice (summed over its variables) equals the step
+    time the planner predicts by walking the plan's program (``test_predicted_time_equals_a_hand_count``
+    checks that walk against a hand count)."""
     from autotp.costing import CostModel
     from autotp.mesh import MeshSpec
     from autotp.solver import solve
@@ -515,7 +543,7 @@ def test_ilp_objective_equals_the_predicted_step_time():
     strategies = all_strategies(graph, spec.shape)
     solution = solve(graph, strategies, find_repeats(graph), cost, None)
     chosen = {k: strategies[k][i] for k, i in solution.choice.items()}
-    assert solution.objective_s == pytest.approx(_predicted_s(graph, chosen, spec, cost), rel=1e-6)
+    assert solution.objective_s == pytest.approx(predicted_time(graph, chosen, spec, cost).total_s, rel=1e-6)
     assert solution.objective_s == pytest.approx(_fast_plan("gpt").predicted_time().total_s, rel=1e-3)
 
 
@@ -569,7 +597,7 @@ def test_ilp_pays_once_for_a_redistribution_two_readers_share():
     chosen = {k: strategies[k][i] for k, i in solution.choice.items()}
     forward = [(c.kind, c.at) for c in collectives(graph, chosen, spec, True) if c.phase == "forward"]
     assert forward.count(("all_reduce", fc1)) == 1
-    assert solution.objective_s == pytest.approx(_predicted_s(graph, chosen, spec, cost), rel=1e-6)
+    assert solution.objective_s == pytest.approx(predicted_time(graph, chosen, spec, cost).total_s, rel=1e-6)
 
 
 def test_ilp_prices_the_gradient_reduction_of_the_chosen_read():
@@ -597,7 +625,7 @@ def test_ilp_prices_the_gradient_reduction_of_the_chosen_read():
                + 2 * cost.copy_s(2 * 4, "float32")  # each all_reduce reduces a clone of its input
                + cost.collective_s("all_reduce", 0, weight_shard)  # weight gradient over dp, and its clone
                + cost.copy_s(2 * weight_shard, "float32"))
-    assert _predicted_s(graph, chosen, spec, cost) == pytest.approx(by_hand, rel=1e-9)  # the program agrees
+    assert predicted_time(graph, chosen, spec, cost).total_s == pytest.approx(by_hand, rel=1e-9)  # the program agrees
     assert solution.objective_s == pytest.approx(by_hand, rel=1e-6)
 
 
@@ -624,7 +652,7 @@ def test_two_axis_ilp_prices_the_plan_and_its_relaxation_is_tight():
     solution = S.solve(graph, strategies, rep, cost, None)
     chosen = {k: strategies[k][i] for k, i in solution.choice.items()}
     assert solution.optimal
-    assert solution.objective_s == pytest.approx(_predicted_s(graph, chosen, spec, cost), rel=1e-6)
+    assert solution.objective_s == pytest.approx(predicted_time(graph, chosen, spec, cost).total_s, rel=1e-6)
 
     f = S._Formulation(graph, strategies, rep, cost, None)
     f.one_hot(), f.edges(), f.grad_reductions(), f.memory(), f.objective_terms()
@@ -658,7 +686,7 @@ def test_a_frozen_layer_in_a_stack_is_priced_apart_from_its_trainable_siblings()
     strategies = all_strategies(graph, spec.shape)
     solution = solve(graph, strategies, rep, cost, None)
     chosen = {k: strategies[k][i] for k, i in solution.choice.items()}
-    assert solution.objective_s == pytest.approx(_predicted_s(graph, chosen, spec, cost), rel=1e-6)
+    assert solution.objective_s == pytest.approx(predicted_time(graph, chosen, spec, cost).total_s, rel=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------
