@@ -5,7 +5,8 @@ own names (its ``state_dict`` keys equal the model's). Its graph runs every op o
 (shape arguments rewritten to local shapes, a row-split embedding as a masked lookup) and holds
 the plan's collectives as ``call_module`` nodes (:mod:`autotp.collectives`), placed exactly where
 :mod:`autotp.program` says. Nothing else communicates: DTensor is the format of the parameters,
-not the engine that runs the ops.
+not the engine that runs the ops. Before any of it the graph checks its inputs against the
+example inputs it was built for (:mod:`autotp.guard`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autotp.collectives import GradAllReduce, MaskedEmbedding, RedistributeStep, to_local
 from autotp.graph import OpGraph
+from autotp.guard import InputGuard, InputSpec
 from autotp.placement import Placement, local_shape
 from autotp.plan import Plan
 from autotp.program import reads
@@ -150,12 +152,20 @@ class _Builder:
         sig = self.ep.graph_signature
         specs = {s.arg.name: s for s in sig.input_specs if hasattr(s.arg, "name")}
         alias = dict(self.g.alias_placeholders)
+        user_inputs: list[tuple[torch.fx.Node, InputSpec]] = []
+        guarded = False
         for node in self.ep.graph.nodes:
+            if node.op != "placeholder" and not guarded:
+                guarded = True
+                self.emit_guard(user_inputs)
             if node.op == "placeholder":
                 spec = specs.get(node.name)
                 kind = spec.kind.name if spec is not None else "USER_INPUT"
                 if kind == "USER_INPUT":
                     self.local[node.name] = self.fx.placeholder(node.name)
+                    value = node.meta.get("val")
+                    if isinstance(value, torch.Tensor):
+                        user_inputs.append((self.local[node.name], InputSpec.of(node.name, value)))
                 elif node.name in alias:
                     continue
                 elif kind == "PARAMETER":
@@ -187,6 +197,13 @@ class _Builder:
         gm.graph._codegen = self.ep.module().graph._codegen
         gm.recompile()
         return gm
+
+    def emit_guard(self, user_inputs: list[tuple[torch.fx.Node, InputSpec]]) -> None:
+        """The input check, first of all nodes (:mod:`autotp.guard`)."""
+        if user_inputs:
+            guard = InputGuard(tuple(spec for _, spec in user_inputs))
+            self.root.add_module("autotp_input_guard", guard)
+            self.fx.call_module("autotp_input_guard", tuple(node for node, _ in user_inputs))
 
     def emit(self, node: torch.fx.Node, alias: dict[str, str]) -> None:
         op = self.g[node.name]

@@ -126,6 +126,17 @@ def _one_rank_outcomes(mesh):
     meta_inputs_cpu = (torch.randn(8, 64),)
     out["meta_model_cpu_inputs"] = _attempt(mesh, meta_model, lambda: autotp.parallelize(meta_model, mesh, meta_inputs_cpu))
 
+    # the parallel module called with inputs of another shape or dtype than it was built for: GPT-2's
+    # first op views the token ids as [8, 64], which a [16, 32] batch would pass through silently
+    gpt2, (gpt2_ids,) = models.hf_gpt2(batch=8, seq=64)
+    gpt2_pm = autotp.parallelize(gpt2, mesh, (gpt2_ids,), hardware="cpu-gloo", mode="inference")
+    other = torch.randint(0, 128, (16, 32))
+    out["gpt2_model_takes_16x32"] = tuple(gpt2(other).logits.shape)
+    out["call_other_shape"] = _attempt(mesh, gpt2, lambda: gpt2_pm(other))
+    out["call_other_rank"] = _attempt(mesh, gpt2, lambda: gpt2_pm(gpt2_ids.reshape(8, 8, 8)))
+    out["call_other_dtype"] = _attempt(mesh, gpt2, lambda: gpt2_pm(gpt2_ids.int()))
+    out["call_same_shape"] = tuple(gpt2_pm(gpt2_ids.flip(0)).logits.shape)
+
     # the control: the same calls with fitting inputs and the right plan succeed
     good_plan = autotp.plan(model, (1,), (x,), hardware="cpu-gloo")
     before = _snapshot(model)
@@ -249,6 +260,20 @@ def test_plan_for_a_2d_mesh_on_a_1d_mesh(one_rank):
 
 def test_plan_that_is_not_a_plan_is_a_type_error(one_rank):
     _assert_refused(one_rank["plan_not_a_plan"], "TypeError", "dict", "load_plan")
+
+
+# ------------------------------------------------------ the parallel module called with other inputs
+
+def test_other_input_shape_is_refused_before_any_collective(one_rank):
+    assert one_rank["gpt2_model_takes_16x32"] == (16, 32, 128), "the model itself accepts the batch"
+    _assert_refused(one_rank["call_other_shape"], "ValueError", "input 'input_ids'", "dim 0 has size 16",
+                    "built for size 8", "[8, 64]", "[16, 32]")
+    assert one_rank["call_same_shape"] == (8, 64, 128)
+
+
+def test_other_input_rank_and_dtype_are_refused(one_rank):
+    _assert_refused(one_rank["call_other_rank"], "ValueError", "input 'input_ids' has 3 dims", "[8, 8, 8]", "[8, 64]")
+    _assert_refused(one_rank["call_other_dtype"], "ValueError", "input 'input_ids' is int32", "built for int64")
 
 
 # ----------------------------------------------------------------------------------- meta model
