@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from autotp.units import format_bytes
+
 # Roles of nodes.
 PARAMETER = "parameter"
 BUFFER = "buffer"
@@ -191,6 +193,6 @@ class OpGraph:
         ops = self.ops()
         return (
             f"{self.model_type or 'model'}: {len(ops)} ops, {len(self.parameters)} parameters "
-            f"({self.parameter_numel() / 1e6:.1f}M elements, {self.parameter_bytes() / 2**30:.2f} GiB), "
+            f"({self.parameter_numel() / 1e6:.1f}M elements, {format_bytes(self.parameter_bytes())}), "
             f"{self.total_flops() / 1e9:.1f} GFLOP forward"
         )

@@ -19,6 +19,7 @@ from autotp.graph import OpGraph
 from autotp.mesh import MeshSpec
 from autotp.placement import Placement, R, Strategy
 from autotp.redistribute import all_reduce_copies, conversion_steps, fused_axes, step_copies
+from autotp.units import format_bytes
 
 __all__ = ["Read", "Collective", "LocalCopy", "reads", "collectives", "local_copies", "program", "OUTPUT"]
 
@@ -52,7 +53,7 @@ class Collective:
     at: str
 
     def __str__(self) -> str:
-        return f"{self.phase} {self.kind} over {self.mesh_axis}: {self.bytes / 2**20:.2f} MiB at {self.at}"
+        return f"{self.phase} {self.kind} over {self.mesh_axis}: {format_bytes(self.bytes)} at {self.at}"
 
 
 @dataclass(frozen=True)

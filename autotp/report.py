@@ -12,17 +12,12 @@ import json
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
+from autotp.units import format_bytes
+
 if TYPE_CHECKING:
     from autotp.plan import Plan
 
 __all__ = ["render"]
-
-
-def _b(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
 
 
 def _t(s: float) -> str:
@@ -42,7 +37,7 @@ def _collective_rows(plan: "Plan") -> list[list[str]]:
     for c in plan.collective_list:
         groups[(c.phase, c.kind, c.mesh_axis)].append(c.bytes)
     order = {"forward": 0, "backward": 1}
-    return [[phase, kind, axis, str(len(b)), _b(sum(b))]
+    return [[phase, kind, axis, str(len(b)), format_bytes(sum(b))]
             for (phase, kind, axis), b in sorted(groups.items(), key=lambda kv: (order[kv[0][0]], kv[0][1:]))]
 
 
@@ -58,12 +53,12 @@ def _text(plan: "Plan") -> str:
     lines += ["", "Collectives per step"]
     rows = _collective_rows(plan)
     lines += _table(["phase", "kind", "axis", "count", "bytes"], rows) if rows else ["(none: every rank works alone)"]
-    budget = f" of {_b(mem.budget_bytes)} budget" if mem.budget_bytes else ""
+    budget = f" of {format_bytes(mem.budget_bytes)} budget" if mem.budget_bytes else ""
     lines += [
         "",
         f"Predicted step time: {_t(t.total_s)} (compute {_t(t.compute_s)}, communication {_t(t.communication_s)}, local copies included)",
-        f"Memory per device: {_b(mem.total_bytes)}{budget} (parameters {_b(mem.parameters_bytes)}, gradients "
-        f"{_b(mem.gradients_bytes)}, optimizer {_b(mem.optimizer_bytes)}, activations {_b(mem.activations_bytes)})",
+        f"Memory per device: {format_bytes(mem.total_bytes)}{budget} (parameters {format_bytes(mem.parameters_bytes)}, gradients "
+        f"{format_bytes(mem.gradients_bytes)}, optimizer {format_bytes(mem.optimizer_bytes)}, activations {format_bytes(mem.activations_bytes)})",
         f"Solve: {st.solver}, {st.status}; {st.variables} variables, {st.constraints} constraints, "
         f"{st.representatives} of {st.nodes} nodes to decide after layer tying and merging; " + (
             f"capture {st.capture_s:.2f} s, strategies {st.strategies_s:.2f} s, solve {st.solve_s:.2f} s"

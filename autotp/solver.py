@@ -56,6 +56,7 @@ from autotp.graph import OpGraph
 from autotp.ilp import SolverError, solve_with_first_solver
 from autotp.placement import Placement, Strategy
 from autotp.redistribute import fused_axes
+from autotp.units import format_bytes, format_bytes_pair
 
 __all__ = ["solve", "Solution", "MemoryBudgetError", "SolverError"]
 
@@ -84,10 +85,6 @@ class Solution:
     solver: str
     status: str
     representatives: int
-
-
-def _gib(b: float) -> str:
-    return f"{b / 2**30:.2f} GiB"
 
 
 class _Formulation:
@@ -380,10 +377,11 @@ class _Formulation:
         if self.budget is None:
             return
         if minimum > self.budget:
+            budget, needed = format_bytes_pair(self.budget, minimum)
             raise MemoryBudgetError(
-                f"memory budget {_gib(self.budget)} per device is below the minimum any plan needs on mesh "
-                f"{self.cost.mesh}: {_gib(minimum)} ({minimum:.0f} bytes) in {self.cost.mode} mode; "
-                f"raise the budget to at least that, use more devices, or plan in inference mode", minimum)
+                f"memory budget {budget} per device is below the minimum any plan needs on mesh "
+                f"{self.cost.mesh}: {needed} in {self.cost.mode} mode; raise the budget to at least "
+                f"{minimum:.0f} bytes, use more devices, or plan in inference mode", minimum)
         if sum(max(v) for v in mem.values()) <= self.budget:
             return  # every plan fits: the row could never bind
         # in GiB: coefficients near 1 keep the LP well scaled (bytes would reach 1e11)
@@ -473,7 +471,7 @@ def _run(f: _Formulation, time_limit_s: float, memory_budget_bytes: Optional[flo
         status = pulp.LpStatus[prob.status]
         if status == "Infeasible":
             raise MemoryBudgetError(
-                f"no plan fits the memory budget {_gib(memory_budget_bytes or 0)} per device on mesh {f.cost.mesh}", 0.0)
+                f"no plan fits the memory budget {format_bytes(memory_budget_bytes or 0)} per device on mesh {f.cost.mesh}", 0.0)
         if status not in ("Optimal", "Not Solved") or any(v.varValue is None for v in f.x[f.roots[0]]):
             return f"status {status}"
         return None

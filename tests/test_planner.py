@@ -803,3 +803,23 @@ def test_fake_process_group_meshes(fake_group, n):
     assert mem.parameters_bytes + mem.gradients_bytes + mem.optimizer_bytes <= replicated
     assert all(c.mesh_axis == "tp" for c in plan.collectives())
     assert math.isfinite(plan.predicted_time().total_s)
+
+
+def test_a_budget_just_below_the_minimum_reads_as_two_different_figures():
+    """The refusal names the budget and the minimum in units a person reads, and never as one figure."""
+    import re
+
+    model, inputs = M.tiny_gpt(device="meta")
+    graph = autotp.capture(model, inputs)
+    with pytest.raises(autotp.MemoryBudgetError) as info:
+        plan_graph(graph, (2,), FAST, memory_budget=1)
+    minimum = info.value.minimum_bytes
+    assert minimum > 1
+    with pytest.raises(autotp.MemoryBudgetError) as info:
+        plan_graph(graph, (2,), FAST, memory_budget=minimum - 1)
+    text = str(info.value)
+    found = re.search(r"memory budget (.+) per device is below the minimum any plan needs on mesh .+?: (.+) in train", text)
+    assert found, text
+    assert found.group(1) != found.group(2), text
+    assert f"{minimum - 1:.0f} bytes" in found.group(1) and f"{minimum:.0f} bytes" in found.group(2), text
+    assert "GiB" not in text and "KiB" in text, text  # about 1 MB: not "0.00 GiB"
