@@ -14,7 +14,7 @@ from cost_models.validation import ProfileError, _FrozenMap, _within, _number, _
 
 _DEVICE_FIELDS = ("peak_flops", "memory_bandwidth_bytes_per_s", "memory_bytes", "kernel_overhead_s")
 _DEVICE_CURVES = ("matmul_curve", "memory_curve")  # optional: achieved rates by kernel size
-_DEVICE_OPTIONAL = (*_DEVICE_CURVES, "memory_overlap")
+_DEVICE_OPTIONAL = (*_DEVICE_CURVES, "memory_overlap", "emulated_dtypes")
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,10 @@ class DeviceSpec:
     hide one behind the other), 0 is ``compute + memory`` (one CPU thread stalls on its loads
     and page faults); the profiler measures it on a matmul whose two times are about equal.
 
+    ``emulated_dtypes`` (optional, default none) lists dtypes of ``peak_flops`` that the device
+    has no fast kernels for (bfloat16 on a CPU without AVX-512-BF16): their figures are real but
+    were measured at small sizes only (JSON ``"emulated_dtypes": ["bfloat16"]``).
+
     >>> d = DeviceSpec({"float32": 1e12}, 1e11, 8e10, 0.0, memory_curve=((1e6, 2e10), (1e8, 4e10)))
     >>> d.bandwidth_for(1e7), d.bandwidth_for(1e9), d.flops_per_s_for("bfloat16", 1e9)
     (30000000000.0, 40000000000.0, 1000000000000.0)
@@ -49,6 +53,7 @@ class DeviceSpec:
     matmul_curve: Mapping[str, tuple[tuple[float, float], ...]] | None = None  # dtype -> (flops, FLOP/s)
     memory_curve: tuple[tuple[float, float], ...] | None = None  # (bytes moved, bytes/s)
     memory_overlap: float = 1.0  # share of the memory time hidden under the compute time
+    emulated_dtypes: tuple[str, ...] = ()  # dtypes of peak_flops the device only emulates
 
     def __post_init__(self) -> None:
         if not isinstance(self.peak_flops, Mapping):
@@ -80,6 +85,7 @@ class DeviceSpec:
         if overlap > 1:
             raise ProfileError("memory_overlap", f"expected a number from 0 to 1, got {self.memory_overlap!r}")
         object.__setattr__(self, "memory_overlap", overlap)
+        object.__setattr__(self, "emulated_dtypes", _emulated(self.emulated_dtypes, flops))
 
     def _dtype_key(self, dtype: str) -> str:
         name = str(dtype).removeprefix("torch.")
@@ -120,6 +126,8 @@ class DeviceSpec:
             kwargs["memory_curve"] = _curve_from_json(d["memory_curve"], "memory_curve", "bytes", "bytes_per_s")
         if "memory_overlap" in d:
             kwargs["memory_overlap"] = d["memory_overlap"]
+        if "emulated_dtypes" in d:
+            kwargs["emulated_dtypes"] = d["emulated_dtypes"]
         return cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:
@@ -138,12 +146,28 @@ class DeviceSpec:
             out["memory_curve"] = [{"bytes": b, "bytes_per_s": r} for b, r in self.memory_curve]
         if self.memory_overlap != 1.0:
             out["memory_overlap"] = self.memory_overlap
+        if self.emulated_dtypes:
+            out["emulated_dtypes"] = list(self.emulated_dtypes)
         return out
 
 
 def _dtype_name(dtype: Any, field: str) -> None:
     if not isinstance(dtype, str) or not dtype or dtype.startswith("torch."):
         raise ProfileError(field, "expected a dtype name as torch prints it, without 'torch.' (e.g. 'bfloat16')")
+
+
+def _emulated(names: Any, peak_flops: Mapping[str, float]) -> tuple[str, ...]:
+    """``names`` checked: a list of distinct dtype names, each with a ``peak_flops`` figure."""
+    if isinstance(names, (str, bytes)) or not isinstance(names, (list, tuple)):
+        raise ProfileError("emulated_dtypes", f"expected a list of dtype names, got {names!r}")
+    for i, name in enumerate(names):
+        _dtype_name(name, f"emulated_dtypes[{i}]")
+        if name not in peak_flops:
+            raise ProfileError(f"emulated_dtypes[{i}]", f"{name!r} has no peak_flops figure; expected one of "
+                               f"{', '.join(peak_flops)}")
+        if name in names[:i]:
+            raise ProfileError(f"emulated_dtypes[{i}]", f"{name!r} is listed twice")
+    return tuple(names)
 
 
 def _curve(points: Any, field: str) -> tuple[tuple[float, float], ...]:

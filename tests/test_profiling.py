@@ -59,6 +59,10 @@ def _parser() -> argparse.ArgumentParser:
         (["-f", "1"], "must be at least 2"),
         (["--nproc", "1"], "must be at least 2"),
         (["--timeout-s", "0"], "must be > 0 seconds"),
+        (["--device-budget-s", "-1"], "must be > 0 seconds, got -1"),
+        (["--device-budget-s", "soon"], "invalid number of seconds 'soon'"),
+        (["--dtypes", "float32,fp8"], "unknown dtype 'fp8' in 'float32,fp8'"),
+        (["--dtypes", "int8"], "expected names among float32, bfloat16, float16"),
     ],
 )
 def test_parser_rejects_bad_values_with_a_clear_message(argv, message, capsys):
@@ -548,7 +552,7 @@ def test_device_curves_measure_what_they_say():
     assert moved == 3 * 4096 and bw > 0  # a + b: two operands read, one output written
     m = dev.measure_device(cpu, matmul_sizes=(32,), copy_bytes=1 << 16, min_time_s=0.001,
                            matmul_curve_sizes=(32, 16), memory_curve_bytes=(1 << 14, 1 << 12), ring_bytes=1 << 16,
-                           overlap_bytes=1 << 16)
+                           overlap_bytes=1 << 16, dtypes=("float32", "bfloat16"))
     assert 0.0 <= m.memory_overlap <= 1.0
     assert sorted(m.matmul_curve) == ["bfloat16", "float32"]
     assert [f for f, _ in m.matmul_curve["float32"]] == [8 * 16**3, 8 * 32**3]  # sizes rising
@@ -586,6 +590,241 @@ def test_slowest_rank_takes_each_curve_point_from_the_slowest_rank(monkeypatch):
     assert slow.matmul_curve == {"float32": ((1e6, 1e11), (1e9, 1.5e11))}
     assert slow.memory_curve == ((3e6, 8e9), (3e8, 5e9))
     assert slow.memory_overlap == 0.2  # the least overlap: the slowest kernels
+
+
+# --- device: dtypes, emulation, time budget ------------------------------------------------------
+
+
+def test_dtypes_option_always_measures_float32_and_reaches_the_config():
+    from autotp.profiling.config import ProfileConfig
+    from autotp.profiling.dtypes import parse_dtypes
+
+    assert parse_dtypes("bfloat16") == ("float32", "bfloat16")
+    assert parse_dtypes(" BF16, fp32 ,torch.float16,bf16") == ("float32", "bfloat16", "float16")
+    args = _parser().parse_args(["--dtypes", "float32,bfloat16", "--device-budget-s", "2.5"])
+    config = command.config_from_args(args, 2)
+    assert config.dtypes == ("float32", "bfloat16") and config.device_budget_s == 2.5
+    assert ProfileConfig.from_json(config.to_json()) == config  # what the launcher hands every rank
+    default = command.config_from_args(_parser().parse_args([]), 2)
+    assert default.dtypes is None and default.device_budget_s is None  # chosen on the device
+    with pytest.raises(ValueError, match=r"unknown dtype 'double'"):
+        parse_dtypes("float32,double")
+
+
+def _fake_rates(monkeypatch, rates: dict[str, float], calls: list | None = None):
+    """``device.measure_matmul`` reporting ``rates[dtype]`` FLOP/s (and the curve likewise), instantly."""
+    from autotp.profiling import device as dev
+
+    def measure_matmul(dtype, n, device, min_time_s=0.2):
+        if calls is not None:
+            calls.append((dtype, n))
+        return dev.MatmulMeasurement(dtype, n, 2.0 * n**3 / rates[dtype], rates[dtype])
+
+    monkeypatch.setattr(dev, "measure_matmul", measure_matmul)
+    monkeypatch.setattr(dev, "measure_matmul_training",
+                        lambda dtype, n, *a, **k: (8.0 * n**3, rates[dtype] / 2))
+
+
+@pytest.mark.parametrize("bf16_ratio, emulated", [(0.2, True), (0.3, False), (1.5, False)])
+def test_a_dtype_under_a_quarter_of_float32s_rate_is_marked_emulated_in_the_profile(monkeypatch, bf16_ratio, emulated):
+    from cost_models import HardwareProfile
+    from autotp.profiling import device as dev
+    from autotp.profiling.dtypes import EMULATED_BELOW, choose_dtypes
+    from autotp.profiling.hardware import device_spec
+
+    assert EMULATED_BELOW == 0.25
+    calls = []
+    _fake_rates(monkeypatch, {"float32": 1e11, "bfloat16": bf16_ratio * 1e11, "float16": 1e9}, calls)
+    cpu = torch.device("cpu")
+    probes = dev.probe_dtypes(cpu, ("bfloat16", "float16"))
+    assert calls == [("float32", 256), ("bfloat16", 256), ("float16", 256)]  # all at the same small n
+    assert [(p.dtype, p.emulated) for p in probes] == [("float32", False), ("bfloat16", emulated), ("float16", True)]
+    # default: float32, bfloat16 always (marked if emulated), float16 only where native: left out, said so
+    choice = choose_dtypes(None, probes)
+    assert choice.measured == ("float32", "bfloat16") and choice.skipped == ("float16",)
+    assert choice.emulated == (("bfloat16",) if emulated else ())
+    notes = "\n".join(choice.notes(probes))
+    assert "float16 is emulated" in notes and "not measured" in notes
+    assert ("bfloat16 is emulated" in notes) == emulated
+    # asked for explicitly, an emulated dtype is measured and marked
+    assert choose_dtypes(("float32", "float16"), probes).emulated == ("float16",)
+    assert choose_dtypes(("float32", "float16"), probes).skipped == ()
+
+    m = dev.measure_device(cpu, copy_bytes=1 << 16, min_time_s=0.001, memory_curve_bytes=(1 << 12,),
+                           ring_bytes=1 << 16, overlap_bytes=1 << 16, budget_s=5.0)
+    assert sorted(m.peak_flops) == ["bfloat16", "float32"] and m.skipped_dtypes == ("float16",)
+    assert m.peak_flops["bfloat16"] == bf16_ratio * 1e11
+    spec = device_spec(m).to_dict()
+    assert spec.get("emulated_dtypes") == (["bfloat16"] if emulated else None)
+    raw = json.loads(json.dumps(m.to_dict()))
+    assert raw["emulated_dtypes"] == (["bfloat16"] if emulated else []) and raw["skipped_dtypes"] == ["float16"]
+    assert [p["ratio"] for p in raw["dtype_probes"]] == pytest.approx([1.0, bf16_ratio, 0.01])
+    assert raw["reach"]["bfloat16"]["emulated"] == emulated and raw["reach"]["float32"]["matmul_n"] == 2048
+    profile = HardwareProfile.from_json(json.dumps(
+        {**HardwareProfile.from_dict(_profile_dict()).to_dict(), "device": spec}))
+    assert profile.device.emulated_dtypes == (("bfloat16",) if emulated else ())
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread, as a rank on a shared host has: steadier small products."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_the_budget_stops_growing_n_on_a_slow_dtype_and_records_the_size_reached(monkeypatch, one_thread):
+    """bfloat16 products that take 5 ms at n=64 and 8x more per doubling, a 1 s budget: the
+    peak sizes stop at 128 (256 would take ~1 s), the curve's ring is shortened and it stops at 64."""
+    from autotp.profiling import device as dev
+    from autotp.profiling.dtypes import DtypeProbe
+
+    real_mm = torch.mm
+
+    def slow_mm(a, b):
+        if a.dtype == torch.bfloat16:
+            time.sleep(0.005 * (a.shape[0] / 64) ** 3)
+        return real_mm(a, b)
+
+    curve_calls = []
+
+    def slow_training(dtype, n, device, min_time_s=0.2, ring_bytes=64 << 20, max_sets=None):
+        sets = min(dev._ring_sets(dtype, n, ring_bytes), max_sets)
+        rate = 1e8 if dtype == "bfloat16" else 1e11
+        time.sleep(3 * sets * 3 * 8.0 * n**3 / rate)  # a warm-up pass and two timed ones
+        curve_calls.append((dtype, n, sets, dev._ring_sets(dtype, n, ring_bytes)))
+        return 8.0 * n**3, rate
+
+    monkeypatch.setattr(torch, "mm", slow_mm)
+    monkeypatch.setattr(dev, "measure_matmul_training", slow_training)
+    progress, reached = [], []
+    probes = (DtypeProbe("float32", 64, 1e11, 1e11), DtypeProbe("bfloat16", 64, 1e8, 1e11))
+    m = dev.measure_device(torch.device("cpu"), matmul_sizes=(64, 128, 256, 512), matmul_curve_sizes=(32, 64, 128, 256),
+                           copy_bytes=1 << 16, min_time_s=0.0, memory_curve_bytes=(1 << 12,), ring_bytes=1 << 22,
+                           overlap_bytes=1 << 16, dtypes=("float32", "bfloat16"), budget_s=1.0, probes=probes,
+                           on_progress=progress.append, on_dtype=reached.append)
+    fp32, bf16 = m.reach
+    assert reached == [fp32, bf16] and bf16.emulated and m.emulated_dtypes == ("bfloat16",)
+    assert (fp32.matmul_n, fp32.curve_n, fp32.cut) == (512, 256, False)  # a fast dtype: every size
+    assert (bf16.matmul_n, bf16.curve_n, bf16.cut) == (128, 64, True)
+    assert bf16.spent_s < bf16.budget_s == 1.0
+    assert [w for w in progress if w.startswith("bfloat16")] == [
+        "bfloat16 matmul n=64", "bfloat16 matmul n=128", "bfloat16 matmul curve n=32", "bfloat16 matmul curve n=64"]
+    assert [mm.n for mm in m.matmuls if mm.dtype == "bfloat16"] == [64, 128]
+    assert [f for f, _ in m.matmul_curve["bfloat16"]] == [8.0 * 32**3, 8.0 * 64**3]
+    first = next(c for c in curve_calls if c[0] == "bfloat16")
+    assert first[2] < first[3]  # fewer operand sets than the ring holds: one pass fits the budget
+    assert progress[-3:] == ["memory curve 4096 B", "memory bandwidth, kernel overhead", "memory overlap"]
+
+
+def test_the_worker_beats_the_heartbeat_at_each_measured_size_and_prints_a_line_per_dtype(monkeypatch, capsys):
+    import torch.distributed as dist
+
+    from autotp.profiling import device as dev
+    from autotp.profiling import worker
+    from autotp.profiling.config import ProfileConfig
+
+    _fake_rates(monkeypatch, {"float32": 1e11, "bfloat16": 2e10, "float16": 2e11})
+    monkeypatch.setattr(dev, "measure_memory_curve_point", lambda size, *a, **k: (3.0 * size, 1e10))
+    monkeypatch.setattr(dev, "measure_memory_bandwidth", lambda *a, **k: 1e10)
+    monkeypatch.setattr(dev, "measure_kernel_overhead", lambda *a, **k: 1e-6)
+    monkeypatch.setattr(dev, "measure_memory_overlap", lambda *a, **k: 0.5)
+    monkeypatch.setattr(dist, "all_gather_object", lambda out, obj: out.__setitem__(slice(None), [obj]))
+
+    class Beats:
+        def __init__(self):
+            self.beats = []
+
+        def beat(self, step, where):
+            self.beats.append((step, where))
+
+    heartbeat = Beats()
+    config = ProfileConfig("gloo", None, 1024, 2048, 2, 1, 0, False, 60.0, None, device_budget_s=100.0)
+    m = worker._measure_device(config, True, 1, torch.device("cpu"), heartbeat, first_step=7)
+    steps = [s for s, _ in heartbeat.beats]
+    assert steps[0] == 7 and steps == sorted(set(steps))  # a new step each time: the watchdog sees progress
+    assert heartbeat.beats[-1] == (7 + worker.DEVICE_STEPS, "measured the device; waiting for the other ranks")
+    wheres = [w for _, w in heartbeat.beats]
+    assert "measuring the device: bfloat16 matmul n=2048" in wheres
+    assert "measuring the device: float16 matmul curve n=1024" in wheres  # native here: measured by default
+    assert sum(w.startswith("measuring the device: ") and " n=" in w for w in wheres) == 3 + 3 * (4 + 4)
+    err = capsys.readouterr().err
+    assert [line.split(" (")[0] for line in err.splitlines() if line.startswith("device: ")] == [
+        "device: float32", "device: bfloat16", "device: float16"]
+    assert "note: bfloat16 is emulated" in err and "note: float16 runs natively" in err
+    assert m.emulated_dtypes == ("bfloat16",) and m.skipped_dtypes == ()
+    assert [r.budget_s for r in m.reach] == [100.0] * 3 and not any(r.cut for r in m.reach)  # --device-budget-s
+
+
+def test_slowest_rank_keeps_what_every_rank_measured_and_marks_what_any_found_emulated():
+    import dataclasses
+
+    from autotp.profiling.device import DeviceMeasurement, DtypeReach, slowest
+    from autotp.profiling.dtypes import DtypeProbe
+
+    a = DeviceMeasurement("cpu", "cpu", 1, {"float32": 2e11, "bfloat16": 4e11}, 1e10, 2**30, 3e-6,
+                          matmul_curve={"float32": ((1e6, 1e11),), "bfloat16": ((1e6, 2e11),)},
+                          memory_curve=((3e6, 9e9),), memory_overlap=0.5,
+                          probes=(DtypeProbe("float32", 256, 2e11, 2e11), DtypeProbe("bfloat16", 256, 4e11, 2e11)),
+                          reach=(DtypeReach("float32", 8.0, 3.0, 2048, 1024, False),
+                                 DtypeReach("bfloat16", 8.0, 2.0, 2048, 1024, False)))
+    b = dataclasses.replace(a, peak_flops={"float32": 2e11, "bfloat16": 4e9}, emulated_dtypes=("bfloat16",),
+                            probes=(DtypeProbe("float32", 256, 2e11, 2e11), DtypeProbe("bfloat16", 256, 4e9, 2e11)),
+                            reach=(DtypeReach("float32", 8.0, 3.5, 2048, 1024, False),
+                                   DtypeReach("bfloat16", 8.0, 7.0, 512, 256, True, True)))
+    slow = slowest([a, b])
+    assert slow.emulated_dtypes == ("bfloat16",) and slow.peak_flops["bfloat16"] == 4e9
+    assert [p.emulated for p in slow.probes] == [False, True]
+    assert slow.reach[1] == DtypeReach("bfloat16", 8.0, 7.0, 512, 256, True, True)
+    assert slow.reach[0].spent_s == 3.5
+
+
+def _profile_dict() -> dict:
+    from cost_models import load_profile
+
+    return load_profile("cpu-gloo").to_dict()
+
+
+def test_emulated_dtypes_round_trip_and_bad_values_name_the_field():
+    from cost_models import HardwareProfile, ProfileError
+
+    d = _profile_dict()
+    assert "emulated_dtypes" not in d["device"]  # optional: absent from profiles without it
+    d["device"]["emulated_dtypes"] = ["bfloat16"]
+    profile = HardwareProfile.from_dict(d)
+    assert profile.device.emulated_dtypes == ("bfloat16",)
+    assert json.loads(profile.to_json())["device"]["emulated_dtypes"] == ["bfloat16"]
+    assert HardwareProfile.from_json(profile.to_json()) == profile
+    for bad, message in (("bfloat16", "device.emulated_dtypes: expected a list of dtype names, got 'bfloat16'"),
+                         (["int4"], "device.emulated_dtypes[0]: 'int4' has no peak_flops figure"),
+                         (["bfloat16", "bfloat16"], "device.emulated_dtypes[1]: 'bfloat16' is listed twice"),
+                         (["torch.bfloat16"], "device.emulated_dtypes[0]: expected a dtype name")):
+        d["device"]["emulated_dtypes"] = bad
+        with pytest.raises(ProfileError) as exc:
+            HardwareProfile.from_dict(d)
+        assert str(exc.value).startswith(message), str(exc.value)
+
+
+def test_the_probe_measures_under_aten_cpu_capability():
+    """PyTorch honours ATEN_CPU_CAPABILITY; the probe times what runs, so it needs no CPU flags."""
+    code = ("import json, torch; from autotp.profiling.device import probe_dtypes; "
+            "torch.set_num_threads(1); "
+            "probes = probe_dtypes(torch.device('cpu'), ('bfloat16',), min_time_s=0.01); "
+            "print(json.dumps([torch.backends.cpu.get_cpu_capability(), [p.to_dict() for p in probes]]))")
+    procs = {}
+    for capability in ("avx2", "default"):  # both at once: most of the time is importing torch
+        env = dict(os.environ, ATEN_CPU_CAPABILITY=capability,
+                   PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        procs[capability] = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                                             stderr=subprocess.PIPE, text=True)
+    for capability, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 0, stderr
+        used, probes = json.loads(stdout)
+        assert used == "DEFAULT" if capability == "default" else "AVX512" not in used
+        assert [p["dtype"] for p in probes] == ["float32", "bfloat16"] and all(p["flops_per_s"] > 0 for p in probes)
+        assert probes[1]["emulated"] == (probes[1]["flops_per_s"] < 0.25 * probes[1]["float32_flops_per_s"])
 
 
 # --- links, fault hook ---------------------------------------------------------------------------
@@ -652,7 +891,7 @@ def test_two_process_sweep_writes_table_and_loadable_profile(tmp_path):
     from cost_models import HardwareProfile
 
     out = tmp_path / "profile.json"
-    proc, _ = _profile(["--nproc", "2", *TINY, "--check", "-o", str(out)], tmp_path)
+    proc, _ = _profile(["--nproc", "2", *TINY, "--check", "--device-budget-s", "2", "-o", str(out)], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
     # nccl-tests style tables: one per kind, 7 fit sizes and 6 held-out sizes (marked *) each,
@@ -676,9 +915,22 @@ def test_two_process_sweep_writes_table_and_loadable_profile(tmp_path):
         for kind in collectives.KINDS:
             assert costs[kind].latency_s >= 0 and costs[kind].bus_bandwidth_bytes_per_s > 0
     assert profile.devices_per_node == 2
-    assert set(profile.device.peak_flops) == {"float32", "bfloat16"}
+    # the device: float32 and bfloat16 always (bfloat16 marked where the probe found it emulated, as on
+    # a CPU without AVX-512-BF16), float16 where native; each dtype's sizes grown within its budget
+    dev = json.loads(out.read_text())["measurements"]["device"]
+    probes = {p["dtype"]: p for p in dev["dtype_probes"]}
+    assert sorted(probes) == ["bfloat16", "float16", "float32"]
+    measured = ["float32", "bfloat16"] + (["float16"] if not probes["float16"]["emulated"] else [])
+    assert list(profile.device.peak_flops) == measured and sorted(profile.device.matmul_curve) == sorted(measured)
+    assert profile.device.emulated_dtypes == tuple(d for d in measured if probes[d]["emulated"])
+    assert all(p["emulated"] == (p["ratio"] < 0.25) for p in probes.values())
+    for dtype in measured:
+        reach = dev["reach"][dtype]
+        assert reach["budget_s"] == 2 and reach["matmul_n"] >= 256 and reach["curve_n"] >= 128
+        assert reach["emulated"] == probes[dtype]["emulated"]
+        assert f"device: {dtype} (" in proc.stderr  # a line per dtype
+    assert ("note: bfloat16 is emulated" in proc.stderr) == probes["bfloat16"]["emulated"]
     assert profile.device.memory_bandwidth_bytes_per_s > 0 and profile.device.kernel_overhead_s > 0
-    assert sorted(profile.device.matmul_curve) == ["bfloat16", "float32"]
     assert all(rate > 0 for points in profile.device.matmul_curve.values() for _, rate in points)
     assert [size for size, _ in profile.device.memory_curve] == [3 * 2**18, 3 * 2**21, 3 * 2**24, 3 * 2**27]
     assert 0.0 <= profile.device.memory_overlap <= 1.0
@@ -708,9 +960,12 @@ def test_two_ranks_refine_in_step_and_write_the_added_sizes_as_fit_points(tmp_pa
     (or the run would hang or fail), and every added size joins the fit and the JSON."""
     out = tmp_path / "p.json"
     args = ["--backend", "gloo", "-b", "1K", "-e", "1M", "-n", "3", "-w", "1", "--min-time-s", "0", "--rounds", "2"]
-    proc, _ = _profile(["--nproc", "2", *args, "--check", "-o", str(out)], tmp_path)
+    device_args = ["--dtypes", "bf16", "--device-budget-s", "1"]
+    proc, _ = _profile(["--nproc", "2", *args, *device_args, "--check", "-o", str(out)], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     m = json.loads(out.read_text())["measurements"]
+    assert list(m["device"]["peak_flops"]) == ["float32", "bfloat16"] and m["device"]["skipped_dtypes"] == []
+    assert [p["dtype"] for p in m["device"]["dtype_probes"]] == ["float32", "bfloat16"]  # only what was asked
     assert "quarter" in m["refine"]
     rows = _table_rows(proc.stdout)
     assert rows and all(row[6] == "0" for row in rows)  # checked and right, added sizes too

@@ -2,7 +2,7 @@
 
     autotp profile [--nproc N] [--backend gloo|nccl] [--mesh 2x4] [-b 1K] [-e 256M] [-f 2]
                    [-n 20] [-w 5] [--min-time-s 0.5] [--rounds 5] [--no-held-out] [--no-refine] [--check]
-                   [--timeout-s 120] [-o profile.json]
+                   [--dtypes float32,bfloat16] [--device-budget-s 8] [--timeout-s 120] [-o profile.json]
 
 Under torchrun (``RANK`` and ``WORLD_SIZE`` set) this process is one rank of the group
 torchrun made. Otherwise the command starts ``--nproc`` ranks on this host itself
@@ -24,6 +24,14 @@ the first round the sweep fits what it has and adds two fit sizes inside each ga
 size range starts, and in both gaps next to the bandwidth-bound size it misses most (by over
 10%), so the fit sees where the times bend (rows marked ``+``).
 
+The device (``device.py``): matmul FLOP/s per dtype, memory bandwidth and curves. ``--dtypes``
+names the matmul dtypes (float32 always among them); by default the dtypes the device runs
+natively, found by timing a small matmul in each next to float32 (``dtypes.py``), and bfloat16
+always: where it is emulated (under a quarter of float32's rate, as on a CPU without AVX-512-BF16)
+it is measured at small sizes and marked ``emulated_dtypes`` in the profile. Each dtype gets
+``--device-budget-s`` seconds (default 8 on CPU, 20 on a GPU): sizes grow from a small ``n``
+only while the next one fits in what is left, and the sizes reached are recorded.
+
 ``--timeout-s``: the longest the run may go without any rank making progress; then
 every rank is stopped and the error names the rank that hung or died. Under torchrun
 there is no watchdog and it is the process group's timeout instead.
@@ -42,6 +50,7 @@ import os
 import sys
 
 from autotp.profiling.config import ProfileConfig, parse_mesh, parse_size, size_sweep
+from autotp.profiling.dtypes import parse_dtypes
 from autotp.profiling.launch import LAUNCHED_ENV, LaunchError, launch_local
 
 
@@ -55,6 +64,13 @@ def _size(text: str) -> int:
 def _mesh(text: str) -> tuple[int, ...]:
     try:
         return parse_mesh(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _dtypes(text: str) -> tuple[str, ...]:
+    try:
+        return parse_dtypes(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -129,6 +145,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the size it misses most, join the fit, marked +)")
     parser.add_argument("--check", action="store_true",
                         help="verify every result on rank-dependent inputs; wrong elements make the exit code 1")
+    parser.add_argument("--dtypes", type=_dtypes, default=None, metavar="LIST",
+                        help="matmul dtypes to measure, e.g. float32,bfloat16 (float32 always; default: the dtypes "
+                             "this device runs natively, found by timing a small matmul in each, and bfloat16 always, "
+                             "marked emulated in the profile where it is)")
+    parser.add_argument("--device-budget-s", type=_seconds(allow_zero=False), default=None, metavar="S",
+                        help="seconds per dtype for its matmuls: sizes grow from small ones only while the next "
+                             "fits in what is left (default 8 on CPU, 20 on a GPU)")
     parser.add_argument("--timeout-s", type=_seconds(allow_zero=False), default=120.0,
                         help="stop the run if no rank makes progress for this long (default 120)")
     parser.add_argument("-o", "--output", default="profile.json",
@@ -153,6 +176,8 @@ def config_from_args(args: argparse.Namespace, local_ranks: int) -> ProfileConfi
         rounds=args.rounds,
         held_out=args.held_out,
         refine=args.refine,
+        dtypes=args.dtypes,
+        device_budget_s=args.device_budget_s,
     )
 
 

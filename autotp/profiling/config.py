@@ -82,7 +82,8 @@ class ProfileConfig:
     """Everything a rank needs to run its part of the profile.
 
     ``mesh`` is ``None`` for "one axis of the whole world". ``timeout_s`` bounds how long
-    the run may go without any rank making progress (see ``launch.py``).
+    the run may go without any rank making progress (see ``launch.py``). ``dtypes`` and
+    ``device_budget_s`` steer the device measurement (``device.py``).
     """
 
     backend: str
@@ -99,6 +100,8 @@ class ProfileConfig:
     rounds: int = 1
     held_out: bool = True  # also time the held-out sizes between the fit sizes (sizes.held_out_sizes)
     refine: bool = True  # add fit sizes where the times bend (sizes.refinement_sizes)
+    dtypes: tuple[str, ...] | None = None  # matmul dtypes to measure (None: dtypes.choose_dtypes' default)
+    device_budget_s: float | None = None  # seconds per dtype for its matmuls (None: device.default_budget_s)
 
     @property
     def sizes_bytes(self) -> tuple[int, ...]:
@@ -121,6 +124,7 @@ class ProfileConfig:
     @classmethod
     def from_json(cls, text: str) -> "ProfileConfig":
         data = json.loads(text)
-        if data.get("mesh") is not None:
-            data["mesh"] = tuple(data["mesh"])
+        for key in ("mesh", "dtypes"):
+            if data.get(key) is not None:
+                data[key] = tuple(data[key])
         return cls(**data)

@@ -30,6 +30,7 @@ import torch
 from autotp.profiling import collectives
 from autotp.profiling.config import ProfileConfig, format_size
 from autotp.profiling.device import DeviceMeasurement
+from autotp.profiling.dtypes import EMULATED_BELOW
 from autotp.profiling.sizes import REFINE_MISS
 from autotp.profiling.fit import (
     BREAKPOINT_PENALTY,
@@ -245,8 +246,11 @@ def build_profile(
             else "; leave-one-out errors in measurements)"
         )
         + (f"; {rs_note}" if rs_note else "")
-        + f". Device: {device.device_name} with {device.threads} thread(s), torch.mm peak over n in "
-        f"{sorted({m.n for m in device.matmuls})}, copy bandwidth (read+write), tiny-op overhead"
+        + f". Device: {device.device_name} with {device.threads} thread(s), torch.mm peak "
+        + (f"per dtype up to n = {', '.join(f'{r.dtype} {r.matmul_n}' for r in device.reach)} (sizes grown "
+           f"within {device.reach[0].budget_s:g} s per dtype)" if device.reach
+           else f"over n in {sorted({m.n for m in device.matmuls})}")
+        + ", copy bandwidth (read+write), tiny-op overhead"
         + (", matmul_curve (a linear layer's three training products, n tokens x n in x 4n out)"
            if device.matmul_curve else "")
         + (", memory_curve (a + b into a fresh output, operands from a ring no cache holds)"
@@ -255,6 +259,8 @@ def build_profile(
            if device.memory_overlap is not None else "")
         + "; "
         f"memory_bytes = {'device memory' if device.device_type == 'cuda' else 'host RAM'}."
+        + (f" Emulated dtypes ({', '.join(device.emulated_dtypes)}): a matmul under {EMULATED_BELOW:g}x float32's "
+           "rate at a small size; measured at small sizes only." if device.emulated_dtypes else "")
     )
     return HardwareProfile(
         name=f"measured-{info.backend}-{info.world_size}x-{host}",
@@ -278,6 +284,7 @@ def device_spec(device: DeviceMeasurement) -> DeviceSpec:
         matmul_curve={dtype: points for dtype, points in device.matmul_curve.items() if points} or None,
         memory_curve=device.memory_curve or None,
         memory_overlap=1.0 if device.memory_overlap is None else device.memory_overlap,
+        emulated_dtypes=tuple(device.emulated_dtypes),
     )
 
 
@@ -303,6 +310,7 @@ def report_and_write(
         f"# Device: {device.device_name} ({device.threads} thread(s)): {flops}; memory bandwidth "
         f"{device.memory_bandwidth_bytes_per_s / 1e9:.3g} GB/s; kernel overhead "
         f"{device.kernel_overhead_s * 1e6:.3g} us; memory {format_size(device.memory_bytes)}"
+        + (f"; emulated (small sizes only): {', '.join(device.emulated_dtypes)}" if device.emulated_dtypes else "")
     )
     if device.matmul_curve and device.memory_curve:
         matmul = "; ".join(f"{dtype} " + " ".join(f"{r / 1e12:.3g}" for _, r in points)

@@ -17,7 +17,8 @@ Fault injection, for tests of those paths (never set it otherwise)::
 
 Step 0 is "started, before the process group"; step k >= 1 is the k-th sweep point. Each
 kind's steps start after the room reserved for its refinement sizes (``sweep.steps_per_kind``),
-so the numbers can skip where fewer sizes were added.
+so the numbers can skip where fewer sizes were added. After the sweep each size the device
+measurement times is a step too (``worker.DEVICE_STEPS`` of them are kept for it).
 
 >>> Fault.parse("hang:1")
 Fault(action='hang', rank=1, step=1)

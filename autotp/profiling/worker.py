@@ -12,6 +12,7 @@ Exit code: 0, or 1 when ``--check`` found wrong elements (rank 0 only).
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import sys
@@ -23,7 +24,9 @@ import torch.distributed as dist
 
 from autotp.profiling import collectives
 from autotp.profiling.config import ProfileConfig, format_size
-from autotp.profiling.device import measure_device, slowest_rank
+from autotp.profiling.device import (DeviceMeasurement, DtypeReach, agree_probes, measure_device, probe_dtypes,
+                                     slowest_rank)
+from autotp.profiling.dtypes import candidate_dtypes, choose_dtypes
 from autotp.profiling.heartbeat import Fault, Heartbeat
 from autotp.profiling.launch import CONFIG_ENV, LAUNCHED_ENV
 from autotp.profiling.mesh import mesh_axes
@@ -38,6 +41,9 @@ GLOO_REDUCE_SCATTER_NOTE = (
     "rank's chunk (inside torch's ProcessGroupGloo); its times and busbw reflect that, not a "
     "ring reduce-scatter"
 )
+
+
+DEVICE_STEPS = 1000  # heartbeat steps kept for the device measurement (one per measured size)
 
 
 def _env_int(name: str, default: int | None = None) -> int:
@@ -161,15 +167,9 @@ def _profile(
         refine=config.refine,
     )
     progress.clear()
-    step = steps
-    heartbeat.beat(step + 1, "measuring the device")
-    if lead:
-        print("measuring the device (matmul FLOP/s, memory bandwidth, kernel overhead) ...", file=sys.stderr)
-    # every rank measures at once, as every rank computes at once in a training step: ranks that share
-    # a host share its cores and memory bandwidth, and the profile keeps the slowest rank's figures
-    device_measurement = slowest_rank(measure_device(device), world_size)
+    device_measurement = _measure_device(config, lead, world_size, device, heartbeat, steps + 1)
     barrier(device)
-    heartbeat.beat(step + 2, "writing the profile")
+    heartbeat.beat(steps + DEVICE_STEPS + 2, "writing the profile")
     wrong = sum(p.wrong or 0 for p in points) if config.check else 0
     if lead:
         from autotp.profiling.hardware import RunInfo, report_and_write
@@ -187,6 +187,35 @@ def _profile(
             verdict = "OK" if wrong == 0 else "FAILED"
             print(f"# Check: {wrong} wrong elements in total: {verdict}", flush=True)
     return 1 if wrong else 0
+
+
+def _measure_device(config: ProfileConfig, lead: bool, world_size: int, device: torch.device,
+                    heartbeat: Heartbeat, first_step: int) -> DeviceMeasurement:
+    """Every rank measures at once, as every rank computes at once in a training step (ranks that
+    share a host share its cores and memory bandwidth); the slowest rank's figures are kept. Each
+    measured size is a heartbeat step, so a slow device that makes progress is never stopped."""
+    steps = itertools.count(first_step)
+
+    def beat(what: str) -> None:
+        heartbeat.beat(min(next(steps), first_step + DEVICE_STEPS - 1), f"measuring the device: {what}")
+
+    def tell(reach: DtypeReach) -> None:
+        if lead:
+            print(reach.describe(), file=sys.stderr, flush=True)
+
+    if lead:
+        print("measuring the device (matmul FLOP/s per dtype, memory bandwidth, kernel overhead) ...",
+              file=sys.stderr, flush=True)
+    # the ranks agree on which dtypes are emulated, so that all measure the same ones
+    probes = agree_probes(probe_dtypes(device, candidate_dtypes(config.dtypes), on_progress=beat), world_size)
+    if lead:
+        for line in choose_dtypes(config.dtypes, probes).notes(probes):
+            print(line, file=sys.stderr, flush=True)
+    mine = measure_device(device, dtypes=config.dtypes, budget_s=config.device_budget_s, probes=probes,
+                          on_progress=beat, on_dtype=tell)
+    # a fixed step for the wait: a rank still measuring (lower step) is the one a stall names
+    heartbeat.beat(first_step + DEVICE_STEPS, "measured the device; waiting for the other ranks")
+    return slowest_rank(mine, world_size)
 
 
 def main() -> int:
