@@ -1,7 +1,7 @@
 """autotp: automatic tensor parallelism for PyTorch models.
 
 ``autotp.plan(model, mesh, example_inputs)`` chooses how to split every op across a device mesh;
-``autotp.parallelize(...)`` runs the model that way. See README.md and DESIGN.md.
+``autotp.parallelize(...)`` runs the model that way. See README.md and docs/design.md.
 """
 
 from autotp import checkpoint

@@ -114,7 +114,7 @@ class Plan:
         if self._strategies is None:
             object.__setattr__(self, "_strategies", {n.name: Strategy.parse(n.strategy) for n in self.nodes})
 
-    # -- the API of DESIGN.md ------------------------------------------------------------------
+    # -- the public API (docs/design.md) ---------------------------------------------------------
 
     def module_styles(self) -> dict[str, str]:
         """``{"layers.0.self_attn.q_proj": "colwise", ...}`` for every module with a weight."""

@@ -1,6 +1,6 @@
 """Planner: plan-only tests (models on meta, meshes as shapes or DeviceMeshes on a fake process group).
 
-What a plan must do comes from DESIGN.md ("What correct means" 4): on a fast interconnect a
+What a plan must do comes from docs/design.md ("What correct means", point 4): on a fast interconnect a
 transformer block gets the Megatron layout with two all-reduces of the (B, T, D) activation per
 block forward; on very slow links it stays replicated; under a tight memory budget it shards what
 it must. Expected collectives and bytes are counted by hand from the model's shapes and from the

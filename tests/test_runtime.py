@@ -1,4 +1,4 @@
-"""The parallel module on real process groups: what "correct" means for autotp, points 1-3.
+"""The parallel module on real process groups: what "correct" means (docs/design.md), points 1-3.
 
 Every case runs ``world`` ranks and, inside one run, checks:
 
