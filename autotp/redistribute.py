@@ -16,7 +16,11 @@ S(d) → P    not allowed
 ==========  ==================  =====================================================
 
 Steps that shrink or keep the tensor run first, gathers last, so collectives move as few bytes as
-the two placements allow.
+the two placements allow, but in an order every intermediate layout is valid: a dim split on two
+axes is split by the outer axis (lower index) first, then each piece by the inner one (DTensor's
+``(S(0), S(0))``), so a step on axis ``a`` that splits or gathers dim ``d`` waits until no axis
+after ``a`` holds ``S(d)``. Where every remaining step waits (``(S(0), S(1)) -> (S(1), S(0))``),
+the inner axis in the way is gathered first and split again later.
 
 When the readers of a gathered tensor (``S(d) → R``) work on shards of that axis, the gradient
 they return is a partial sum; the backward of the gather then reduce-scatters it (``grad_axes``)
@@ -127,13 +131,42 @@ def conversion_steps(src: Sequence[Placement], dst: Sequence[Placement], mesh_sh
     steps: list[Step] = []
     changing = [a for a in range(len(src)) if src[a] != dst[a]]
     gathers = [a for a in changing if src[a].is_shard and dst[a].is_replicate]
-    for a in [a for a in changing if a not in gathers] + gathers:
-        current[a] = dst[a]
-        cuts = tuple((p.dim, n) for b, (p, n) in enumerate(zip(current, mesh_shape)) if b != a and p.is_shard)
-        fwd, bwd = step_kinds(src[a], dst[a])
-        if a in grad_axes and src[a].is_shard and dst[a].is_replicate:
+    pending = [a for a in changing if a not in gathers] + gathers  # preferred order
+
+    def blocked(a: int, target: Placement) -> Optional[int]:
+        """The innermost axis after ``a`` that splits a dim this step splits or gathers, if any."""
+        dims = {p.dim for p in (current[a], target) if p.is_shard}
+        inner = [b for b in range(a + 1, len(current)) if current[b].is_shard and current[b].dim in dims]
+        return inner[-1] if inner else None
+
+    def step(a: int, target: Placement) -> None:
+        fwd, bwd = step_kinds(current[a], target)
+        if a in grad_axes and src[a].is_shard and dst[a].is_replicate and target == dst[a]:
             bwd = "reduce_scatter"
-        steps.append(Step(a, src[a], dst[a], fwd, bwd, cuts))
+        was = current[a]
+        current[a] = target
+        cuts = tuple((p.dim, n) for b, (p, n) in enumerate(zip(current, mesh_shape)) if b != a and p.is_shard)
+        steps.append(Step(a, was, target, fwd, bwd, cuts))
+
+    def blocks_another(a: int) -> bool:
+        """Would this step's split make a pending step on an outer axis wait?"""
+        return dst[a].is_shard and any(
+            c < a and dst[a].dim in {p.dim for p in (current[c], dst[c]) if p.is_shard} for c in pending)
+
+    while pending:
+        free = [a for a in pending if blocked(a, dst[a]) is None]
+        ready = next((a for a in free if not blocks_another(a)), None)
+        waiting = [blocked(a, dst[a]) for a in pending if blocked(a, dst[a]) is not None]
+        if ready is None and waiting:
+            # the steps left wait on an inner axis: gather the innermost one in the way, split it later
+            b = max(waiting)
+            step(b, Placement("R"))
+            if b not in pending:
+                pending.append(b)
+            continue
+        ready = ready if ready is not None else free[0]
+        pending.remove(ready)
+        step(ready, dst[ready])
     return steps
 
 

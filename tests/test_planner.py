@@ -478,16 +478,14 @@ def test_two_axis_data_parallel_layout_reduces_gradients_over_dp():
         assert sum(n for (at, _), n in reduced.items() if at == p.node) == 1, p.fqn
 
 
-def test_two_axis_mesh_across_two_nodes_puts_the_batch_on_dp_and_the_layers_on_tp():
+def test_two_axis_mesh_across_two_nodes_keeps_the_slow_axis_light_and_the_layers_on_tp():
     """(2, 4) = ("dp", "tp") on two nodes of four GPUs, batch 16 x 2048: "dp" is the axis that crosses
-    nodes (45 GB/s against 360 GB/s inside a node), so the costs alone make it the data-parallel axis.
-    Every block splits its matmuls' work over tp (attention by Megatron's layout; the MLP by
-    Megatron's, or, since the sequence-parallel gathers on dim 1 pay local copies, by the sequence
-    with its weights gathered for use, whichever prices lower); the batch is split over dp through
-    the block; each block weight's gradient is summed over dp once at the size of its tp shard; and
-    the plan is no slower than the hand-written dp x tp layout."""
-    from autotp.program import reads
-
+    nodes (45 GB/s against 360 GB/s inside a node), so the costs alone keep most traffic off it.
+    Every block splits its matmuls' work over tp, attention by Megatron's layout; and the plan is
+    no slower than the hand-written dp x tp layout (batch over dp, the best tensor parallelism over
+    tp). (Where a weight is stored split on one dim over both axes, gathering it over dp alone is not
+    a valid step, since tp splits each dp piece: the program gathers over tp first; priced so, the
+    planner may prefer to split the batch over tp and the q/k/v weights over dp.)"""
     batch = 16
     graph = _gpt_2d_graph(batch)
     plan = plan_graph(graph, (2, 4), _two_nodes(), mode="train")
@@ -498,27 +496,10 @@ def test_two_axis_mesh_across_two_nodes_puts_the_batch_on_dp_and_the_layers_on_t
     for node in graph.ops():
         if node.module_path.startswith("layers.") and node.flops > 0:
             assert plan.strategy(node.name).split_on(1), (node.name, plan.strategy(node.name))
-    read_on_tp = {r.producer: r.placements[1]
-                  for r in reads(graph, dict(plan.strategies), plan.mesh, True) if r.placements}
-    for p in graph.parameters:
-        if not p.fqn.startswith("layers."):
-            continue
-        dp, tp = autotp.placement.parse_placements(plan.parameter_placements[p.fqn])
-        over_dp = [(c.kind, c.bytes) for c in plan.collectives()
-                   if c.at == p.node and c.phase == "backward" and c.mesh_axis == "dp"]
-        # the gradient is summed over dp once: all-reduced where the weight is whole over dp, at the
-        # size its reader reads it over tp (a norm on sequence shards reads its vector whole);
-        # reduce-scattered where it is stored split over dp too and gathered for use, as the
-        # backward of that gather, which runs on the tp shard it is stored as (gathers run last)
-        assert dp.is_replicate or dp.is_shard, (p.fqn, plan.parameter_placements[p.fqn])
-        kind = "all_reduce" if dp.is_replicate else "reduce_scatter"
-        on_tp = read_on_tp[p.node] if dp.is_replicate else tp
-        assert over_dp == [(kind, p.info.nbytes / (4 if on_tp.is_shard else 1))], (p.fqn, over_dp, on_tp)
-        if len(p.info.shape) == 2:
-            assert tp.is_shard, p.fqn
-    for node in graph.ops():
-        if node.module_path.startswith("layers.") and node.outputs[0].shape[:1] == (batch,):
-            assert str(plan.strategy(node.name).output[0]) == "S(0)", (node.name, plan.strategy(node.name))
+    moved = collections.Counter()
+    for c in plan.collectives():
+        moved[c.mesh_axis] += c.bytes
+    assert moved["dp"] < moved["tp"] / 3, dict(moved)
     _, hand_s = _dp_tp_layout(graph, (2, 4), _two_nodes(), batch)
     assert plan.predicted_time().total_s <= hand_s * (1 + 1e-5)
 

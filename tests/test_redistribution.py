@@ -1,0 +1,101 @@
+"""Every redistribution on a (2, 2) mesh gives each rank the shard it must hold, forward and backward.
+
+For every pair of placements ``src -> dst`` over R, P, S(0) and S(1) on both axes, four threaded
+ranks run the runtime's steps (:func:`autotp.redistribute.conversion_steps`, executed by
+:class:`autotp.collectives.RedistributeStep`) on their piece of a known tensor, and the result is
+compared with the piece ``dst`` names, cut from the full tensor by ``autotp.rewrite.local_shard``
+(axis 0 splits first, then axis 1 splits each piece: DTensor's layout). A partial source holds the
+full value times a rank factor that sums to a known total; a partial result is judged by its sum
+over the ranks of its partial axes. The gradient fed back is the ``dst`` piece of a known
+gradient; each rank must get back the ``src`` piece of it.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from examples.ranks import run_threads
+
+MESH = (2, 2)
+KINDS = ("R", "P", "S0", "S1")
+
+
+def _placement(kind):
+    from autotp.placement import Placement
+
+    return Placement("S", int(kind[1])) if kind.startswith("S") else Placement(kind)
+
+
+def _piece(full, placements, coordinate):
+    """This rank's value under ``placements``: P axes hold ``(c + 1) * value`` (their sum over the
+    axis is ``3 * value`` on a mesh axis of 2)."""
+    from autotp.placement import Placement
+    from autotp.rewrite import local_shard
+
+    whole = [Placement("R") if p.is_partial else p for p in placements]
+    out = local_shard(full, tuple(whole), coordinate, MESH)
+    for p, c in zip(placements, coordinate):
+        if p.is_partial:
+            out = out * (c + 1)
+    return out
+
+
+def _every_pair(rank, world):
+    """Each pair's result and input gradient on this rank (judged by the test, which sees all ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autotp.collectives import RedistributeStep
+    from autotp.redistribute import conversion_steps, is_convertible
+
+    mesh = init_device_mesh("cpu", MESH, mesh_dim_names=("dp", "tp"))
+    coordinate = mesh.get_coordinate()
+    out = {}
+    for src_kinds, dst_kinds in itertools.product(itertools.product(KINDS, repeat=2), repeat=2):
+        src, dst = tuple(map(_placement, src_kinds)), tuple(map(_placement, dst_kinds))
+        if src == dst or not is_convertible(src, dst):
+            continue
+        x = _piece(FULL, src, coordinate).clone().requires_grad_(True)
+        y = x
+        for step in conversion_steps(src, dst, MESH):
+            a = step.axis
+            y = RedistributeStep(step.src, step.dst, ("dp", "tp")[a], mesh.get_group(a), MESH[a], coordinate[a])(y)
+        if not any(p.is_partial for p in dst):  # the gradient of a partial value has no piece to compare
+            y.backward(_piece(GRAD, dst, coordinate))
+        out[(src_kinds, dst_kinds)] = (y.detach(), None if x.grad is None else x.grad.detach())
+    return coordinate, out
+
+
+_GEN = torch.Generator().manual_seed(3)
+FULL = torch.randint(-8, 8, (4, 8), generator=_GEN).float()
+GRAD = torch.randint(-8, 8, (4, 8), generator=_GEN).float()
+
+
+def test_every_redistribution_on_a_2d_mesh_gives_each_rank_its_shard():
+    from autotp.placement import Placement
+
+    results = run_threads(_every_pair, 4)
+    by_coordinate = {tuple(coordinate): out for coordinate, out in results}
+    pairs = results[0][1]
+    assert len(pairs) > 150, len(pairs)  # 16 x 16 pairs less the identities and the S -> P ones
+    wrong = []
+    for (src_kinds, dst_kinds) in pairs:
+        src, dst = tuple(map(_placement, src_kinds)), tuple(map(_placement, dst_kinds))
+        total = 3.0 ** sum(p.is_partial for p in src)
+        whole_dst = tuple(Placement("R") if p.is_partial else p for p in dst)
+        name = f"{''.join(src_kinds)} -> {''.join(dst_kinds)}"
+        for coordinate, out in by_coordinate.items():
+            # sum the result over the ranks that differ from this one only on dst's partial axes
+            partners = [c for c in by_coordinate
+                        if all(c[a] == coordinate[a] or dst[a].is_partial for a in range(len(MESH)))]
+            y = sum(by_coordinate[c][(src_kinds, dst_kinds)][0] for c in partners)
+            want = _piece(FULL * total, whole_dst, list(coordinate))
+            if y.shape != want.shape or not torch.equal(y, want):
+                wrong.append(f"{name} forward at {coordinate}")
+            grad = out[(src_kinds, dst_kinds)][1]
+            if not any(p.is_partial for p in dst):
+                want_grad = _piece(GRAD, tuple(Placement("R") if p.is_partial else p for p in src), list(coordinate))
+                if grad is None or not torch.equal(grad, want_grad):
+                    wrong.append(f"{name} backward at {coordinate}")
+    assert not wrong, f"{len(wrong)} wrong: {wrong[:12]}"
