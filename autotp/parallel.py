@@ -2,6 +2,15 @@
 
 Everything is checked before anything is built, and the user's model is only read: a bad input
 raises with the model exactly as it was.
+
+One plan for all ranks: every rank captures the model (it needs the graph to build its module),
+but only the mesh's first rank solves; it broadcasts the plan as JSON, or its error, and every
+rank checks the plan against its own graph and builds from it. Ranks can thus never build from
+plans that differ (a solver stopped at its time limit is not deterministic), and a rank-0 error
+(a memory budget no plan meets) is raised on every rank rather than leaving the others waiting.
+
+The hardware a mesh is priced with follows its device type when none is given: ``cpu-gloo`` for
+a CPU mesh; on CUDA, the built-in profile of the device (``default_hardware``).
 """
 
 from __future__ import annotations
@@ -15,10 +24,36 @@ from torch import nn
 from autotp.capture import CaptureError, capture
 from autotp.mesh import MeshSpec
 from autotp.plan import Plan, PlanError
-from autotp.planner import plan_graph
+from autotp.planner import plan_graph, resolve_hardware
 from autotp.rewrite import build_parallel_module
+from autotp.solver import MemoryBudgetError
 
-__all__ = ["parallelize"]
+__all__ = ["parallelize", "default_hardware"]
+
+# built-in profile per CUDA device, by what torch.cuda.get_device_name() contains (all words)
+_CUDA_PROFILES = ((("H100", "HBM3"), "h100-sxm"), (("H100", "SXM"), "h100-sxm"),
+                  (("A100", "SXM"), "a100-sxm"), (("A100", "PCIE"), "a100-pcie"))
+
+
+def default_hardware(device_type: str, device_name: Optional[str] = None) -> str:
+    """The built-in profile for a mesh on ``device_type`` (``cpu``, or ``cuda`` with its name).
+
+    >>> default_hardware("cpu"), default_hardware("cuda", "NVIDIA A100-SXM4-80GB")
+    ('cpu-gloo', 'a100-sxm')
+    >>> default_hardware("cuda", "NVIDIA H200")
+    Traceback (most recent call last):
+    ...
+    ValueError: no built-in hardware profile for NVIDIA H200 (built-in: h100-sxm, a100-sxm, a100-pcie, cpu-gloo); measure this machine with `autotp profile --nproc N -o my.json` and pass hardware="my.json"
+    """
+    if device_type == "cpu":
+        return "cpu-gloo"
+    name = (device_name or "").upper()
+    for words, profile in _CUDA_PROFILES:
+        if all(w in name for w in words):
+            return profile
+    raise ValueError(f"no built-in hardware profile for {device_name or device_type} (built-in: h100-sxm, a100-sxm, "
+                     f"a100-pcie, cpu-gloo); measure this machine with `autotp profile --nproc N -o my.json` and "
+                     f'pass hardware="my.json"')
 
 
 def _device_type(model: nn.Module) -> Optional[str]:
@@ -26,14 +61,57 @@ def _device_type(model: nn.Module) -> Optional[str]:
     return types.pop() if len(types) == 1 else None
 
 
+def _mesh_group(mesh):
+    """A process group of exactly the mesh's ranks."""
+    return mesh.get_group(0) if mesh.ndim == 1 else mesh._flatten().get_group()
+
+
+_ERRORS = {"PlanError": PlanError, "ValueError": ValueError, "TypeError": TypeError}
+
+
+def _agreed_plan(graph, spec: MeshSpec, mesh, hardware: Any, mode: str, memory_budget: Any, capture_s: float) -> Plan:
+    """The mesh's first rank plans and broadcasts the plan (or its error); every rank returns it."""
+    import torch.distributed as dist
+
+    group = _mesh_group(mesh)
+    payload: list[Any] = [None]
+    plan = None
+    if dist.get_rank(group) == 0:
+        try:
+            plan = plan_graph(graph, spec, hardware, mode, memory_budget, capture_s=capture_s)
+            payload = [("plan", plan.to_json())]
+        except MemoryBudgetError as err:
+            payload = [("budget", str(err), err.minimum_bytes)]
+            dist.broadcast_object_list(payload, group_src=0, group=group)
+            raise
+        except (PlanError, ValueError, TypeError) as err:
+            payload = [("error", type(err).__name__ if type(err).__name__ in _ERRORS else "ValueError", str(err))]
+            dist.broadcast_object_list(payload, group_src=0, group=group)
+            raise
+        except BaseException as err:  # anything else: tell the others, then raise it here
+            payload = [("error", "RuntimeError", f"the first rank failed to plan: {type(err).__name__}: {err}")]
+            dist.broadcast_object_list(payload, group_src=0, group=group)
+            raise
+    dist.broadcast_object_list(payload, group_src=0, group=group)
+    kind, *rest = payload[0]
+    if plan is not None:
+        return plan
+    if kind == "plan":
+        return Plan.from_json(rest[0])
+    if kind == "budget":
+        raise MemoryBudgetError(rest[0], rest[1])
+    raise _ERRORS.get(rest[0], RuntimeError)(rest[1])
+
+
 def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional[Plan] = None, hardware: Any = None,
                 mode: str = "train", memory_budget: Any = None) -> torch.fx.GraphModule:
     """Return a module that computes what ``model`` computes, sharded over ``mesh`` as planned.
 
     ``mesh`` must be a ``DeviceMesh`` over a live process group (every rank calls this with the same
-    model and inputs). ``plan`` defaults to ``autotp.plan(model, mesh, example_inputs, hardware,
-    mode, memory_budget)``. The result's parameters are DTensor shards under the model's own names;
-    ``result.plan`` is the plan used.
+    model and inputs). ``plan`` defaults to the plan the mesh's first rank makes with ``hardware``
+    (default: the profile of the mesh's device, :func:`default_hardware`), ``mode`` and
+    ``memory_budget``, which every rank receives. The result's parameters are DTensor shards under
+    the model's own names; ``result.plan`` is the plan used.
     """
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -48,15 +126,19 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
     if device is not None and device != mesh.device_type:
         raise ValueError(f"the model is on {device!r} but the mesh is on {mesh.device_type!r}; "
                          f"move the model to {mesh.device_type!r} or build the mesh on {device!r}")
+    if plan is not None and not isinstance(plan, Plan):
+        raise TypeError(f"plan is a {type(plan).__name__}; expected an autotp Plan (autotp.plan or autotp.load_plan)")
+    if plan is None:
+        if hardware is None:
+            name = torch.cuda.get_device_name() if mesh.device_type == "cuda" else None
+            hardware = default_hardware(mesh.device_type, name)
+        resolve_hardware(hardware)  # a bad profile is refused on every rank, before the capture
     t0 = time.perf_counter()
     try:
         graph = capture(model, example_inputs)
     except CaptureError as err:
         raise ValueError(f"the example inputs do not fit the model:\n{err}") from err
     if plan is None:
-        plan = plan_graph(graph, spec, hardware, mode, memory_budget, capture_s=time.perf_counter() - t0)
-    elif not isinstance(plan, Plan):
-        raise TypeError(f"plan is a {type(plan).__name__}; expected an autotp Plan (autotp.plan or autotp.load_plan)")
-    else:
-        plan.check_matches(graph, spec)
+        plan = _agreed_plan(graph, spec, mesh, hardware, mode, memory_budget, time.perf_counter() - t0)
+    plan.check_matches(graph, spec)
     return build_parallel_module(graph, plan, mesh, model)

@@ -376,8 +376,37 @@ def _every_step(rank, world):
     return seen
 
 
+def _one_plan(rank, world):
+    """``autotp.parallelize`` without a plan: only the first rank solves, every rank gets its plan (or
+    its error); with no hardware named, a CPU mesh is priced with the cpu-gloo profile."""
+    import autotp
+    import autotp.parallel
+    from examples import models
+
+    solves = []
+    real = autotp.parallel.plan_graph
+
+    def counting(*args, **kwargs):
+        solves.append(1)
+        return real(*args, **kwargs)
+
+    autotp.parallel.plan_graph = counting
+    try:
+        model, inp = models.mlp()
+        pm = autotp.parallelize(model, _mesh(world), inp)
+        try:
+            autotp.parallelize(model, _mesh(world), inp, memory_budget=1)
+            refused = None
+        except autotp.MemoryBudgetError as err:
+            refused = (str(err), err.minimum_bytes)
+    finally:
+        autotp.parallel.plan_graph = real
+    return {"solves": len(solves), "plan": pm.plan.to_dict()["nodes"], "hardware": pm.plan.hardware.name,
+            "refused": refused}
+
+
 def _gloo_checks(rank, world):
-    return {"steps": _every_step(rank, world),
+    return {"steps": _every_step(rank, world), "one_plan": _one_plan(rank, world),
             "tiny_llama": _check_against_reference(rank, world, "tiny_llama", "train", 2, comm_debug=True)}
 
 
@@ -387,6 +416,10 @@ def test_gloo_processes_run_as_planned():
     communicates exactly as planned, seen by PyTorch's CommDebugMode and by tests/observed.py."""
     results = run_ranks(_gloo_checks, 2)
     assert results[0]["tiny_llama"]["plan"] == results[1]["tiny_llama"]["plan"], "the ranks planned differently"
+    first, second = results[0]["one_plan"], results[1]["one_plan"]
+    assert (first["solves"], second["solves"]) == (2, 0), "only the first rank solves"
+    assert first["plan"] == second["plan"] and first["hardware"] == second["hardware"] == "cpu-gloo"
+    assert first["refused"] is not None and first["refused"] == second["refused"], "the first rank's error on all"
     steps = results[0]["steps"]
     assert steps["S(1) -> R"] == (["all_gather"], [])
     assert steps["S(1) -> R, partial gradients"] == (["all_gather"], ["reduce_scatter"])
