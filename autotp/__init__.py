@@ -8,11 +8,14 @@ from autotp import checkpoint
 from autotp.capture import CaptureError, capture
 from autotp.graph import OpGraph, OpNode, TensorInfo
 from autotp.plan import Plan, PlanError, load_plan
+from autotp.initialize import init_weights
+from autotp.loading import load_weights
+from autotp.meta import meta_init
 from autotp.parallel import parallelize
 from autotp.planner import plan
 from autotp.program import Collective
 from autotp.solver import MemoryBudgetError
 
 __all__ = ["capture", "CaptureError", "OpGraph", "OpNode", "TensorInfo", "plan", "Plan", "PlanError", "load_plan",
-           "Collective", "MemoryBudgetError", "parallelize", "checkpoint"]
+           "Collective", "MemoryBudgetError", "parallelize", "checkpoint", "load_weights", "meta_init", "init_weights"]
 __version__ = "0.1.0"

@@ -15,9 +15,10 @@ The model is never modified, and a model on the meta device costs no memory.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.fx
@@ -176,11 +177,43 @@ def capture(model: torch.nn.Module, example_inputs: Any) -> OpGraph:
     """Trace ``model`` on ``example_inputs`` and return its :class:`OpGraph`.
 
     ``example_inputs`` is what ``model(*example_inputs)`` would be called with (a tuple, a single
-    tensor, or a dict of keyword arguments). The model may live on the meta device.
+    tensor, or a dict of keyword arguments). The model may live on the meta device, or have only its
+    parameters there (``autotp.meta_init``): it is then traced on meta, its buffers and the inputs
+    moved there for the trace alone.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model is a {type(model).__name__}; expected a torch.nn.Module")
     args, kwargs = normalize_inputs(example_inputs)
+    if _meta_parameters(model):
+        args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+        with _buffers_on_meta(model):
+            return _capture(model, args, kwargs)
+    return _capture(model, args, kwargs)
+
+
+def _meta_parameters(model: torch.nn.Module) -> bool:
+    """Parameters all on meta (a model built under ``autotp.meta_init``, or wholly on meta)."""
+    params = list(model.parameters())
+    return bool(params) and all(p.is_meta for p in params)
+
+
+@contextlib.contextmanager
+def _buffers_on_meta(model: torch.nn.Module) -> Iterator[None]:
+    """The model's buffers swapped for meta copies while it is traced; the originals put back."""
+    saved = []
+    for module in model.modules():
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and not buf.is_meta:
+                saved.append((module, name, buf))
+                module._buffers[name] = buf.to("meta")
+    try:
+        yield
+    finally:
+        for module, name, buf in saved:
+            module._buffers[name] = buf
+
+
+def _capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> OpGraph:
     _check_devices(model, args, kwargs)
     # Stack traces on every traced node cost about a third of export's time on a large model and
     # autotp never reads them; errors still carry the user's own traceback.

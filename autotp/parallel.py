@@ -23,6 +23,7 @@ from torch import nn
 
 from autotp.capture import CaptureError, capture
 from autotp.mesh import MeshSpec
+from autotp.meta import unfillable_state
 from autotp.plan import Plan, PlanError
 from autotp.planner import plan_graph, resolve_hardware
 from autotp.rewrite import build_parallel_module
@@ -108,7 +109,8 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
     """Return a module that computes what ``model`` computes, sharded over ``mesh`` as planned.
 
     ``mesh`` must be a ``DeviceMesh`` over a live process group (every rank calls this with the same
-    model and inputs). ``plan`` defaults to the plan the mesh's first rank makes with ``hardware``
+    model and inputs). The model may have its parameters on the meta device (``autotp.meta_init``):
+    each rank then allocates only its shards, uninitialized, for ``autotp.load_weights`` to fill. ``plan`` defaults to the plan the mesh's first rank makes with ``hardware``
     (default: the profile of the mesh's device, :func:`default_hardware`), ``mode`` and
     ``memory_budget``, which every rank receives. The result's parameters are DTensor shards under
     the model's own names; ``result.plan`` is the plan used.
@@ -120,10 +122,7 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
                         "to plan without processes call autotp.plan(model, (8,), example_inputs)")
     spec = MeshSpec.of(mesh)
     device = _device_type(model)
-    if device == "meta":
-        raise ValueError("the model is on the meta device: parallelize needs real weights (plan with autotp.plan, "
-                         "then parallelize a model with its weights loaded)")
-    if device is not None and device != mesh.device_type:
+    if device is not None and device not in ("meta", mesh.device_type):
         raise ValueError(f"the model is on {device!r} but the mesh is on {mesh.device_type!r}; "
                          f"move the model to {mesh.device_type!r} or build the mesh on {device!r}")
     if plan is not None and not isinstance(plan, Plan):
@@ -138,6 +137,11 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
         graph = capture(model, example_inputs)
     except CaptureError as err:
         raise ValueError(f"the example inputs do not fit the model:\n{err}") from err
+    unfillable = unfillable_state(model, graph.exported.constants)
+    if unfillable:
+        raise ValueError(f"the model is on the meta device, and nothing could give these their values: "
+                         f"{', '.join(unfillable)}; build the model under autotp.meta_init() (parameters on meta, "
+                         f"buffers made for real)")
     if plan is None:
         plan = _agreed_plan(graph, spec, mesh, hardware, mode, memory_budget, time.perf_counter() - t0)
     plan.check_matches(graph, spec)

@@ -45,6 +45,24 @@ def local_shard(full: torch.Tensor, placements: tuple[Placement, ...], coordinat
     return out.contiguous()
 
 
+def local_ranges(shape: tuple[int, ...], placements: tuple[Placement, ...], coordinate: list[int],
+                 mesh_shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """``(start, stop)`` per dim of this rank's piece of a tensor of ``shape``: the rows
+    :func:`local_shard` keeps (axis 0 splits first, ``torch.chunk``'s sizes).
+
+    >>> from autotp.placement import R, S
+    >>> local_ranges((8, 6), (S(0), S(0)), [1, 0], (2, 2))  # rows 4..5 of 8, every column
+    ((4, 6), (0, 6))
+    """
+    ranges = [(0, n) for n in shape]
+    for p, c, n in zip(placements, coordinate, mesh_shape):
+        if p.is_shard:
+            lo, hi = ranges[p.dim]
+            size = -(-(hi - lo) // n)  # torch.chunk: ceil
+            ranges[p.dim] = (min(lo + c * size, hi), min(lo + (c + 1) * size, hi))
+    return tuple(ranges)
+
+
 def _dtensor_placements(placements: tuple[Placement, ...]) -> list:
     return [Shard(p.dim) if p.is_shard else Replicate() for p in placements]
 
@@ -84,21 +102,35 @@ class _Builder:
     # -- state ---------------------------------------------------------------------------------
 
     def register_state(self) -> None:
+        """Parameters as DTensors of this rank's shard, buffers and constants as they are. A parameter
+        on the meta device gets an uninitialized shard of its local shape on the mesh's device (never
+        its full size); a buffer on meta an uninitialized tensor (``autotp.load_weights`` fills both)."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
+        device = torch.device(self.mesh.device_type)
         for p in self.g.parameters:
             full = params[p.fqn].detach()
             placements = self.plan.strategy(p.node).output
-            local = local_shard(full, placements, self.coordinate, self.mesh_shape)
+            if full.is_meta:
+                shape = tuple(b - a for a, b in local_ranges(tuple(full.shape), placements, self.coordinate,
+                                                              self.mesh_shape))
+                local = torch.empty(shape, dtype=full.dtype, device=device)
+            else:
+                local = local_shard(full, placements, self.coordinate, self.mesh_shape)
             dt = DTensor.from_local(local, self.mesh, _dtensor_placements(placements), run_check=False)
             param = nn.Parameter(dt, requires_grad=params[p.fqn].requires_grad)
             for name in (p.fqn, *p.aliases):
                 _set(self.root, name, param, "parameter")
         persistent = set(self.model.state_dict().keys())
-        for name, buf in self.model.named_buffers():
-            _set(self.root, name, buf.detach().clone(), "buffer", persistent=name in persistent)
+        buffers = dict(self.model.named_buffers())
+        for name, buf in buffers.items():
+            value = torch.empty_like(buf, device=device) if buf.is_meta else buf.detach().to(device).clone()
+            _set(self.root, name, value, "buffer", persistent=name in persistent)
         for name, const in self.ep.constants.items():
             if isinstance(const, torch.Tensor):
-                _set(self.root, "_autotp_constants." + name.replace(".", "_"), const.clone(), "buffer", persistent=False)
+                # export lifts non-persistent buffers as constants; a model traced on meta has them real
+                value = buffers[name] if const.is_meta and name in buffers else const
+                _set(self.root, "_autotp_constants." + name.replace(".", "_"), value.detach().to(device).clone(),
+                     "buffer", persistent=False)
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -229,6 +261,12 @@ class _Builder:
 
         args = torch.fx.node.map_aggregate(node.args, mapped)
         kwargs = torch.fx.node.map_aggregate(node.kwargs, mapped)
+        here = torch.device(self.mesh.device_type)  # a model traced on meta runs on the mesh's device
+
+        def on_device(a: Any) -> Any:
+            return here if isinstance(a, torch.device) and a.type == "meta" else a
+
+        args, kwargs = torch.fx.node.map_aggregate(args, on_device), torch.fx.node.map_aggregate(kwargs, on_device)
         target = node.target
         if target in _SHAPE_ARG_OPS:
             args = (args[0], list(local_shape(op.output.shape, strat.output, self.mesh_shape)), *args[2:])

@@ -200,12 +200,21 @@ def test_data_dependent_control_flow_is_a_capture_error():
     assert "what to do" in message and ("torch.cond" in message or "control flow" in message)
 
 
-def test_meta_model_with_cpu_inputs_is_a_capture_error_about_devices():
-    model, _ = M.tiny_llama(device="meta")
+def test_a_model_with_its_parameters_on_meta_is_traced_on_meta_wherever_the_inputs_are():
+    model, (ids,) = M.tiny_llama(device="meta")
+    on_cpu = autotp.capture(model, (torch.randint(0, 128, (2, 16)),))
+    on_meta = autotp.capture(model, (ids,))
+    assert [(n.name, n.target, n.outputs) for n in on_cpu.nodes] == [(n.name, n.target, n.outputs) for n in on_meta.nodes]
+
+
+def test_a_model_spread_over_devices_is_a_capture_error_about_devices():
+    model, inputs = M.mlp()
+    up = model.layers[0].up_proj
+    up.weight = torch.nn.Parameter(up.weight.detach().to("meta"))  # one parameter on meta, the rest on CPU
     with pytest.raises(autotp.CaptureError) as info:
-        autotp.capture(model, (torch.randint(0, 128, (2, 16)),))
+        autotp.capture(model, inputs)
     message = str(info.value)
-    assert "meta" in message and "cpu" in message and "device" in message
+    assert "spread over devices" in message and "meta" in message and "cpu" in message
 
 
 def test_not_a_module_is_a_type_error():

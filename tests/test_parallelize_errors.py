@@ -121,10 +121,15 @@ def _one_rank_outcomes(mesh):
     out["plan_not_a_plan"] = _attempt(
         mesh, model, lambda: autotp.parallelize(model, mesh, (x,), plan=narrow_plan.to_dict()))
 
-    meta_model, meta_inputs = models.mlp(device="meta")
-    out["meta_model"] = _attempt(mesh, meta_model, lambda: autotp.parallelize(meta_model, mesh, meta_inputs))
-    meta_inputs_cpu = (torch.randn(8, 64),)
-    out["meta_model_cpu_inputs"] = _attempt(mesh, meta_model, lambda: autotp.parallelize(meta_model, mesh, meta_inputs_cpu))
+    # wholly on meta, rotary inv_freq too (a non-persistent buffer no checkpoint holds): refused
+    meta_llama, meta_ids = models.hf_llama(device="meta")
+    out["meta_buffers"] = _attempt(mesh, meta_llama, lambda: autotp.parallelize(meta_llama, mesh, meta_ids))
+    # the control: parameters on meta, buffers real (autotp.meta_init), inputs on meta or on the device
+    meta_mlp, meta_inputs = models.mlp(device="meta")
+    out["meta_params"] = [tuple(p.to_local().shape) for p in
+                          autotp.parallelize(meta_mlp, mesh, meta_inputs, hardware="cpu-gloo").parameters()]
+    out["meta_params_cpu_inputs"] = len(list(
+        autotp.parallelize(meta_mlp, mesh, (torch.randn(8, 64),), hardware="cpu-gloo").parameters()))
 
     # the parallel module called with inputs of another shape or dtype than it was built for: GPT-2's
     # first op views the token ids as [8, 64], which a [16, 32] batch would pass through silently
@@ -278,9 +283,14 @@ def test_other_input_rank_and_dtype_are_refused(one_rank):
 
 # ----------------------------------------------------------------------------------- meta model
 
-@pytest.mark.parametrize("case", ["meta_model", "meta_model_cpu_inputs"])
-def test_meta_model_is_refused_with_a_clear_message(one_rank, case):
-    _assert_refused(one_rank[case], "ValueError", "meta device", "autotp.plan")
+def test_meta_buffers_nothing_could_fill_are_refused_with_a_clear_message(one_rank):
+    _assert_refused(one_rank["meta_buffers"], "ValueError", "meta device", "model.rotary_emb.inv_freq",
+                    "autotp.meta_init()")
+
+
+def test_meta_parameters_are_accepted_with_inputs_on_meta_or_on_the_device(one_rank):
+    assert one_rank["meta_params"] == [(256, 64), (256,), (64, 256), (64,)] * 2
+    assert one_rank["meta_params_cpu_inputs"] == 8
 
 
 def test_control_fitting_inputs_and_plan_succeed(one_rank):

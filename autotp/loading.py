@@ -1,0 +1,129 @@
+"""``autotp.load_weights``: fill a parallel module from a checkpoint, each rank reading only its shards.
+
+Two kinds of checkpoint directory:
+
+- **Hugging Face safetensors**: ``model.safetensors``, or shards listed by
+  ``model.safetensors.index.json`` (what ``save_pretrained`` writes). Each rank opens the files
+  with ``safetensors`` and reads, per parameter, only the rows and columns its shard holds
+  (``get_slice``); replicated parameters and buffers are read whole. Values are converted to the
+  module's dtype (a bfloat16 file into a float32 model and back). A weight tied to another
+  (``lm_head.weight`` and ``model.embed_tokens.weight``) is one parameter under two names and is
+  read from whichever name the file has.
+- **torch.distributed.checkpoint** (a directory with ``.metadata``): written by
+  ``autotp.checkpoint.save`` on any mesh and plan, or by DCP from an unsharded model; DCP reads
+  the pieces each rank's placements need (resharding on load).
+
+Before anything is read, every key is checked: names the module has and the files do not
+(missing), names the files have and the module does not (unexpected), and global shapes that
+differ are reported together in one ``ValueError``, on every rank alike, with nothing loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from autotp.placement import Placement
+from autotp.rewrite import local_ranges
+
+__all__ = ["load_weights"]
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+def load_weights(module: nn.Module, path: str | os.PathLike) -> None:
+    """Fill ``module`` (from ``autotp.parallelize``) from the checkpoint directory ``path`` (module doc)."""
+    root = Path(path)
+    if (root / ".metadata").is_file():
+        from autotp import checkpoint
+
+        return checkpoint.load(module, root)
+    files = _safetensors_files(root)
+    targets = _targets(module)
+    plan = _match(targets, files)
+    with torch.no_grad():
+        _read(plan)
+
+
+def _safetensors_files(root: Path) -> dict[str, Path]:
+    """``{key: file}`` of a safetensors checkpoint directory."""
+    from safetensors import safe_open
+
+    if (root / INDEX).is_file():
+        weight_map = json.loads((root / INDEX).read_text())["weight_map"]
+        return {key: root / name for key, name in weight_map.items()}
+    if (root / SINGLE).is_file():
+        with safe_open(root / SINGLE, framework="pt") as f:
+            return {key: root / SINGLE for key in f.keys()}
+    if not root.exists():
+        raise FileNotFoundError(f"no checkpoint at {root}")
+    raise ValueError(f"{root} holds no checkpoint autotp reads: expected {INDEX}, {SINGLE}, or a "
+                     f"torch.distributed.checkpoint directory (with .metadata)")
+
+
+def _targets(module: nn.Module) -> list[tuple[tuple[str, ...], torch.Tensor]]:
+    """Each tensor of the state dict once, with all the names it goes by (tied weights)."""
+    by_id: dict[int, tuple[list[str], torch.Tensor]] = {}
+    for name, value in module.state_dict(keep_vars=True).items():
+        by_id.setdefault(id(value), ([], value))[0].append(name)
+    return [(tuple(names), value) for names, value in by_id.values()]
+
+
+def _match(targets, files: dict[str, Path]) -> list[tuple[str, Path, torch.Tensor]]:
+    """``(key, file, tensor)`` to read for every target, or one ValueError naming every problem."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(set(files.values())):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                shapes[key] = tuple(f.get_slice(key).get_shape())
+    missing, wrong, out, known = [], [], [], set()
+    for names, value in targets:
+        known.update(names)
+        key = next((n for n in names if n in shapes), None)
+        if key is None:
+            missing.append(" = ".join(names))
+            continue
+        if shapes[key] != tuple(value.shape):
+            wrong.append(f"{key}: {list(shapes[key])} in the file, {list(value.shape)} in the model")
+            continue
+        out.append((key, files[key], value))
+    unexpected = sorted(k for k in shapes if k not in known)
+    if missing or unexpected or wrong:
+        parts = [f"missing from the checkpoint: {', '.join(missing)}" if missing else "",
+                 f"in the checkpoint but not in the model: {', '.join(unexpected)}" if unexpected else "",
+                 f"shapes differ: {'; '.join(wrong)}" if wrong else ""]
+        raise ValueError("the checkpoint does not fit the model, nothing was loaded: "
+                         + "; ".join(p for p in parts if p))
+    return out
+
+
+def _read(plan: list[tuple[str, Path, torch.Tensor]]) -> None:
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[tuple[str, torch.Tensor]]] = {}
+    for key, file, value in plan:
+        by_file.setdefault(file, []).append((key, value))
+    for file, entries in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            for key, value in entries:
+                local = value.to_local() if hasattr(value, "to_local") else value
+                ranges = _ranges(value)
+                piece = f.get_slice(key)[tuple(slice(a, b) for a, b in ranges)] if ranges else f.get_tensor(key)
+                local.copy_(piece.to(dtype=local.dtype))
+
+
+def _ranges(value: Any):
+    """This rank's ``(start, stop)`` per dim of a DTensor, None for a plain tensor (read whole)."""
+    if not hasattr(value, "placements"):
+        return None
+    mesh = value.device_mesh
+    placements = tuple(Placement("S", p.dim) if p.is_shard() else Placement("R") for p in value.placements)
+    return local_ranges(tuple(value.shape), placements, mesh.get_coordinate(), tuple(mesh.mesh.shape))

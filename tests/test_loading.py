@@ -1,0 +1,314 @@
+"""Real-size models the way a user runs them: built on meta, parallelized, loaded shard by shard.
+
+Small random Hugging Face models are saved with ``save_pretrained`` (safetensors, sharded into
+several files with an index); then, on two spawned gloo processes, each rank builds the model
+under ``autotp.meta_init()`` (no parameter memory), calls ``autotp.parallelize`` and
+``autotp.load_weights``, and its logits and gradients must equal ``from_pretrained`` in one
+process. Llama (an index of several files), GPT-2 (Conv1D weights, ``lm_head`` tied to the token
+embedding, which the file holds once) and BERT (a non-persistent ``position_ids`` buffer). The
+same run checks that no rank ever allocates a sharded parameter at full size, that a bfloat16 file
+loads into a float32 model, that a checkpoint with wrong keys is refused whole, that a DCP
+checkpoint saved on one plan (or from the unsharded model) loads into another, and that a fresh
+init runs the model's own init on the shards.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from examples import models
+from examples.ranks import run_ranks
+
+pytestmark = pytest.mark.timeout(600)
+
+FACTORIES = {"llama": models.hf_llama, "gpt2": models.hf_gpt2, "bert": models.hf_bert}
+
+
+def _classes():
+    from transformers import BertModel, GPT2LMHeadModel, LlamaForCausalLM
+
+    return {"llama": LlamaForCausalLM, "gpt2": GPT2LMHeadModel, "bert": BertModel}
+
+
+def _tensor(out):
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """Bytes of every real (not meta) storage an op makes, each counted once (a view or an in-place
+    op's output shares its input's storage; a DTensor's local tensor is seen where it is made). The
+    sum bounds the peak from above: nothing made is taken as freed. A storage an op only points at
+    (``set_``: safetensors maps the file and slices views of the mapping) is no allocation: reading
+    from it touches only the pages of the slice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: dict[int, int] = {}
+        self.mapped: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if type(t) is torch.Tensor and not t.is_meta:
+                storage = t.untyped_storage()
+                if func is torch.ops.aten.set_.source_Storage:
+                    self.mapped.add(storage.data_ptr())
+                elif storage.data_ptr() not in self.mapped:
+                    self.storages[storage.data_ptr()] = storage.nbytes()
+        return out
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.storages.values())
+
+    @property
+    def largest_bytes(self) -> int:
+        return max(self.storages.values(), default=0)
+
+
+def _meta_model(name: str, directory: str):
+    """The model as a user builds it for loading: its config, parameters on meta."""
+    import autotp
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(directory)
+    with autotp.meta_init():
+        model = _classes()[name](config) if name != "bert" else _classes()[name](config, add_pooling_layer=False)
+    return model.eval()
+
+
+def _parallelize(model, mesh, ids, budget_slack=1.05):
+    import autotp
+
+    try:
+        return autotp.parallelize(model, mesh, (ids,), memory_budget=1)
+    except autotp.MemoryBudgetError as err:  # just above the least any plan needs: it shards
+        return autotp.parallelize(model, mesh, (ids,), memory_budget=err.minimum_bytes * budget_slack)
+
+
+def _ranks(rank, world, dirs):
+    import autotp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for name, directory in dirs.items():
+        if name not in FACTORIES:
+            continue
+        model = _meta_model(name, directory)
+        with _Allocations() as built:
+            pm = _parallelize(model, mesh, ids)
+        with _Allocations() as read:
+            autotp.load_weights(pm, directory)
+        assert all(p.is_meta for p in model.parameters()), "the model's own parameters stay on meta"
+        sharded = [p for p in pm.parameters() if p.to_local().numel() < p.numel()]
+        planned = pm.plan.memory_per_device().parameters_bytes + sum(b.nbytes for b in pm.buffers())
+        largest_local = max([p.to_local().nbytes for p in pm.parameters()] + [b.nbytes for b in pm.buffers()])
+        full = sum(p.numel() * p.element_size() for p in pm.parameters()) + sum(b.nbytes for b in pm.buffers())
+        ref = _classes()[name].from_pretrained(directory)
+        ref.eval()
+        got, want = _tensor(pm(ids)), _tensor(ref(ids))
+        target = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
+        (got - target).pow(2).mean().backward()
+        (want - target).pow(2).mean().backward()
+        # relative to the largest gradient of the model (a key bias' gradient is zero but for rounding)
+        gmax = max(p.grad.abs().max().item() for p in ref.parameters() if p.grad is not None)
+        grads = {}
+        for pname, p in pm.named_parameters():
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            grads[pname] = (g - ref.get_parameter(pname).grad).abs().max().item() / gmax
+        out[name] = {"logits": (got - want).abs().max().item() / want.abs().max().item(),
+                     "grads": max(grads.values()), "n_grads": len(grads), "worst": max(grads, key=grads.get),
+                     "sharded": len(sharded), "allocated": built.total_bytes, "planned": planned, "full": full,
+                     "largest_read": read.largest_bytes, "largest_local": largest_local,
+                     "styles": sorted(set(pm.plan.module_styles().values()))}
+
+    # bfloat16 file -> float32 model
+    pm = _parallelize(_meta_model("llama", dirs["llama"]), mesh, ids)
+    autotp.load_weights(pm, dirs["llama_bf16"])
+    ref = _classes()["llama"].from_pretrained(dirs["llama"])
+    want = ref(ids).logits
+    out["bf16"] = (pm(ids).logits - want).abs().max().item() / want.abs().max().item()
+
+    # a checkpoint that does not fit: refused whole, nothing loaded
+    before = {k: (v.to_local() if hasattr(v, "to_local") else v).clone() for k, v in pm.state_dict().items()}
+    try:
+        autotp.load_weights(pm, dirs["bad"])
+        out["bad"] = None
+    except ValueError as err:
+        out["bad"] = str(err)
+    after = {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in pm.state_dict().items()}
+    out["bad_untouched"] = all(torch.equal(before[k], after[k]) for k in before)
+
+    # DCP: saved from the sharded plan, loaded into a replicated one
+    autotp.load_weights(pm, dirs["llama"])
+    autotp.checkpoint.save(pm, dirs["dcp"])
+    # the state dict gathered whole on rank 0 is the model's (and nothing on the other ranks)
+    gathered = autotp.checkpoint.full_state_dict(pm)
+    out["gathered"] = (sorted(gathered) == sorted(ref.state_dict()) and all(
+        torch.equal(gathered[k], v) for k, v in ref.state_dict().items())) if rank == 0 else gathered == {}
+    replicated = _parallelize(_meta_model("llama", dirs["llama"]), mesh, ids, budget_slack=1000)
+    autotp.load_weights(replicated, dirs["dcp"])
+    out["dcp"] = (replicated(ids).logits - want).abs().max().item() / want.abs().max().item()
+    out["dcp_plans_differ"] = replicated.plan.parameter_placements != pm.plan.parameter_placements
+    out["dcp_unsharded"] = _load_dcp_of_unsharded(mesh, ids, dirs)
+    out["init"] = _fresh_init(mesh, ids, dirs["llama"])
+    return out
+
+
+def _load_dcp_of_unsharded(mesh, ids, dirs):
+    """A DCP checkpoint written from the unsharded model in one process loads into the shards."""
+    import autotp
+
+    pm = _parallelize(_meta_model("llama", dirs["llama"]), mesh, ids)
+    autotp.load_weights(pm, dirs["dcp_unsharded"])
+    want = _classes()["llama"].from_pretrained(dirs["llama"])(ids).logits
+    return (pm(ids).logits - want).abs().max().item() / want.abs().max().item()
+
+
+def _fresh_init(mesh, ids, directory):
+    """The model's own init on the shards: deterministic per seed, the distribution of a
+    single-device init, shards that differ across ranks and replicated tensors that agree."""
+    import autotp
+
+    model = _meta_model("llama", directory)
+    pm = _parallelize(model, mesh, ids)
+
+    def full():
+        return {k: v.full_tensor().clone() for k, v in pm.named_parameters()}
+
+    autotp.init_weights(pm, model, seed=0)
+    first = full()
+    local = {k: (v.to_local().sum().item(), v.to_local().numel() < v.numel()) for k, v in pm.named_parameters()}
+    autotp.init_weights(pm, model, seed=0)
+    again = full()
+    autotp.init_weights(pm, model, seed=1)
+    other = full()
+    torch.manual_seed(0)
+    from transformers import AutoConfig
+
+    single = _classes()["llama"](AutoConfig.from_pretrained(directory))  # its own init, one device
+    stats = {k: (v.mean().item(), v.std().item(), single.get_parameter(k).mean().item(),
+                 single.get_parameter(k).std().item(), v.numel()) for k, v in first.items()}
+    return {"deterministic": all(torch.equal(first[k], again[k]) for k in first),
+            "seed_changes": all(not torch.equal(first[k], other[k]) for k in first
+                                if first[k].std().item() > 0),
+            "stats": stats, "local": local, "meta_after": all(p.is_meta for p in model.parameters())}
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("ckpt")
+    dirs = {}
+    for name, factory in FACTORIES.items():
+        model, _ = factory()
+        dirs[name] = str(root / name)
+        model.save_pretrained(dirs[name], max_shard_size="40KB")
+    assert (Path(dirs["llama"]) / "model.safetensors.index.json").is_file()
+    assert len(set(json.loads((Path(dirs["llama"]) / "model.safetensors.index.json").read_text())["weight_map"].values())) >= 2
+    # the Llama checkpoint again in bfloat16, one file
+    state = {}
+    for file in Path(dirs["llama"]).glob("*.safetensors"):
+        state.update(load_file(file))
+    bf16 = root / "llama_bf16"
+    bf16.mkdir()
+    save_file({k: v.to(torch.bfloat16) for k, v in state.items()}, bf16 / "model.safetensors")
+    (bf16 / "config.json").write_text((Path(dirs["llama"]) / "config.json").read_text())
+    dirs["llama_bf16"] = str(bf16)
+    # the Llama checkpoint with a key missing, one extra and one of the wrong shape
+    bad = root / "bad"
+    bad.mkdir()
+    broken = dict(state)
+    broken.pop("model.norm.weight")
+    broken["model.layers.9.mlp.up_proj.weight"] = torch.zeros(2, 2)
+    broken["lm_head.weight"] = torch.zeros(3, 64)
+    save_file(broken, bad / "model.safetensors")
+    dirs["bad"] = str(bad)
+    dirs["dcp"] = str(root / "dcp")
+    # the unsharded model saved by DCP in this process (no process group)
+    import torch.distributed.checkpoint as dcp
+
+    dirs["dcp_unsharded"] = str(root / "dcp_unsharded")
+    dcp.save(dict(state), checkpoint_id=dirs["dcp_unsharded"], no_dist=True)
+    return run_ranks(_ranks, 2, dirs)
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_meta_model_loaded_shard_by_shard_equals_from_pretrained(loaded, name):
+    for rank in loaded:
+        r = rank[name]
+        assert r["sharded"], f"{name}: the plan shards nothing, the check would be vacuous"
+        assert {"colwise", "rowwise"} & set(r["styles"]), r["styles"]
+        assert r["logits"] < 1e-5, r
+        assert r["grads"] < 1e-5 and r["n_grads"] > 0, r
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_a_rank_allocates_its_planned_shards_and_reads_no_more(loaded, name):
+    """Everything a rank allocates while it parallelizes is within 10 % of its planned parameter and
+    buffer bytes, plus 64 KiB (the plan it receives as JSON, small temporaries), and less than the
+    full model; while it loads, no tensor it makes is larger than its largest local shard or buffer
+    (each parameter is read as the slice this rank holds)."""
+    for rank in loaded:
+        r = rank[name]
+        assert r["allocated"] <= 1.1 * r["planned"] + 64 * 1024, r
+        assert r["allocated"] < r["full"], r
+        assert 0 < r["largest_read"] <= r["largest_local"], r
+
+
+def test_a_bfloat16_file_loads_into_a_float32_model(loaded):
+    for rank in loaded:
+        assert rank["bf16"] < 2e-2, rank["bf16"]  # bfloat16 keeps 8 bits of mantissa
+
+
+def test_a_checkpoint_that_does_not_fit_is_refused_whole(loaded):
+    for rank in loaded:
+        message = rank["bad"]
+        assert message is not None, "the broken checkpoint loaded"
+        assert "nothing was loaded" in message
+        assert "missing from the checkpoint: model.norm.weight" in message
+        assert "in the checkpoint but not in the model: model.layers.9.mlp.up_proj.weight" in message
+        assert "lm_head.weight: [3, 64] in the file, [128, 64] in the model" in message
+        assert rank["bad_untouched"]
+
+
+def test_a_dcp_checkpoint_loads_into_another_plan(loaded):
+    for rank in loaded:
+        assert rank["dcp_plans_differ"]
+        assert rank["dcp"] < 1e-5, rank["dcp"]
+
+
+def test_the_full_state_dict_is_gathered_on_rank_0_alone(loaded):
+    assert all(rank["gathered"] for rank in loaded), [rank["gathered"] for rank in loaded]
+
+
+def test_a_dcp_checkpoint_of_the_unsharded_model_loads_into_the_shards(loaded):
+    for rank in loaded:
+        assert rank["dcp_unsharded"] < 1e-5, rank["dcp_unsharded"]
+
+
+def test_fresh_init_runs_the_models_own_init_on_the_shards(loaded):
+    a, b = loaded[0]["init"], loaded[1]["init"]
+    for r in (a, b):
+        assert r["deterministic"] and r["seed_changes"] and r["meta_after"], r
+    for name, (mean, std, ref_mean, ref_std, n) in a["stats"].items():
+        if ref_std == 0:  # ones and zeros: exactly the single-device values
+            assert std == 0 and mean == ref_mean, (name, mean, ref_mean)
+        else:  # a random init: the same distribution (std within what n samples allow)
+            assert abs(std - ref_std) <= 4 * ref_std / (2 * n) ** 0.5 + 1e-3 * ref_std, (name, std, ref_std, n)
+            assert abs(mean - ref_mean) <= 4 * ref_std / n ** 0.5 + 4 * abs(ref_std) / n ** 0.5, (name, mean, ref_mean)
+    sharded = [k for k, (_, is_sharded) in a["local"].items() if is_sharded]
+    assert sharded, "nothing sharded: the check would be vacuous"
+    for name, (total, is_sharded) in a["local"].items():
+        other = b["local"][name][0]
+        if is_sharded and a["stats"][name][3] > 0:
+            assert total != other, f"{name}: both ranks drew the same shard"
+        elif not is_sharded:
+            assert total == other, f"{name}: replicated, yet the ranks hold different values"
