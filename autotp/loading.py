@@ -5,8 +5,11 @@ Two kinds of checkpoint directory:
 - **Hugging Face safetensors**: ``model.safetensors``, or shards listed by
   ``model.safetensors.index.json`` (what ``save_pretrained`` writes). Each rank opens the files
   with ``safetensors`` and reads, per parameter, only the rows and columns its shard holds
-  (``get_slice``); replicated parameters and buffers are read whole. Values are converted to the
-  module's dtype (a bfloat16 file into a float32 model and back). A weight tied to another
+  (``get_slice``); replicated parameters and buffers are read whole. A piece that is contiguous in
+  the file and of the module's dtype (a replicated tensor, a split along dim 0) becomes the shard
+  itself, backed by the file's pages mapped privately (as ``from_pretrained`` does: no copy, and a
+  write, an optimizer step, copies only the page it touches); any other piece is copied into the
+  shard, converted to the module's dtype (a bfloat16 file into a float32 model and back). A weight tied to another
   (``lm_head.weight`` and ``model.embed_tokens.weight``) is one parameter under two names and is
   read from whichever name the file has.
 - **torch.distributed.checkpoint** (a directory with ``.metadata``): written by
@@ -114,10 +117,13 @@ def _read(plan: list[tuple[str, Path, torch.Tensor]]) -> None:
     for file, entries in by_file.items():
         with safe_open(file, framework="pt") as f:
             for key, value in entries:
-                local = value.to_local() if hasattr(value, "to_local") else value
+                local = value._local_tensor if hasattr(value, "_local_tensor") else value  # the shard itself
                 ranges = _ranges(value)
                 piece = f.get_slice(key)[tuple(slice(a, b) for a, b in ranges)] if ranges else f.get_tensor(key)
-                local.copy_(piece.to(dtype=local.dtype))
+                if piece.dtype == local.dtype and piece.is_contiguous() and piece.device == local.device:
+                    local.set_(piece)  # the file's pages, mapped privately: no copy; a write copies its page
+                else:
+                    local.copy_(piece.to(dtype=local.dtype))
 
 
 def _ranges(value: Any):

@@ -135,6 +135,16 @@ def _ranks(rank, world, dirs):
     want = ref(ids).logits
     out["bf16"] = (pm(ids).logits - want).abs().max().item() / want.abs().max().item()
 
+    # an optimizer step on shards loaded without a copy (the file's pages) leaves the file as it was
+    stepped = _parallelize(_meta_model("llama", dirs["llama"]), mesh, ids)
+    autotp.load_weights(stepped, dirs["llama"])
+    stepped(ids).logits.pow(2).mean().backward()
+    torch.optim.SGD(stepped.parameters(), lr=0.5).step()
+    moved = (stepped(ids).logits - want).abs().max().item() / want.abs().max().item()
+    again = _parallelize(_meta_model("llama", dirs["llama"]), mesh, ids)
+    autotp.load_weights(again, dirs["llama"])
+    out["write"] = (moved, (again(ids).logits - want).abs().max().item() / want.abs().max().item())
+
     # a checkpoint that does not fit: refused whole, nothing loaded
     before = {k: (v.to_local() if hasattr(v, "to_local") else v).clone() for k, v in pm.state_dict().items()}
     try:
@@ -266,6 +276,13 @@ def test_a_rank_allocates_its_planned_shards_and_reads_no_more(loaded, name):
 def test_a_bfloat16_file_loads_into_a_float32_model(loaded):
     for rank in loaded:
         assert rank["bf16"] < 2e-2, rank["bf16"]  # bfloat16 keeps 8 bits of mantissa
+
+
+def test_training_the_loaded_shards_leaves_the_checkpoint_as_it_was(loaded):
+    for rank in loaded:
+        moved, reloaded = rank["write"]
+        assert moved > 1e-3, "the step changed nothing: the check would be vacuous"
+        assert reloaded < 1e-5, reloaded
 
 
 def test_a_checkpoint_that_does_not_fit_is_refused_whole(loaded):
