@@ -96,7 +96,7 @@ def _ranks(rank, world, dirs):
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
-    out = {}
+    out, pms = {}, {}
     for name, directory in dirs.items():
         if name not in FACTORIES:
             continue
@@ -127,23 +127,15 @@ def _ranks(rank, world, dirs):
                      "sharded": len(sharded), "allocated": built.total_bytes, "planned": planned, "full": full,
                      "largest_read": read.largest_bytes, "largest_local": largest_local,
                      "styles": sorted(set(pm.plan.module_styles().values()))}
+        pms[name] = pm
 
-    # bfloat16 file -> float32 model
-    pm = _parallelize(_meta_model("llama", dirs["llama"]), mesh, ids)
+    # bfloat16 file -> float32 model (into the Llama module above: loading replaces every value)
+    pm = pms["llama"]
+    pm.zero_grad(set_to_none=True)
     autotp.load_weights(pm, dirs["llama_bf16"])
     ref = _classes()["llama"].from_pretrained(dirs["llama"])
     want = ref(ids).logits
     out["bf16"] = (pm(ids).logits - want).abs().max().item() / want.abs().max().item()
-
-    # an optimizer step on shards loaded without a copy (the file's pages) leaves the file as it was
-    stepped = _parallelize(_meta_model("llama", dirs["llama"]), mesh, ids)
-    autotp.load_weights(stepped, dirs["llama"])
-    stepped(ids).logits.pow(2).mean().backward()
-    torch.optim.SGD(stepped.parameters(), lr=0.5).step()
-    moved = (stepped(ids).logits - want).abs().max().item() / want.abs().max().item()
-    again = _parallelize(_meta_model("llama", dirs["llama"]), mesh, ids)
-    autotp.load_weights(again, dirs["llama"])
-    out["write"] = (moved, (again(ids).logits - want).abs().max().item() / want.abs().max().item())
 
     # a checkpoint that does not fit: refused whole, nothing loaded
     before = {k: (v.to_local() if hasattr(v, "to_local") else v).clone() for k, v in pm.state_dict().items()}
@@ -155,8 +147,16 @@ def _ranks(rank, world, dirs):
     after = {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in pm.state_dict().items()}
     out["bad_untouched"] = all(torch.equal(before[k], after[k]) for k in before)
 
-    # DCP: saved from the sharded plan, loaded into a replicated one
+    # an optimizer step on shards loaded without a copy (the file's pages) leaves the file as it was
     autotp.load_weights(pm, dirs["llama"])
+    pm(ids).logits.pow(2).mean().backward()
+    torch.optim.SGD(pm.parameters(), lr=0.5).step()
+    pm.zero_grad(set_to_none=True)
+    moved = (pm(ids).logits - want).abs().max().item() / want.abs().max().item()
+    autotp.load_weights(pm, dirs["llama"])
+    out["write"] = (moved, (pm(ids).logits - want).abs().max().item() / want.abs().max().item())
+
+    # DCP: saved from the sharded plan, loaded into a replicated one
     autotp.checkpoint.save(pm, dirs["dcp"])
     # the state dict gathered whole on rank 0 is the model's (and nothing on the other ranks)
     gathered = autotp.checkpoint.full_state_dict(pm)
@@ -166,19 +166,11 @@ def _ranks(rank, world, dirs):
     autotp.load_weights(replicated, dirs["dcp"])
     out["dcp"] = (replicated(ids).logits - want).abs().max().item() / want.abs().max().item()
     out["dcp_plans_differ"] = replicated.plan.parameter_placements != pm.plan.parameter_placements
-    out["dcp_unsharded"] = _load_dcp_of_unsharded(mesh, ids, dirs)
-    out["init"] = _fresh_init(mesh, ids, dirs["llama"])
+    out["init"], fresh = _fresh_init(mesh, ids, dirs["llama"])
+    # a DCP checkpoint written from the unsharded model in one process loads into the shards
+    autotp.load_weights(fresh, dirs["dcp_unsharded"])
+    out["dcp_unsharded"] = (fresh(ids).logits - want).abs().max().item() / want.abs().max().item()
     return out
-
-
-def _load_dcp_of_unsharded(mesh, ids, dirs):
-    """A DCP checkpoint written from the unsharded model in one process loads into the shards."""
-    import autotp
-
-    pm = _parallelize(_meta_model("llama", dirs["llama"]), mesh, ids)
-    autotp.load_weights(pm, dirs["dcp_unsharded"])
-    want = _classes()["llama"].from_pretrained(dirs["llama"])(ids).logits
-    return (pm(ids).logits - want).abs().max().item() / want.abs().max().item()
 
 
 def _fresh_init(mesh, ids, directory):
@@ -208,7 +200,7 @@ def _fresh_init(mesh, ids, directory):
     return {"deterministic": all(torch.equal(first[k], again[k]) for k in first),
             "seed_changes": all(not torch.equal(first[k], other[k]) for k in first
                                 if first[k].std().item() > 0),
-            "stats": stats, "local": local, "meta_after": all(p.is_meta for p in model.parameters())}
+            "stats": stats, "local": local, "meta_after": all(p.is_meta for p in model.parameters())}, pm
 
 
 @pytest.fixture(scope="module")
