@@ -27,7 +27,8 @@ __all__ = ["init_weights"]
 
 
 def _swapped(model: nn.Module, parallel: nn.Module) -> Iterator[tuple[nn.Module, str, object, str]]:
-    """``(module, name, original, kind)`` of every parameter and buffer the parallel module has."""
+    """``(module, name, the model's own tensor, the parallel module's)`` for every parameter and
+    buffer the parallel module has under the same name."""
     params = dict(parallel.named_parameters(remove_duplicate=False))
     buffers = dict(parallel.named_buffers())
     for prefix, module in model.named_modules(remove_duplicate=False):

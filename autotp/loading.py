@@ -117,7 +117,8 @@ def _read(plan: list[tuple[str, Path, torch.Tensor]]) -> None:
     for file, entries in by_file.items():
         with safe_open(file, framework="pt") as f:
             for key, value in entries:
-                local = value._local_tensor if hasattr(value, "_local_tensor") else value  # the shard itself
+                # the DTensor's shard itself (to_local() may hand back a view, which set_ would not reach)
+                local = value._local_tensor if hasattr(value, "_local_tensor") else value
                 ranges = _ranges(value)
                 piece = f.get_slice(key)[tuple(slice(a, b) for a, b in ranges)] if ranges else f.get_tensor(key)
                 if piece.dtype == local.dtype and piece.is_contiguous() and piece.device == local.device:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# functional op name -> (autotp kind, factor from the op's first argument to the plan's bytes)
+# functional op name -> autotp kind; the kinds whose plan bytes are the op's input times the axis size
 _KINDS = {
     "all_reduce": "all_reduce",
     "all_gather_into_tensor": "all_gather",
