@@ -22,6 +22,7 @@ import torch
 
 from examples import models
 from examples.ranks import run_ranks
+from observed import tensor_of
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -32,10 +33,6 @@ def _classes():
     from transformers import BertModel, GPT2LMHeadModel, LlamaForCausalLM
 
     return {"llama": LlamaForCausalLM, "gpt2": GPT2LMHeadModel, "bert": BertModel}
-
-
-def _tensor(out):
-    return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
 class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
@@ -112,7 +109,7 @@ def _ranks(rank, world, dirs):
         full = sum(p.numel() * p.element_size() for p in pm.parameters()) + sum(b.nbytes for b in pm.buffers())
         ref = _classes()[name].from_pretrained(directory)
         ref.eval()
-        got, want = _tensor(pm(ids)), _tensor(ref(ids))
+        got, want = tensor_of(pm(ids)), tensor_of(ref(ids))
         target = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
         (got - target).pow(2).mean().backward()
         (want - target).pow(2).mean().backward()

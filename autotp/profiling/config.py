@@ -19,6 +19,8 @@ import json
 import re
 from dataclasses import asdict, dataclass
 
+from autotp.units import format_bytes
+
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -42,13 +44,9 @@ def parse_size(text: str) -> int:
 
 
 def format_size(size_bytes: float) -> str:
-    """Short human form with a binary unit: ``1 KiB``, ``1.5 MiB``, ``64 MiB``."""
-    value = float(size_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.3g} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
+    """Short human form with a binary unit: ``1 KiB``, ``1.5 MiB``, ``64 MiB`` (the one byte format
+    of autotp, :func:`autotp.units.format_bytes`)."""
+    return format_bytes(size_bytes)
 
 
 def size_sweep(min_bytes: int, max_bytes: int, step_factor: int) -> tuple[int, ...]:
