@@ -169,8 +169,9 @@ def _module_info(node: torch.fx.Node) -> tuple[str, str, tuple[str, ...]]:
 
 
 # torch.export sets process-wide state while it traces (fx's stack-trace switch below, patched
-# functions): two threads tracing at once would see each other's. One trace at a time.
-_EXPORT_LOCK = threading.Lock()
+# functions), and a model with its parameters on meta has its buffers swapped for the trace: two
+# threads tracing at once would see each other's. One trace at a time.
+_EXPORT_LOCK = threading.RLock()
 
 
 def capture(model: torch.nn.Module, example_inputs: Any) -> OpGraph:
@@ -184,11 +185,12 @@ def capture(model: torch.nn.Module, example_inputs: Any) -> OpGraph:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model is a {type(model).__name__}; expected a torch.nn.Module")
     args, kwargs = normalize_inputs(example_inputs)
-    if _meta_parameters(model):
-        args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
-        with _buffers_on_meta(model):
-            return _capture(model, args, kwargs)
-    return _capture(model, args, kwargs)
+    with _EXPORT_LOCK:
+        if _meta_parameters(model):
+            args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+            with _buffers_on_meta(model):
+                return _capture(model, args, kwargs)
+        return _capture(model, args, kwargs)
 
 
 def _meta_parameters(model: torch.nn.Module) -> bool:

@@ -6,6 +6,11 @@ the model's init runs on them: Hugging Face's ``_init_weights`` on every module 
 has one, else every module's ``reset_parameters``. Each init sees the DTensor, so what it derives
 from the shape (a fan-in) is the full tensor's, and the random op fills each rank's shard.
 
+A parameter the init does not write (a module with neither an ``_init_weights`` on the model nor
+its own ``reset_parameters``) is an error naming it, rather than uninitialized memory. (An init
+that writes a row of a weight split by rows, as Hugging Face's zeroing of an embedding's padding
+row does, writes into a copy on a DTensor and is lost: that row keeps its random values.)
+
 Randomness: every rank draws from a stream seeded by ``seed`` and its rank, so shards of one
 parameter are different draws of the same distribution, and one seed always gives the same
 values. A tensor that is replicated on a mesh axis must be equal across it: after the init each
@@ -45,12 +50,19 @@ def init_weights(parallel: nn.Module, model: nn.Module, seed: int = 0) -> None:
     Every rank must call it (replicated tensors are broadcast).
     """
     swaps = list(_swapped(model, parallel))
+    params = dict(parallel.named_parameters())
+    with torch.no_grad():
+        for p in params.values():  # what no init writes stays NaN, and is named below
+            (p.to_local() if hasattr(p, "to_local") else p).fill_(float("nan"))
     for module, name, _, value in swaps:
         (module._parameters if name in module._parameters else module._buffers)[name] = value
     rank = dist.get_rank() if dist.is_initialized() else 0
+    cuda = [torch.cuda.current_device()] if any(p.device.type == "cuda" for p in params.values()) else []
     try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            torch.manual_seed(seed * 1_000_003 + rank)
+        with torch.random.fork_rng(devices=cuda), torch.no_grad():  # the caller's generators come back
+            torch.default_generator.manual_seed(seed * 1_000_003 + rank)
+            if cuda:
+                torch.cuda.manual_seed(seed * 1_000_003 + rank)
             own = getattr(model, "_init_weights", None)
             for module in model.modules():
                 if callable(own):
@@ -60,7 +72,14 @@ def init_weights(parallel: nn.Module, model: nn.Module, seed: int = 0) -> None:
     finally:
         for module, name, original, _ in swaps:
             (module._parameters if name in module._parameters else module._buffers)[name] = original
+    unset = [name for name, p in params.items()
+             if torch.isnan(p.to_local() if hasattr(p, "to_local") else p).any().item()]
+    if unset:
+        raise ValueError(f"the model's own init left {', '.join(unset)} unset (no _init_weights, and no "
+                         f"reset_parameters on the module that holds it); initialize it before parallelizing, "
+                         f"or load weights with autotp.load_weights")
     _agree_replicated(parallel)
+
 
 
 def _agree_replicated(parallel: nn.Module) -> None:

@@ -26,28 +26,34 @@ from torch import nn
 
 __all__ = ["meta_init", "unfillable_state"]
 
-_PATCH_LOCK = threading.Lock()
+_PATCH_LOCK = threading.RLock()
+_depth = [0]  # nested meta_init blocks: only the outermost patches and restores
 
 
 @contextlib.contextmanager
 def meta_init() -> Iterator[None]:
     """Inside it, every parameter a module registers is moved to the meta device as it is
     registered (each is made, and freed, one at a time); buffers stay where they are made.
-    Process-wide while it lasts (it patches ``nn.Module.register_parameter``): build one model at a
-    time."""
+    Process-wide while it lasts (it patches ``nn.Module.register_parameter``): other threads wait
+    to enter; nested blocks are fine."""
     with _PATCH_LOCK:
         original = nn.Module.register_parameter
+        if _depth[0] == 0:
 
-        def register_parameter(module: nn.Module, name: str, param) -> None:
-            original(module, name, param)
-            if param is not None and not param.is_meta:
-                module._parameters[name] = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+            def register_parameter(module: nn.Module, name: str, param) -> None:
+                original(module, name, param)
+                if param is not None and not param.is_meta:
+                    module._parameters[name] = nn.Parameter(param.detach().to("meta"),
+                                                            requires_grad=param.requires_grad)
 
-        nn.Module.register_parameter = register_parameter
+            nn.Module.register_parameter = register_parameter
+        _depth[0] += 1
         try:
             yield
         finally:
-            nn.Module.register_parameter = original
+            _depth[0] -= 1
+            if _depth[0] == 0:
+                nn.Module.register_parameter = original
 
 
 def unfillable_state(model: nn.Module, constants: dict) -> list[str]:

@@ -62,38 +62,34 @@ def _device_type(model: nn.Module) -> Optional[str]:
     return types.pop() if len(types) == 1 else None
 
 
-def _mesh_group(mesh):
-    """A process group of exactly the mesh's ranks."""
-    return mesh.get_group(0) if mesh.ndim == 1 else mesh._flatten().get_group()
-
-
 _ERRORS = {"PlanError": PlanError, "ValueError": ValueError, "TypeError": TypeError}
 
 
 def _agreed_plan(graph, spec: MeshSpec, mesh, hardware: Any, mode: str, memory_budget: Any, capture_s: float) -> Plan:
-    """The mesh's first rank plans and broadcasts the plan (or its error); every rank returns it."""
+    """The rank at the mesh's first coordinate plans; its plan (or its error) reaches every rank by a
+    broadcast along each axis in turn (from coordinate 0 of that axis), and every rank returns it."""
     import torch.distributed as dist
 
-    group = _mesh_group(mesh)
+    coordinate = mesh.get_coordinate()
     payload: list[Any] = [None]
     plan = None
-    if dist.get_rank(group) == 0:
+    error: Optional[BaseException] = None
+    if all(c == 0 for c in coordinate):
         try:
             plan = plan_graph(graph, spec, hardware, mode, memory_budget, capture_s=capture_s)
             payload = [("plan", plan.to_json())]
         except MemoryBudgetError as err:
-            payload = [("budget", str(err), err.minimum_bytes)]
-            dist.broadcast_object_list(payload, group_src=0, group=group)
-            raise
+            payload, error = [("budget", str(err), err.minimum_bytes)], err
         except (PlanError, ValueError, TypeError) as err:
-            payload = [("error", type(err).__name__ if type(err).__name__ in _ERRORS else "ValueError", str(err))]
-            dist.broadcast_object_list(payload, group_src=0, group=group)
-            raise
+            name = type(err).__name__ if type(err).__name__ in _ERRORS else "ValueError"
+            payload, error = [("error", name, str(err))], err
         except BaseException as err:  # anything else: tell the others, then raise it here
-            payload = [("error", "RuntimeError", f"the first rank failed to plan: {type(err).__name__}: {err}")]
-            dist.broadcast_object_list(payload, group_src=0, group=group)
-            raise
-    dist.broadcast_object_list(payload, group_src=0, group=group)
+            payload, error = [("error", "RuntimeError", f"the first rank failed to plan: {type(err).__name__}: {err}")], err
+    for axis in range(mesh.ndim):  # axis by axis: ranks at coordinate 0 of the later axes pass it on
+        if all(c == 0 for c in coordinate[axis + 1:]):
+            dist.broadcast_object_list(payload, group=mesh.get_group(axis), group_src=0)
+    if error is not None:
+        raise error
     kind, *rest = payload[0]
     if plan is not None:
         return plan

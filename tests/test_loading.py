@@ -15,6 +15,7 @@ init runs the model's own init on the shards.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -235,7 +236,9 @@ def loaded(tmp_path_factory):
     import torch.distributed.checkpoint as dcp
 
     dirs["dcp_unsharded"] = str(root / "dcp_unsharded")
-    dcp.save(dict(state), checkpoint_id=dirs["dcp_unsharded"], no_dist=True)
+    with warnings.catch_warnings():  # "no process group: saving in one process", which is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(dict(state), checkpoint_id=dirs["dcp_unsharded"], no_dist=True)
     return run_ranks(_ranks, 2, dirs)
 
 
@@ -318,3 +321,27 @@ def test_fresh_init_runs_the_models_own_init_on_the_shards(loaded):
             assert total != other, f"{name}: both ranks drew the same shard"
         elif not is_sharded:
             assert total == other, f"{name}: replicated, yet the ranks hold different values"
+
+
+def _init_without_an_init(rank, world):
+    import autotp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    with autotp.meta_init():
+        model, inputs = models.tiny_llama()  # its RMSNorms have no reset_parameters, the model no _init_weights
+    pm = autotp.parallelize(model, mesh, inputs, hardware="cpu-gloo")
+    try:
+        autotp.init_weights(pm, model)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_init_names_the_parameters_the_models_init_does_not_write():
+    from examples.ranks import run_threads
+
+    message = run_threads(_init_without_an_init, 1)[0]
+    assert message is not None, "parameters left as uninitialized memory without a word"
+    assert "layers.0.input_layernorm.weight" in message and "norm.weight" in message
+    assert "q_proj" not in message  # nn.Linear's reset_parameters wrote those
