@@ -164,8 +164,7 @@ def conversion_steps(src: Sequence[Placement], dst: Sequence[Placement], mesh_sh
             if b not in pending:
                 pending.append(b)
             continue
-        ready = ready if ready is not None else free[0]
-        pending.remove(ready)
+        pending.remove(ready)  # set: the outermost pending step waits on nothing and delays nothing
         step(ready, dst[ready])
     return steps
 

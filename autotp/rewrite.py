@@ -111,9 +111,8 @@ class _Builder:
             full = params[p.fqn].detach()
             placements = self.plan.strategy(p.node).output
             if full.is_meta:
-                shape = tuple(b - a for a, b in local_ranges(tuple(full.shape), placements, self.coordinate,
-                                                              self.mesh_shape))
-                local = torch.empty(shape, dtype=full.dtype, device=device)
+                local = torch.empty(local_shape(full.shape, placements, self.mesh_shape), dtype=full.dtype,
+                                    device=device)
             else:
                 local = local_shard(full, placements, self.coordinate, self.mesh_shape)
             dt = DTensor.from_local(local, self.mesh, _dtensor_placements(placements), run_check=False)
