@@ -114,23 +114,30 @@ def _read(plan: list[tuple[str, Path, torch.Tensor]]) -> None:
     by_file: dict[Path, list[tuple[str, torch.Tensor]]] = {}
     for key, file, value in plan:
         by_file.setdefault(file, []).append((key, value))
+    meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
     for file, entries in by_file.items():
         with safe_open(file, framework="pt") as f:
             for key, value in entries:
                 # the DTensor's shard itself (to_local() may hand back a view, which set_ would not reach)
                 local = value._local_tensor if hasattr(value, "_local_tensor") else value
-                ranges = _ranges(value)
+                ranges = _ranges(value, meshes)
                 piece = f.get_slice(key)[tuple(slice(a, b) for a, b in ranges)] if ranges else f.get_tensor(key)
                 if piece.dtype == local.dtype and piece.is_contiguous() and piece.device == local.device:
                     local.set_(piece)  # the file's pages, mapped privately: no copy; a write copies its page
-                else:
-                    local.copy_(piece.to(dtype=local.dtype))
+                    continue
+                local.copy_(piece)  # converts the dtype as it copies, with no full-size intermediate
 
 
-def _ranges(value: Any):
-    """This rank's ``(start, stop)`` per dim of a DTensor, None for a plain tensor (read whole)."""
+def _ranges(value: Any, meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...]]]):
+    """This rank's ``(start, stop)`` per dim of a DTensor, None for a plain tensor (read whole).
+
+    ``meshes`` caches each mesh's (coordinate, shape): ``DeviceMesh.mesh`` rebuilds a tensor per call.
+    """
     if not hasattr(value, "placements"):
         return None
     mesh = value.device_mesh
+    if id(mesh) not in meshes:
+        meshes[id(mesh)] = (tuple(mesh.get_coordinate()), tuple(mesh.mesh.shape))
+    coordinate, shape = meshes[id(mesh)]
     placements = tuple(Placement("S", p.dim) if p.is_shard() else Placement("R") for p in value.placements)
-    return local_ranges(tuple(value.shape), placements, mesh.get_coordinate(), tuple(mesh.mesh.shape))
+    return local_ranges(tuple(value.shape), placements, coordinate, shape)
