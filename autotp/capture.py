@@ -16,17 +16,20 @@ The model is never modified, and a model on the meta device costs no memory.
 from __future__ import annotations
 
 import contextlib
+import logging
 import operator
 import threading
+import warnings
 from typing import Any, Iterator
 
 import torch
 import torch.fx
 from torch.utils import flop_counter
 
+from autotp.dynamic import DynamicDim, export_spec
 from autotp.graph import BUFFER, CONSTANT, INPUT, OP, PARAMETER, OpGraph, OpNode, ParameterInfo, TensorInfo
 
-__all__ = ["capture", "CaptureError", "normalize_inputs", "VIEW_TARGETS"]
+__all__ = ["capture", "CaptureError", "normalize_inputs", "VIEW_TARGETS", "concrete"]
 
 aten = torch.ops.aten
 
@@ -118,10 +121,28 @@ def _explain_export_failure(err: BaseException) -> str:
     )
 
 
+def _hint(size: Any) -> int:
+    """A size as a number: a symbolic size (a dynamic dim) at its example value."""
+    return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
+
+
+def _expression(size: Any) -> str | None:
+    """A symbolic size as an expression in the dims' symbols (``"s1*s0"``), None for a static one."""
+    return str(size.node.expr) if isinstance(size, torch.SymInt) and not size.node.expr.is_number else None
+
+
 def _tensor_info(val: Any) -> TensorInfo | None:
     if isinstance(val, torch.Tensor):
-        return TensorInfo(tuple(int(s) for s in val.shape), str(val.dtype).removeprefix("torch."))
+        return TensorInfo(tuple(_hint(s) for s in val.shape), str(val.dtype).removeprefix("torch."))
     return None
+
+
+def _symbolic_dims(node: torch.fx.Node) -> tuple[tuple[str | None, ...], ...] | None:
+    """Each tensor output's dims as expressions (None: static), or None if every dim is static."""
+    val = node.meta.get("val")
+    vals = [val] if isinstance(val, torch.Tensor) else list(val) if isinstance(val, (tuple, list)) else []
+    dims = tuple(tuple(_expression(s) for s in v.shape) for v in vals if isinstance(v, torch.Tensor))
+    return dims if any(e is not None for d in dims for e in d) else None
 
 
 def _node_outputs(node: torch.fx.Node) -> tuple[TensorInfo, ...]:
@@ -134,11 +155,27 @@ def _node_outputs(node: torch.fx.Node) -> tuple[TensorInfo, ...]:
     return ()
 
 
+def concrete(value: Any) -> Any:
+    """``value`` with every symbolic size at its example value (tensors as meta tensors).
+
+    Code that reads sizes must read these: ``int()`` or a comparison on a symbolic size makes the
+    trace's shape environment fix the symbol to the example's value, for good."""
+    def one(v: Any) -> Any:
+        if isinstance(v, torch.SymInt):
+            return _hint(v)
+        if isinstance(v, torch.Tensor) and any(isinstance(n, torch.SymInt) for n in (*v.shape, *v.stride())):
+            return torch.empty_strided([_hint(n) for n in v.shape], [_hint(n) for n in v.stride()], dtype=v.dtype,
+                                       device="meta")
+        return v
+    return torch.utils._pytree.tree_map(one, value)
+
+
 def _flops(node: torch.fx.Node) -> float:
     """Forward FLOPs of one node, as ``FlopCounterMode`` would count the kernels it runs."""
     target = node.target
-    vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
-    out = node.meta.get("val")
+    # counted at the example's sizes: symbolic sizes (dynamic dims) replaced by their values
+    vals = [concrete(a.meta.get("val")) if isinstance(a, torch.fx.Node) else concrete(a) for a in node.args]
+    out = concrete(node.meta.get("val"))
     if target in (aten.linear.default, aten.matmul.default):
         a, b = vals[0], vals[1]
         k = a.shape[-1]
@@ -150,7 +187,7 @@ def _flops(node: torch.fx.Node) -> float:
     formula = flop_counter.flop_registry.get(packet)
     if formula is None:
         return 0.0
-    kwargs = {k: (v.meta.get("val") if isinstance(v, torch.fx.Node) else v) for k, v in node.kwargs.items()}
+    kwargs = {k: concrete(v.meta.get("val") if isinstance(v, torch.fx.Node) else v) for k, v in node.kwargs.items()}
     try:
         return float(formula(*vals, out_val=out, **kwargs))
     except Exception:  # a formula that cannot read these arguments counts nothing, as FlopCounterMode would fail
@@ -174,23 +211,26 @@ def _module_info(node: torch.fx.Node) -> tuple[str, str, tuple[str, ...]]:
 _EXPORT_LOCK = threading.RLock()
 
 
-def capture(model: torch.nn.Module, example_inputs: Any) -> OpGraph:
+def capture(model: torch.nn.Module, example_inputs: Any, dynamic_dims: Any = False) -> OpGraph:
     """Trace ``model`` on ``example_inputs`` and return its :class:`OpGraph`.
 
     ``example_inputs`` is what ``model(*example_inputs)`` would be called with (a tuple, a single
     tensor, or a dict of keyword arguments). The model may live on the meta device, or have only its
     parameters there (``autotp.meta_init``): it is then traced on meta, its buffers and the inputs
-    moved there for the trace alone.
+    moved there for the trace alone. ``dynamic_dims`` (:func:`autotp.dynamic.export_spec`): False
+    traces every size as the example's; None traces the batch and sequence dims as symbols, which
+    the graph then records (``OpGraph.dynamic``, ``OpGraph.symbolic``); a dict names the dims.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model is a {type(model).__name__}; expected a torch.nn.Module")
     args, kwargs = normalize_inputs(example_inputs)
+    spec = export_spec(model, args, kwargs, dynamic_dims)
     with _EXPORT_LOCK:
         if _meta_parameters(model):
             args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
             with _buffers_on_meta(model):
-                return _capture(model, args, kwargs)
-        return _capture(model, args, kwargs)
+                return _capture(model, args, kwargs, spec, dynamic_dims is None)
+        return _capture(model, args, kwargs, spec, dynamic_dims is None)
 
 
 def _meta_parameters(model: torch.nn.Module) -> bool:
@@ -215,7 +255,19 @@ def _buffers_on_meta(model: torch.nn.Module) -> Iterator[None]:
             module._buffers[name] = buf
 
 
-def _capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> OpGraph:
+@contextlib.contextmanager
+def _quiet_fake_tensor_errors() -> Iterator[None]:
+    """A trace autotp retries logs each failed op's traceback at error level: the retry says it all."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, spec: Any = None, fall_back: bool = False) -> OpGraph:
     _check_devices(model, args, kwargs)
     # Stack traces on every traced node cost about a third of export's time on a large model and
     # autotp never reads them; errors still carry the user's own traceback.
@@ -228,9 +280,20 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> OpGraph:
         if saved is not None:
             fx_config.do_not_emit_stack_traces = True
         try:
-            exported = torch.export.export(model, args, kwargs, strict=False)
+            with _quiet_fake_tensor_errors() if fall_back else contextlib.nullcontext():
+                exported = torch.export.export(model, args, kwargs, dynamic_shapes=spec, strict=False)
         except Exception as err:  # noqa: BLE001 - re-raised with context
-            raise CaptureError(_explain_export_failure(err)) from err
+            if spec is None or not fall_back:
+                raise CaptureError(_explain_export_failure(err)) from err
+            # dims autotp chose, not the user: a model that traces only at fixed sizes runs at those
+            # fresh input tensors: the failed trace left its symbolic sizes memoized on these
+            args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, (args, kwargs))
+            graph = _capture(model, args, kwargs)  # raises what does not fit, if anything does not
+            first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+            warnings.warn(f"autotp could not trace {type(model).__name__} with its batch and sequence dims dynamic "
+                          f"({type(err).__name__}: {first}); the parallel module accepts only the example's sizes",
+                          stacklevel=4)
+            return graph
         finally:
             if saved is not None:
                 fx_config.do_not_emit_stack_traces = saved
@@ -257,6 +320,8 @@ def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.
     param_node: dict[str, str] = {}
     parameters: list[ParameterInfo] = []
     outputs: list[str] = []
+    symbolic: dict[str, tuple[tuple[str | None, ...], ...]] = {}
+    dynamic: list[DynamicDim] = []
 
     for node in exported.graph.nodes:
         if node.op == "placeholder":
@@ -280,9 +345,12 @@ def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.
                 role = CONSTANT
             else:
                 role = INPUT
+                dynamic.extend(_dynamic_dims(node, exported.range_constraints))
             needs_grad = role == PARAMETER and requires_grad.get(fqn, True)
             grad[node.name] = needs_grad
             infos[node.name] = outs
+            if _symbolic_dims(node):
+                symbolic[node.name] = _symbolic_dims(node)
             nodes.append(OpNode(node.name, role, role, (), (), outs, param_fqn=fqn, requires_grad=needs_grad))
         elif node.op == "call_function":
             outs = _node_outputs(node)
@@ -307,6 +375,8 @@ def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.
                           and target not in NO_GRADIENT_TARGETS)
             grad[node.name] = needs_grad
             infos[node.name] = outs
+            if _symbolic_dims(node):
+                symbolic[node.name] = _symbolic_dims(node)
             nodes.append(
                 OpNode(
                     name=node.name, role=OP, target=target, inputs=tuple(srcs), input_infos=tuple(src_infos),
@@ -330,7 +400,29 @@ def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.
     return OpGraph(
         nodes=tuple(nodes), outputs=tuple(outputs), parameters=tuple(parameters),
         model_type=type(model).__name__, exported=exported, alias_placeholders=rename,
+        dynamic=tuple(dynamic), symbolic=symbolic,
     )
+
+
+def _dynamic_dims(node: torch.fx.Node, ranges: Any) -> list[DynamicDim]:
+    """The dims of a user input the trace kept symbolic, with the sizes it holds for."""
+    val = node.meta.get("val")
+    out = []
+    for d, size in enumerate(val.shape if isinstance(val, torch.Tensor) else ()):
+        expr = _expression(size)
+        if expr is None:
+            continue
+        bounds = ranges.get(size.node.expr)
+        low = _finite(bounds.lower) if bounds is not None else None
+        high = _finite(bounds.upper) if bounds is not None else None
+        out.append(DynamicDim(node.name, d, expr, _hint(size), low or 0, high))
+    return out
+
+
+def _finite(bound: Any) -> int | None:
+    from torch.utils._sympy.numbers import int_oo
+
+    return None if bound in (int_oo, -int_oo) or not bound.is_number or not bound.is_finite else int(bound)
 
 
 _SAME_DTYPE_OPS = {"aten.linear.default", "aten.mm.default", "aten.bmm.default", "aten.matmul.default",

@@ -58,6 +58,7 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
+from autotp.capture import concrete
 from autotp.placement import P, Placement, R, S
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ def _fx_node(graph: Any, name: str) -> Optional[torch.fx.Node]:
 
 def _tensor_val(a: Any) -> Optional[torch.Tensor]:
     if isinstance(a, torch.fx.Node):
-        val = a.meta.get("val")
+        val = concrete(a.meta.get("val"))
         if isinstance(val, torch.Tensor):
             return val
     return None
@@ -293,7 +294,7 @@ def _normalized_dims(op: Any, fx_node: torch.fx.Node) -> tuple[tuple, dict]:
 
 
 def _outputs(fx_node: torch.fx.Node) -> list[Optional[torch.Tensor]]:
-    val = fx_node.meta.get("val")
+    val = concrete(fx_node.meta.get("val"))
     if isinstance(val, torch.Tensor):
         return [val]
     if isinstance(val, (tuple, list)):

@@ -123,6 +123,7 @@ class OpGraph:
 
     ``outputs`` names the nodes whose values the model returns, in order. ``exported`` is the
     ``torch.export.ExportedProgram`` the graph came from (``None`` for a graph loaded from data).
+    Shapes are the example's; ``dynamic`` and ``symbolic`` say which sizes may vary.
     """
 
     nodes: tuple[OpNode, ...]
@@ -131,6 +132,10 @@ class OpGraph:
     model_type: str = ""
     alias_placeholders: Mapping[str, str] = field(default_factory=dict)
     exported: Any = field(default=None, repr=False, compare=False)
+    # dynamic dims (autotp.dynamic): the inputs' dims traced as symbols, and per node with any
+    # symbolic size its outputs' dims as expressions in those symbols (None: static)
+    dynamic: tuple[Any, ...] = ()
+    symbolic: Mapping[str, tuple[tuple[Any, ...], ...]] = field(default_factory=dict, repr=False, compare=False)
     _index: Mapping[str, int] = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
     _consumers: Mapping[str, tuple[str, ...]] = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
 

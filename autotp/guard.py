@@ -1,11 +1,11 @@
 """The parallel module's input check: the first node of its graph, before any collective.
 
-The rewritten graph computes on local shards whose shapes come from the example inputs (a
-``view`` of the token ids to ``[8, 64]``, a split of 64 positions in two). Called with inputs of
-another shape it would fail deep inside the graph, hang in a collective of the wrong size, or,
-worst, return an answer of the wrong shape with no error (a batch of 16 x 32 tokens viewed as
-8 x 64). ``InputGuard`` refuses such a call up front, naming the input, the dim, the size given and
-the size the module was built for.
+The rewritten graph computes on local shards. A static dim's size is baked into it (a ``view`` of
+the token ids to ``[8, 64]``); a dynamic dim's (:mod:`autotp.dynamic`) is read from the inputs, but
+may have to divide evenly where the plan splits it. Called with inputs it was not built for, the
+graph would fail deep inside, hang in a collective of the wrong size, or, worst, return an answer
+of the wrong shape with no error (a batch of 16 x 32 tokens viewed as 8 x 64). ``InputGuard``
+refuses such a call up front, naming the input, the dim, the size given and what the module needs.
 
 >>> import torch
 >>> guard = InputGuard((InputSpec("input_ids", (8, 64), "int64"),))
@@ -13,63 +13,135 @@ the size the module was built for.
 >>> guard(torch.zeros(16, 32, dtype=torch.int64))
 Traceback (most recent call last):
 ...
-ValueError: input 'input_ids': dim 0 has size 16, but this parallel module was built for size 8 (shape [8, 64] given [16, 32]); call autotp.parallelize again with example inputs of this shape
+ValueError: input 'input_ids': dim 0 has size 16, but this parallel module was built for size 8 (shape [8, 64] given [16, 32]); this dim is static (the trace fixed it, or dynamic_dims left it out); call autotp.parallelize again with example inputs of this shape
+>>> guard = InputGuard((InputSpec("input_ids", (8, "s1"), "int64"),),
+...                    divisibility=(Divisibility("s1", 2, "view_3"),))
+>>> guard(torch.zeros(8, 30, dtype=torch.int64))
+>>> guard(torch.zeros(8, 33, dtype=torch.int64))
+Traceback (most recent call last):
+...
+ValueError: input 'input_ids': dim 1 has size 33, but the plan splits it over 2 ranks (tensor view_3) and needs a multiple of 2; pad the input to a multiple of 2, or plan with a mesh that does not split this dim
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from autotp.dynamic import Divisibility, DynamicDim, evaluate
+
 __all__ = ["InputSpec", "InputGuard"]
 
 
 @dataclass(frozen=True)
 class InputSpec:
-    """One flattened user input as the module was built for it."""
+    """One flattened user input as the module was built for it: per dim its size, or for a dynamic
+    dim the symbol (or expression in symbols) of its size."""
 
     name: str
-    shape: tuple[int, ...]
+    shape: tuple[int | str, ...]
     dtype: str
 
     @classmethod
     def of(cls, name: str, value: torch.Tensor) -> "InputSpec":
-        return cls(name, tuple(int(n) for n in value.shape), str(value.dtype).removeprefix("torch."))
+        return cls(name, tuple(_size(n) for n in value.shape), str(value.dtype).removeprefix("torch."))
+
+
+def _size(n: Any) -> int | str:
+    if isinstance(n, torch.SymInt) and not n.node.expr.is_number:
+        return str(n.node.expr)
+    return int(n.node.hint) if isinstance(n, torch.SymInt) else int(n)
 
 
 class InputGuard(nn.Module):
-    """Raises ``ValueError`` unless every input has the rank, sizes and dtype of its ``InputSpec``."""
+    """Raises unless every input has the rank, sizes and dtype of its ``InputSpec``: static dims the
+    example's size, dynamic dims a size within their range, equal where the graph needs them equal,
+    and divisible as the plan requires (:class:`autotp.dynamic.Divisibility`)."""
 
-    def __init__(self, specs: tuple[InputSpec, ...]) -> None:
+    def __init__(self, specs: tuple[InputSpec, ...], dynamic: tuple[DynamicDim, ...] = (),
+                 divisibility: tuple[Divisibility, ...] = ()) -> None:
         super().__init__()
         self.specs = tuple(specs)
+        self.dynamic = tuple(dynamic)
+        self.divisibility = tuple(divisibility)
 
     def extra_repr(self) -> str:
         return ", ".join(f"{s.name}: {list(s.shape)} {s.dtype}" for s in self.specs)
 
     def forward(self, *inputs: Any) -> None:
+        sizes: dict[str, int] = {}
+        where: dict[str, tuple[str, int]] = {}
         for spec, value in zip(self.specs, inputs):
-            _check(spec, value)
+            _check(spec, value, sizes, where)
+        for spec, value in zip(self.specs, inputs):  # dims whose size is an expression of others
+            for dim, want in enumerate(spec.shape):
+                if isinstance(want, str) and not _SYMBOL.fullmatch(want):
+                    expected = evaluate(want, sizes)
+                    if value.shape[dim] != expected:
+                        raise ValueError(f"input {spec.name!r}: dim {dim} has size {value.shape[dim]}, but the model "
+                                         f"needs {want} = {expected} for the other inputs' sizes {sizes}")
+        for d in self.dynamic:
+            n = sizes.get(d.symbol)
+            if n is not None and (n < d.minimum or (d.maximum is not None and n > d.maximum)):
+                bounds = f">= {d.minimum}" if d.maximum is None else f"in [{d.minimum}, {d.maximum}]"
+                raise ValueError(f"input {d.input!r}: dim {d.dim} has size {n}, but this parallel module was traced "
+                                 f"for sizes {bounds} there (torch.export specializes sizes 0 and 1); give example "
+                                 f"inputs of size {n} in that dim to autotp.parallelize to run it")
+        for req in self.divisibility:
+            value = evaluate(req.expression, sizes)
+            if value % req.divisor:
+                what = _describe(req.expression, where, value)
+                raise ValueError(f"{what}, but the plan splits it over {req.divisor} ranks (tensor {req.tensor}) and "
+                                 f"needs a multiple of {req.divisor}; pad the input to a multiple of {req.divisor}, "
+                                 f"or plan with a mesh that does not split this dim")
 
 
 _AGAIN = "call autotp.parallelize again with example inputs of this shape"
+_SYMBOL = re.compile(r"[A-Za-z_]\w*")
 
 
-def _check(spec: InputSpec, value: Any) -> None:
+def _shape_text(shape: tuple[int | str, ...]) -> str:
+    """``[8, 64]``; a dynamic dim shows as ``*``."""
+    text = "[" + ", ".join("*" if isinstance(n, str) else str(n) for n in shape) + "]"
+    return text + (", * a dynamic dim" if any(isinstance(n, str) for n in shape) else "")
+
+
+def _describe(expression: str, where: dict[str, tuple[str, int]], value: int) -> str:
+    if expression in where:
+        name, dim = where[expression]
+        return f"input {name!r}: dim {dim} has size {value}"
+    text = expression
+    for symbol, (name, dim) in sorted(where.items(), key=lambda kv: -len(kv[0])):
+        text = re.sub(rf"\b{symbol}\b", f"{name}.size({dim})", text)
+    return f"the size {text} is {value}"
+
+
+def _check(spec: InputSpec, value: Any, sizes: dict[str, int], where: dict[str, tuple[str, int]]) -> None:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"input {spec.name!r} is a {type(value).__name__}; this parallel module was built for a "
-                        f"tensor of shape {list(spec.shape)} and dtype {spec.dtype}")
+                        f"tensor of shape {_shape_text(spec.shape)} and dtype {spec.dtype}")
     given = tuple(int(n) for n in value.shape)
     if len(given) != len(spec.shape):
         raise ValueError(f"input {spec.name!r} has {len(given)} dims (shape {list(given)}), but this parallel module "
-                         f"was built for {len(spec.shape)} (shape {list(spec.shape)}); {_AGAIN}")
+                         f"was built for {len(spec.shape)} (shape {_shape_text(spec.shape)}); {_AGAIN}")
     for dim, (n, want) in enumerate(zip(given, spec.shape)):
-        if n != want:
+        if isinstance(want, str):
+            if not _SYMBOL.fullmatch(want):
+                continue
+            if want in sizes and sizes[want] != n:
+                other, other_dim = where[want]
+                raise ValueError(f"input {spec.name!r}: dim {dim} has size {n}, but input {other!r} dim {other_dim} "
+                                 f"has size {sizes[want]}; the model needs them equal")
+            sizes.setdefault(want, n)
+            where.setdefault(want, (spec.name, dim))
+        elif n != want:
             raise ValueError(f"input {spec.name!r}: dim {dim} has size {n}, but this parallel module was built for "
-                             f"size {want} (shape {list(spec.shape)} given {list(given)}); {_AGAIN}")
+                             f"size {want} (shape {_shape_text(spec.shape)} given {list(given)}); this dim is static "
+                             f"(the trace fixed it, or dynamic_dims left it out); {_AGAIN}")
     dtype = str(value.dtype).removeprefix("torch.")
     if dtype != spec.dtype:
         raise ValueError(f"input {spec.name!r} is {dtype}, but this parallel module was built for {spec.dtype}; "

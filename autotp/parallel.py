@@ -101,7 +101,7 @@ def _agreed_plan(graph, spec: MeshSpec, mesh, hardware: Any, mode: str, memory_b
 
 
 def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional[Plan] = None, hardware: Any = None,
-                mode: str = "train", memory_budget: Any = None) -> torch.fx.GraphModule:
+                mode: str = "train", memory_budget: Any = None, dynamic_dims: Any = None) -> torch.fx.GraphModule:
     """Return a module that computes what ``model`` computes, sharded over ``mesh`` as planned.
 
     ``mesh`` must be a ``DeviceMesh`` over a live process group (every rank calls this with the same
@@ -110,6 +110,12 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
     (default: the profile of the mesh's device, :func:`default_hardware`), ``mode`` and
     ``memory_budget``, which every rank receives. The result's parameters are DTensor shards under
     the model's own names; ``result.plan`` is the plan used.
+
+    The result runs at other sizes of the inputs' dynamic dims without planning again:
+    ``dynamic_dims=None`` (default) makes the batch and sequence dims dynamic where the model allows
+    (integer inputs: every dim; float inputs: all but the last), ``False`` none, and a dict such as
+    ``{"input_ids": (0, 1)}`` exactly those (:mod:`autotp.dynamic`). The plan is priced at the
+    example's sizes; ``result.plan.report()`` lists the dynamic dims and what the plan needs of them.
     """
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -130,7 +136,7 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
         resolve_hardware(hardware)  # a bad profile is refused on every rank, before the capture
     t0 = time.perf_counter()
     try:
-        graph = capture(model, example_inputs)
+        graph = capture(model, example_inputs, dynamic_dims)
     except CaptureError as err:
         raise ValueError(f"the example inputs do not fit the model:\n{err}") from err
     unfillable = unfillable_state(model, graph.exported.constants)

@@ -20,6 +20,7 @@ from typing import Any, Mapping, Optional
 
 from cost_models import HardwareProfile
 
+from autotp.dynamic import Divisibility, DynamicDim
 from autotp.graph import OpGraph, PARAMETER
 from autotp.mesh import MeshSpec
 from autotp.placement import Strategy, format_placements
@@ -108,6 +109,9 @@ class Plan:
     memory: MemoryPerDevice
     stats: SolveStats
     modules: tuple[ModuleChoice, ...]
+    # the inputs' dynamic dims and what the plan needs of them (autotp.dynamic); empty: all static
+    dynamic_dims: tuple[DynamicDim, ...] = ()
+    divisibility: tuple[Divisibility, ...] = ()
     _strategies: Mapping[str, Strategy] = field(default=None, repr=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -165,6 +169,8 @@ class Plan:
             # wall-clock timings stay out of the file: the same inputs give byte-identical JSON
             "stats": {k: v for k, v in asdict(self.stats).items() if k not in _TIMING_FIELDS},
             "modules": [asdict(m) for m in self.modules],
+            "dynamic_dims": [asdict(d) for d in self.dynamic_dims],
+            "divisibility": [asdict(d) for d in self.divisibility],
         }
 
     def to_json(self) -> str:
@@ -191,6 +197,8 @@ class Plan:
                 memory=MemoryPerDevice(**d["memory"]),
                 stats=SolveStats(**{**{k: None for k in _TIMING_FIELDS}, **d["stats"]}),
                 modules=tuple(ModuleChoice(**m) for m in d["modules"]),
+                dynamic_dims=tuple(DynamicDim(**x) for x in d.get("dynamic_dims", ())),
+                divisibility=tuple(Divisibility(**x) for x in d.get("divisibility", ())),
             )
         except (KeyError, TypeError, IndexError) as err:
             raise PlanError(f"plan file is missing or has a malformed field: {err}") from err

@@ -17,6 +17,7 @@ from cost_models import HardwareProfile, load_profile
 
 from autotp.capture import capture
 from autotp.costing import MODES, CostModel
+from autotp.dynamic import requirements
 from autotp.graph import OpGraph
 from autotp.mesh import MeshSpec
 from autotp.placement import Strategy, format_placements, parse_placements
@@ -159,11 +160,14 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
         collective_list=tuple(colls), time=predicted_time(graph, chosen, spec, cost, (colls, copies)),
         memory=memory, stats=stats,
         modules=module_choices(graph, chosen),
+        dynamic_dims=tuple(graph.dynamic),
+        divisibility=requirements(graph.symbolic, graph.nodes, chosen, spec.shape),
     )
 
 
 def plan(model: torch.nn.Module, mesh: Any, example_inputs: Any, hardware: Any = None, mode: str = "train",
-         memory_budget: Any = None, time_limit_s: float = 60.0, pin: Optional[Mapping[str, str]] = None) -> Plan:
+         memory_budget: Any = None, time_limit_s: float = 60.0, pin: Optional[Mapping[str, str]] = None,
+         dynamic_dims: Any = False) -> Plan:
     """Choose how to split every op of ``model`` over ``mesh``.
 
     ``mesh`` is a ``DeviceMesh`` or a shape such as ``(8,)`` or ``(2, 4)`` (no processes needed);
@@ -172,6 +176,8 @@ def plan(model: torch.nn.Module, mesh: Any, example_inputs: Any, hardware: Any =
     (a number or a string like ``"40GB"``; default: the profile's device memory). ``pin`` fixes the
     placements of chosen parameters, and the ops that read them compute with those shards, e.g.
     ``{"layers.0.mlp.up_proj.weight": "S(0)"}`` (colwise); the solver decides the rest.
+    ``dynamic_dims`` (default False: all sizes the example's; see :func:`autotp.parallelize`) only
+    adds the dynamic dims and what the plan needs of them to the report: the plan is the same.
     """
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: expected one of {MODES}")
@@ -179,6 +185,6 @@ def plan(model: torch.nn.Module, mesh: Any, example_inputs: Any, hardware: Any =
     resolve_hardware(hardware)
     parse_bytes(memory_budget)
     t0 = time.perf_counter()
-    graph = capture(model, example_inputs)
+    graph = capture(model, example_inputs, dynamic_dims)
     return plan_graph(graph, mesh, hardware, mode, memory_budget, time_limit_s, capture_s=time.perf_counter() - t0,
                       pin=pin)

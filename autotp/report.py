@@ -1,14 +1,15 @@
 """Report: the plan as a person reads it (text table, JSON, or HTML).
 
 Sections: per module its style and the placements of weight, input and output; the collectives of
-one step by kind and phase with bytes; predicted compute and communication time; memory per
-device against the budget; how the solve went.
+one step by kind and phase with bytes; the inputs' dynamic dims and what the plan needs of them;
+predicted compute and communication time; memory per device against the budget; how the solve went.
 """
 
 from __future__ import annotations
 
 import html
 import json
+import re
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
@@ -41,6 +42,25 @@ def _collective_rows(plan: "Plan") -> list[list[str]]:
             for (phase, kind, axis), b in sorted(groups.items(), key=lambda kv: (order[kv[0][0]], kv[0][1:]))]
 
 
+def dynamic_lines(plan: "Plan") -> list[str]:
+    """One line per dynamic dim (its range, and the multiple the plan needs), then any other size
+    the plan splits, written in the inputs' dims."""
+    names = {d.symbol: f"{d.input}.size({d.dim})" for d in plan.dynamic_dims}
+    multiple = {r.expression: r.divisor for r in plan.divisibility}
+    lines = []
+    for d in plan.dynamic_dims:
+        bound = f"any size >= {d.minimum}" + (f" and <= {d.maximum}" if d.maximum is not None else "")
+        need = f", a multiple of {multiple[d.symbol]}" if d.symbol in multiple else ""
+        lines.append(f"{d.input} dim {d.dim}: example {d.example}, {bound}{need}")
+    for r in plan.divisibility:
+        if r.expression not in names:
+            text = r.expression
+            for symbol in sorted(names, key=len, reverse=True):
+                text = re.sub(rf"\b{symbol}\b", names[symbol], text)
+            lines.append(f"{text}: a multiple of {r.divisor} (the plan splits tensor {r.tensor} of that size)")
+    return lines
+
+
 def _text(plan: "Plan") -> str:
     mem, t, st = plan.memory, plan.time, plan.stats
     lines = [
@@ -53,6 +73,9 @@ def _text(plan: "Plan") -> str:
     lines += ["", "Collectives per step"]
     rows = _collective_rows(plan)
     lines += _table(["phase", "kind", "axis", "count", "bytes"], rows) if rows else ["(none: every rank works alone)"]
+    if plan.dynamic_dims:
+        lines += ["", "Dynamic dims (sizes other than the example's run without planning again)"]
+        lines += [f"  {line}" for line in dynamic_lines(plan)]
     budget = f" of {format_bytes(mem.budget_bytes)} budget" if mem.budget_bytes else ""
     lines += [
         "",

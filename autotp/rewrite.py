@@ -11,6 +11,7 @@ example inputs it was built for (:mod:`autotp.guard`).
 
 from __future__ import annotations
 
+import math
 import operator
 import sys
 from typing import Any
@@ -22,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autotp.collectives import GradAllReduce, MaskedEmbedding, RedistributeStep, to_local
+from autotp.dynamic import requirements
 from autotp.graph import OpGraph
 from autotp.guard import InputGuard, InputSpec
 from autotp.placement import Placement, local_shape
@@ -94,6 +96,7 @@ class _Builder:
         self.root = nn.Module()
         self.fx = torch.fx.Graph()
         self.local: dict[str, torch.fx.Node] = {}  # producer name -> its local value
+        self.sizes: dict[str, torch.fx.Node] = {}  # symbolic size node -> its value (a global size)
         self.read_cache: dict[tuple, torch.fx.Node] = {}
         self.n_modules = 0
         train = plan.mode == "train"
@@ -207,6 +210,9 @@ class _Builder:
                 else:
                     self.local[node.name] = self.fx.get_attr("_autotp_constants." + spec.target.replace(".", "_"))
             elif node.op == "call_function":
+                if node.name not in self.g and _is_size(node):
+                    self.emit_size(node, alias)
+                    continue
                 if node.name not in self.g:
                     if node.users:
                         raise NotImplementedError(f"node {node.name} ({node.target}) returns no tensor but is used by "
@@ -232,7 +238,8 @@ class _Builder:
     def emit_guard(self, user_inputs: list[tuple[torch.fx.Node, InputSpec]]) -> None:
         """The input check, first of all nodes (:mod:`autotp.guard`)."""
         if user_inputs:
-            guard = InputGuard(tuple(spec for _, spec in user_inputs))
+            divisibility = requirements(self.g.symbolic, self.g.nodes, self.plan.strategies, self.mesh_shape)
+            guard = InputGuard(tuple(spec for _, spec in user_inputs), self.g.dynamic, divisibility)
             self.root.add_module("autotp_input_guard", guard)
             self.fx.call_module("autotp_input_guard", tuple(node for node, _ in user_inputs))
 
@@ -249,6 +256,8 @@ class _Builder:
         position = iter(range(len(op.inputs)))  # tensor arguments in OpNode.inputs order
 
         def mapped(a: Any) -> Any:
+            if isinstance(a, torch.fx.Node) and a.name in self.sizes:
+                return self.sizes[a.name]
             if isinstance(a, torch.fx.Node):
                 if not self.is_tensor(a):
                     raise NotImplementedError(f"node {node.name} reads {a.name}, which is not a tensor")
@@ -268,7 +277,7 @@ class _Builder:
         args, kwargs = torch.fx.node.map_aggregate(args, on_device), torch.fx.node.map_aggregate(kwargs, on_device)
         target = node.target
         if target in _SHAPE_ARG_OPS:
-            args = (args[0], list(local_shape(op.output.shape, strat.output, self.mesh_shape)), *args[2:])
+            args = (args[0], self.local_sizes(args[1], op, strat.output), *args[2:])
         elif target is aten.slice.Tensor:
             dim = args[1] if len(args) > 1 else 0
             dim = dim + op.input_infos[0].ndim if dim < 0 else dim
@@ -286,6 +295,46 @@ class _Builder:
                 return
         self.local[node.name] = self.fx.call_function(target, args, kwargs)
 
+    def emit_size(self, node: torch.fx.Node, alias: dict[str, str]) -> None:
+        """A size computed in the graph (a dynamic dim's symbol, or arithmetic on sizes): the same value,
+        a global size, from the local tensors. ``x.size(d)`` of a tensor this rank holds split along
+        ``d`` is its local size times the number of pieces (even pieces: the guard checks that)."""
+        def mapped(a: Any) -> Any:
+            if isinstance(a, torch.fx.Node):
+                if a.name in self.sizes:
+                    return self.sizes[a.name]
+                raise NotImplementedError(f"size node {node.name} ({node.target}) reads tensor {a.name}; autotp "
+                                          f"cannot compute it on shards")
+            return a
+
+        if node.target is aten.sym_size.int:
+            src = alias.get(node.args[0].name, node.args[0].name)
+            d = node.args[1] % self.g[src].outputs[0].ndim
+            pieces = math.prod(n for p, n in zip(self.plan.strategy(src).output, self.mesh_shape)
+                               if p.is_shard and p.dim == d)
+            size = self.fx.call_function(aten.sym_size.int, (self.local[src], d))
+            self.sizes[node.name] = size if pieces == 1 else self.fx.call_function(operator.mul, (size, pieces))
+            return
+        args = torch.fx.node.map_aggregate(node.args, mapped)
+        kwargs = torch.fx.node.map_aggregate(node.kwargs, mapped)
+        self.sizes[node.name] = self.fx.call_function(node.target, args, kwargs)
+
+    def local_sizes(self, sizes: Any, op, placements: tuple[Placement, ...]) -> list:
+        """The shape argument of a ``view``/``expand`` for this rank's piece. With every size static,
+        the piece's shape. Else static sizes become the piece's sizes; a size node (a dynamic dim) split
+        over ``k`` pieces becomes its size ``// k``; ``-1`` (infer, or keep) stays."""
+        static = local_shape(op.output.shape, placements, self.mesh_shape)
+        if op.name not in self.g.symbolic:
+            return list(static)
+        out = []
+        for d, size in enumerate(sizes):
+            pieces = math.prod(n for p, n in zip(placements, self.mesh_shape) if p.is_shard and p.dim == d)
+            if isinstance(size, torch.fx.Node):
+                out.append(size if pieces == 1 else self.fx.call_function(operator.floordiv, (size, pieces)))
+            else:
+                out.append(size if size == -1 else static[d])
+        return out
+
     def emit_output(self, node: torch.fx.Node, alias: dict[str, str]) -> None:
         position = {name: i for i, name in enumerate(self.g.outputs)}
 
@@ -301,6 +350,11 @@ class _Builder:
 
     def plan_output_placement(self) -> tuple[Placement, ...]:
         return tuple(Placement("R") for _ in self.mesh_shape)
+
+
+def _is_size(node: torch.fx.Node) -> bool:
+    """A node that computes a size (an int or a symbolic int), not a tensor."""
+    return isinstance(node.meta.get("val"), (int, torch.SymInt, torch.SymFloat, torch.SymBool, float, bool))
 
 
 def build_parallel_module(graph: OpGraph, plan: Plan, mesh: DeviceMesh, model: nn.Module) -> torch.fx.GraphModule:

@@ -82,10 +82,13 @@ def _meta_model(name: str, directory: str):
 def _parallelize(model, mesh, ids, budget_slack=1.05):
     import autotp
 
+    # static sizes: what is loaded does not depend on them (tests/test_dynamic.py covers other sizes),
+    # and a static trace is half the time of these two-process runs
     try:
-        return autotp.parallelize(model, mesh, (ids,), memory_budget=1)
+        return autotp.parallelize(model, mesh, (ids,), memory_budget=1, dynamic_dims=False)
     except autotp.MemoryBudgetError as err:  # just above the least any plan needs: it shards
-        return autotp.parallelize(model, mesh, (ids,), memory_budget=err.minimum_bytes * budget_slack)
+        return autotp.parallelize(model, mesh, (ids,), memory_budget=err.minimum_bytes * budget_slack,
+                                  dynamic_dims=False)
 
 
 def _ranks(rank, world, dirs):

@@ -135,9 +135,12 @@ def _one_rank_outcomes(mesh):
     # first op views the token ids as [8, 64], which a [16, 32] batch would pass through silently
     gpt2, (gpt2_ids,) = models.hf_gpt2(batch=8, seq=64)
     gpt2_pm = autotp.parallelize(gpt2, mesh, (gpt2_ids,), hardware="cpu-gloo", mode="inference")
+    gpt2_static = autotp.parallelize(gpt2, mesh, (gpt2_ids,), hardware="cpu-gloo", mode="inference",
+                                     dynamic_dims=False)
     other = torch.randint(0, 128, (16, 32))
     out["gpt2_model_takes_16x32"] = tuple(gpt2(other).logits.shape)
-    out["call_other_shape"] = _attempt(mesh, gpt2, lambda: gpt2_pm(other))
+    out["call_other_shape"] = _attempt(mesh, gpt2, lambda: gpt2_static(other))
+    out["dynamic_other_shape_error"] = (gpt2_pm(other).logits - gpt2(other).logits).abs().max().item()
     out["call_other_rank"] = _attempt(mesh, gpt2, lambda: gpt2_pm(gpt2_ids.reshape(8, 8, 8)))
     out["call_other_dtype"] = _attempt(mesh, gpt2, lambda: gpt2_pm(gpt2_ids.int()))
     out["call_same_shape"] = tuple(gpt2_pm(gpt2_ids.flip(0)).logits.shape)
@@ -270,14 +273,18 @@ def test_plan_that_is_not_a_plan_is_a_type_error(one_rank):
 # ------------------------------------------------------ the parallel module called with other inputs
 
 def test_other_input_shape_is_refused_before_any_collective(one_rank):
+    """GPT-2 built for 8 x 64 once returned [8, 64, vocab] logits for a 16 x 32 batch, with no error.
+    With dynamic dims (the default) it computes the model's logits; with every dim static it refuses."""
     assert one_rank["gpt2_model_takes_16x32"] == (16, 32, 128), "the model itself accepts the batch"
+    assert one_rank["dynamic_other_shape_error"] < 1e-5
     _assert_refused(one_rank["call_other_shape"], "ValueError", "input 'input_ids'", "dim 0 has size 16",
                     "built for size 8", "[8, 64]", "[16, 32]")
     assert one_rank["call_same_shape"] == (8, 64, 128)
 
 
 def test_other_input_rank_and_dtype_are_refused(one_rank):
-    _assert_refused(one_rank["call_other_rank"], "ValueError", "input 'input_ids' has 3 dims", "[8, 8, 8]", "[8, 64]")
+    _assert_refused(one_rank["call_other_rank"], "ValueError", "input 'input_ids' has 3 dims", "[8, 8, 8]",
+                    "shape [*, *], * a dynamic dim")
     _assert_refused(one_rank["call_other_dtype"], "ValueError", "input 'input_ids' is int32", "built for int64")
 
 
