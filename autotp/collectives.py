@@ -157,4 +157,7 @@ class MaskedEmbedding(nn.Module):
 
 def to_local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor parameter (autograd flows back into the DTensor)."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    from torch.distributed.tensor import DTensor
+
+    # isinstance, not hasattr: torch.compile answers hasattr on a parameter from the Tensor class
+    return t.to_local() if isinstance(t, DTensor) else t

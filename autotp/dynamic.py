@@ -25,7 +25,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-__all__ = ["DynamicDim", "Divisibility", "export_spec", "requirements", "evaluate"]
+__all__ = ["DynamicDim", "Divisibility", "export_spec", "requirements", "evaluate", "compiled"]
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,8 @@ class Divisibility:
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(expression: str):
+def compiled(expression: str):
+    """``(symbol names, function of their sizes)`` for a size expression."""
     import sympy
 
     expr = sympy.sympify(expression)
@@ -69,7 +70,7 @@ def _compiled(expression: str):
 
 def evaluate(expression: str, sizes: Mapping[str, int]) -> int:
     """The integer value of a size expression (``"2*s1"``) given the symbols' sizes."""
-    names, fn = _compiled(expression)
+    names, fn = compiled(expression)
     return int(fn(*(sizes[n] for n in names)))
 
 

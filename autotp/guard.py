@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autotp.dynamic import Divisibility, DynamicDim, evaluate
+from autotp.dynamic import Divisibility, DynamicDim, compiled
 
 __all__ = ["InputSpec", "InputGuard"]
 
@@ -68,6 +68,14 @@ class InputGuard(nn.Module):
         self.specs = tuple(specs)
         self.dynamic = tuple(dynamic)
         self.divisibility = tuple(divisibility)
+        # each size expression as a plain function of the symbols' sizes, made once: torch.compile
+        # then traces the checks as arithmetic on the input sizes
+        self._expressions = {e: compiled(e) for e in {r.expression for r in self.divisibility}
+                             | {n for s in self.specs for n in s.shape if isinstance(n, str) and not _SYMBOL.fullmatch(n)}}
+
+    def _value(self, expression: str, sizes: dict[str, int]) -> int:
+        names, fn = self._expressions[expression]
+        return int(fn(*(sizes[n] for n in names)))
 
     def extra_repr(self) -> str:
         return ", ".join(f"{s.name}: {list(s.shape)} {s.dtype}" for s in self.specs)
@@ -80,7 +88,7 @@ class InputGuard(nn.Module):
         for spec, value in zip(self.specs, inputs):  # dims whose size is an expression of others
             for dim, want in enumerate(spec.shape):
                 if isinstance(want, str) and not _SYMBOL.fullmatch(want):
-                    expected = evaluate(want, sizes)
+                    expected = self._value(want, sizes)
                     if value.shape[dim] != expected:
                         raise ValueError(f"input {spec.name!r}: dim {dim} has size {value.shape[dim]}, but the model "
                                          f"needs {want} = {expected} for the other inputs' sizes {sizes}")
@@ -92,7 +100,7 @@ class InputGuard(nn.Module):
                                  f"for sizes {bounds} there (torch.export specializes sizes 0 and 1); give example "
                                  f"inputs of size {n} in that dim to autotp.parallelize to run it")
         for req in self.divisibility:
-            value = evaluate(req.expression, sizes)
+            value = self._value(req.expression, sizes)
             if value % req.divisor:
                 what = _describe(req.expression, where, value)
                 raise ValueError(f"{what}, but the plan splits it over {req.divisor} ranks (tensor {req.tensor}) and "

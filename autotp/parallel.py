@@ -26,7 +26,7 @@ from autotp.mesh import MeshSpec
 from autotp.meta import unfillable_state
 from autotp.plan import Plan, PlanError
 from autotp.planner import plan_graph, resolve_hardware
-from autotp.rewrite import build_parallel_module
+from autotp.rewrite import build_parallel_module, has_active_dropout
 from autotp.solver import MemoryBudgetError
 
 __all__ = ["parallelize", "default_hardware"]
@@ -65,11 +65,21 @@ def _device_type(model: nn.Module) -> Optional[str]:
 _ERRORS = {"PlanError": PlanError, "ValueError": ValueError, "TypeError": TypeError}
 
 
+def _from_first_rank(mesh, payload: list[Any]) -> list[Any]:
+    """The first rank's ``payload`` on every rank: a broadcast along each axis in turn (from
+    coordinate 0 of that axis; ranks at coordinate 0 of the later axes pass it on)."""
+    import torch.distributed as dist
+
+    coordinate = mesh.get_coordinate()
+    for axis in range(mesh.ndim):
+        if all(c == 0 for c in coordinate[axis + 1:]):
+            dist.broadcast_object_list(payload, group=mesh.get_group(axis), group_src=0)
+    return payload
+
+
 def _agreed_plan(graph, spec: MeshSpec, mesh, hardware: Any, mode: str, memory_budget: Any, capture_s: float) -> Plan:
     """The rank at the mesh's first coordinate plans; its plan (or its error) reaches every rank by a
     broadcast along each axis in turn (from coordinate 0 of that axis), and every rank returns it."""
-    import torch.distributed as dist
-
     coordinate = mesh.get_coordinate()
     payload: list[Any] = [None]
     plan = None
@@ -85,9 +95,7 @@ def _agreed_plan(graph, spec: MeshSpec, mesh, hardware: Any, mode: str, memory_b
             payload, error = [("error", name, str(err))], err
         except BaseException as err:  # anything else: tell the others, then raise it here
             payload, error = [("error", "RuntimeError", f"the first rank failed to plan: {type(err).__name__}: {err}")], err
-    for axis in range(mesh.ndim):  # axis by axis: ranks at coordinate 0 of the later axes pass it on
-        if all(c == 0 for c in coordinate[axis + 1:]):
-            dist.broadcast_object_list(payload, group=mesh.get_group(axis), group_src=0)
+    payload = _from_first_rank(mesh, payload)
     if error is not None:
         raise error
     kind, *rest = payload[0]
@@ -147,4 +155,6 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
     if plan is None:
         plan = _agreed_plan(graph, spec, mesh, hardware, mode, memory_budget, time.perf_counter() - t0)
     plan.check_matches(graph, spec)
-    return build_parallel_module(graph, plan, mesh, model)
+    # dropout masks: one base seed for all ranks, the first rank's (autotp.dropout)
+    seed = _from_first_rank(mesh, [torch.initial_seed()])[0] if has_active_dropout(graph) else None
+    return build_parallel_module(graph, plan, mesh, model, seed)

@@ -2,7 +2,8 @@
 
 The module's parameters are DTensors with the planned placements, registered under the model's
 own names (its ``state_dict`` keys equal the model's). Its graph runs every op on the local shard
-(shape arguments rewritten to local shapes, a row-split embedding as a masked lookup) and holds
+(shape arguments rewritten to local shapes, a row-split embedding as a masked lookup, dropout with
+masks that follow the shards: :mod:`autotp.dropout`) and holds
 the plan's collectives as ``call_module`` nodes (:mod:`autotp.collectives`), placed exactly where
 :mod:`autotp.program` says. Nothing else communicates: DTensor is the format of the parameters,
 not the engine that runs the ops. Before any of it the graph checks its inputs against the
@@ -23,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autotp.collectives import GradAllReduce, MaskedEmbedding, RedistributeStep, to_local
+from autotp.dropout import ShardedDropout
 from autotp.dynamic import requirements
 from autotp.graph import OpGraph
 from autotp.guard import InputGuard, InputSpec
@@ -31,9 +33,10 @@ from autotp.plan import Plan
 from autotp.program import reads
 from autotp.redistribute import conversion_steps, fused_axes
 
-__all__ = ["build_parallel_module", "local_shard"]
+__all__ = ["build_parallel_module", "local_shard", "has_active_dropout"]
 
 aten = torch.ops.aten
+_DROPOUT_OPS = (aten.dropout.default, aten.native_dropout.default)
 _SHAPE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
 
 
@@ -86,7 +89,8 @@ def _set(root: nn.Module, fqn: str, value: Any, kind: str, persistent: bool = Tr
 
 
 class _Builder:
-    def __init__(self, graph: OpGraph, plan: Plan, mesh: DeviceMesh, model: nn.Module) -> None:
+    def __init__(self, graph: OpGraph, plan: Plan, mesh: DeviceMesh, model: nn.Module,
+                 seed: int | None = None) -> None:
         self.g, self.plan, self.mesh, self.model = graph, plan, mesh, model
         self.ep = graph.exported
         self.mesh_shape = tuple(int(n) for n in mesh.mesh.shape)
@@ -99,6 +103,8 @@ class _Builder:
         self.sizes: dict[str, torch.fx.Node] = {}  # symbolic size node -> its value (a global size)
         self.read_cache: dict[tuple, torch.fx.Node] = {}
         self.n_modules = 0
+        self.n_dropouts = 0
+        self.seed = torch.initial_seed() if seed is None else int(seed)
         train = plan.mode == "train"
         self.grad_axes = {(r.consumer, r.index): r.grad_axes for r in reads(graph, plan.strategies, plan.mesh, train)}
 
@@ -284,6 +290,14 @@ class _Builder:
             q = strat.inputs[0]
             if q is not None and any(p.is_shard and p.dim == dim for p in q):
                 args = (args[0], args[1], 0, sys.maxsize, *args[4:])  # a full-range slice of a split dim
+        elif target in _DROPOUT_OPS and self.active_dropout(args):
+            shard_key = tuple(self.coordinate[a] for a, p in enumerate(self.read_placements(op, 0)) if p.is_shard)
+            module = ShardedDropout(args[1], self.seed, self.n_dropouts, shard_key)
+            self.n_dropouts += 1
+            call = self.fx.call_module(self._add_module(module, "dropout"), (args[0],))
+            native = target is aten.native_dropout.default
+            self.local[node.name] = call if native else self.fx.call_function(operator.getitem, (call, 0))
+            return
         elif target is aten.embedding.default:
             w = strat.inputs[0]
             axes = [a for a, p in enumerate(w) if p.is_shard and p.dim == 0]
@@ -294,6 +308,18 @@ class _Builder:
                 self.local[node.name] = self.fx.call_module(name, args, kwargs)
                 return
         self.local[node.name] = self.fx.call_function(target, args, kwargs)
+
+    @staticmethod
+    def active_dropout(args: tuple) -> bool:
+        """``dropout(x, p, train)`` that drops anything: train set and ``p > 0``."""
+        p = args[1] if len(args) > 1 else 0.5
+        train = args[2] if len(args) > 2 else True
+        return bool(train) and p is not None and float(p) > 0.0
+
+    def read_placements(self, op, k: int) -> tuple[Placement, ...]:
+        """The placements op ``op`` reads its ``k``-th tensor argument with."""
+        q = self.plan.strategy(op.name).inputs[k]
+        return q if q is not None else self.plan.strategy(op.inputs[k]).output
 
     def emit_size(self, node: torch.fx.Node, alias: dict[str, str]) -> None:
         """A size computed in the graph (a dynamic dim's symbol, or arithmetic on sizes): the same value,
@@ -357,8 +383,17 @@ def _is_size(node: torch.fx.Node) -> bool:
     return isinstance(node.meta.get("val"), (int, torch.SymInt, torch.SymFloat, torch.SymBool, float, bool))
 
 
-def build_parallel_module(graph: OpGraph, plan: Plan, mesh: DeviceMesh, model: nn.Module) -> torch.fx.GraphModule:
-    """The rewritten module for this rank (see the module docstring)."""
-    gm = _Builder(graph, plan, mesh, model).build()
+def has_active_dropout(graph: OpGraph) -> bool:
+    """Whether the graph drops anything at run time (then its ranks must agree on a seed)."""
+    return graph.exported is not None and any(
+        n.op == "call_function" and n.target in _DROPOUT_OPS and _Builder.active_dropout(n.args)
+        for n in graph.exported.graph.nodes)
+
+
+def build_parallel_module(graph: OpGraph, plan: Plan, mesh: DeviceMesh, model: nn.Module,
+                          seed: int | None = None) -> torch.fx.GraphModule:
+    """The rewritten module for this rank (see the module docstring). ``seed``: the base seed of the
+    dropout masks (:mod:`autotp.dropout`), equal on every rank; default ``torch.initial_seed()``."""
+    gm = _Builder(graph, plan, mesh, model, seed).build()
     gm.plan = plan  # type: ignore[attr-defined]
     return gm

@@ -9,13 +9,17 @@ On 2 gloo ranks (CPU), a GPT-2-small-shaped model (4 layers, dim 768, 12 heads, 
 
 Each measures forward + backward + AdamW step, median of ``--steps`` steps after ``--warmup``,
 interleaved in one run so load on the machine hits both alike. Prints the ratios side by side.
+With ``--compile BACKEND`` (``inductor``, ``aot_eager``) both 2-rank models are also measured
+under ``torch.compile(model, backend=BACKEND)`` (the optimizer step stays eager), and the ratios
+compiled / eager and compiled autotp / compiled hand plan are printed too.
 
-    .venv/bin/python benchmarks/runtime.py [--steps 5] [--hardware cpu-gloo]
+    .venv/bin/python benchmarks/runtime.py [--steps 5] [--hardware cpu-gloo] [--compile inductor] [--layers 4]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -51,7 +55,7 @@ def step_time(model, inputs, targets, steps: int, warmup: int) -> tuple[float, f
         opt.step()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times), float(loss)
+    return statistics.median(times), loss.item()
 
 
 def hand_megatron(model, mesh):
@@ -68,20 +72,27 @@ def hand_megatron(model, mesh):
     return parallelize_module(model, mesh, plan)
 
 
-def _ranks(rank: int, world: int, batch: int, seq: int, steps: int, warmup: int, hardware: str) -> dict:
+def _ranks(rank: int, world: int, batch: int, seq: int, steps: int, warmup: int, hardware: str,
+           backend: str | None = None, layers: int = 4) -> dict:
     import autotp
     from torch.distributed.device_mesh import init_device_mesh
 
+    global CFG
+    CFG = dataclasses.replace(CFG, n_layer=layers)
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     model, inputs, targets = build(batch, seq)
     pmodel = autotp.parallelize(model, mesh, inputs, hardware=hardware)
     hand_model, _, _ = build(batch, seq)
     hand = hand_megatron(hand_model, mesh)
-    results = {"autotp": [], "hand": []}
-    for _ in range(2):  # interleave, so the machine's load hits both alike
-        results["autotp"].append(step_time(pmodel, inputs, targets, steps, warmup))
-        results["hand"].append(step_time(hand, inputs, targets, steps, warmup))
+    models = {"autotp": pmodel, "hand": hand}
+    if backend:
+        models |= {"autotp_compiled": torch.compile(pmodel, backend=backend),
+                   "hand_compiled": torch.compile(hand, backend=backend)}
+    results = {k: [] for k in models}
+    for _ in range(2):  # interleave, so the machine's load hits all alike
+        for k, m in models.items():
+            results[k].append(step_time(m, inputs, targets, steps, warmup))
     return {k: min(t for t, _ in v) for k, v in results.items()} | {
         "styles": sorted(set(pmodel.plan.module_styles().values())),
         "predicted_s": pmodel.plan.predicted_time().total_s,
@@ -89,15 +100,20 @@ def _ranks(rank: int, world: int, batch: int, seq: int, steps: int, warmup: int,
 
 
 def main() -> None:
+    global CFG
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--hardware", default="cpu-gloo")
+    parser.add_argument("--compile", default=None, metavar="BACKEND", help="also measure under torch.compile")
+    parser.add_argument("--layers", type=int, default=CFG.n_layer)
     args = parser.parse_args()
 
-    r = run_ranks(_ranks, 2, args.batch, args.seq, args.steps, args.warmup, args.hardware)[0]
+    CFG = dataclasses.replace(CFG, n_layer=args.layers)
+    r = run_ranks(_ranks, 2, args.batch, args.seq, args.steps, args.warmup, args.hardware, args.compile,
+                  args.layers)[0]
     model, inputs, targets = build(args.batch, args.seq)
     torch.set_num_threads(2)
     single, _ = step_time(model, inputs, targets, args.steps, args.warmup)
@@ -109,6 +125,11 @@ def main() -> None:
     print(f"{'single process (2 threads)':28}{single * 1e3:>10.1f}ms")
     print(f"autotp / hand plan     = {r['autotp'] / r['hand']:.2f}x   (goal <= 1.0, aim 0.8)")
     print(f"autotp / single process = {r['autotp'] / single:.2f}x")
+    if args.compile:
+        print(f"torch.compile(backend={args.compile!r}): autotp {r['autotp_compiled'] * 1e3:.1f} ms, hand plan "
+              f"{r['hand_compiled'] * 1e3:.1f} ms")
+        print(f"compiled autotp / eager autotp = {r['autotp_compiled'] / r['autotp']:.2f}x")
+        print(f"compiled autotp / compiled hand plan = {r['autotp_compiled'] / r['hand_compiled']:.2f}x")
 
 
 if __name__ == "__main__":

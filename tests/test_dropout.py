@@ -1,0 +1,105 @@
+"""Dropout in train mode on two ranks (autotp.dropout): one mask per replicated value, independent
+masks per shard, the keep rate 1 - p, and gradients that follow the masks applied."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from examples.ranks import run_threads
+
+P = 0.5
+
+
+class DropNet(nn.Module):
+    """Dropout on a column-split activation (``up``'s output, read by the row-split ``down``) and on
+    the replicated input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = nn.Linear(64, 256)
+        self.down = nn.Linear(256, 64)
+
+    def forward(self, x):  # (B, 64)
+        return self.down(F.dropout(self.up(x), P, self.training)) + F.dropout(x, P, self.training)
+
+
+def _prepare():
+    import autotp
+    from autotp.planner import plan_graph
+
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(1))
+    graph = autotp.capture(DropNet().train(), (x,))
+    try:
+        plan_graph(graph, (2,), "cpu-gloo", "train", 1.0)
+    except autotp.MemoryBudgetError as err:
+        plan = plan_graph(graph, (2,), "cpu-gloo", "train", int(err.minimum_bytes * 1.05) + 1)
+    return graph, plan, x
+
+
+def _run(rank, world, graph, plan, x):
+    """Two steps; each step's masks as every dropout module drew them (a forward hook), the output,
+    and the gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autotp.dropout import ShardedDropout
+    from autotp.rewrite import build_parallel_module
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    pm = build_parallel_module(graph, plan, mesh, DropNet(), seed=1234)
+    masks: dict[tuple, list] = {}
+    for m in pm.modules():
+        if isinstance(m, ShardedDropout):
+            m.register_forward_hook(lambda mod, args, out: masks.setdefault(mod.shard_key and ("shard",) or (), [])
+                                    .append(out[1].clone()))
+    steps = []
+    for _ in range(2):  # masks must change from call to call
+        pm.zero_grad(set_to_none=True)
+        y = pm(x)
+        y.pow(2).sum().backward()
+        grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) for n, p in pm.named_parameters()}
+        steps.append((y.detach(), grads))
+    return sorted(m.shard_key for m in pm.modules() if isinstance(m, ShardedDropout)), masks, steps
+
+
+def test_shards_get_independent_masks_and_replicas_one_mask():
+    graph, plan, x = _prepare()
+    styles = plan.module_styles()
+    assert (styles["up"], styles["down"]) == ("colwise", "rowwise"), styles
+    (keys0, masks0, steps0), (keys1, masks1, steps1) = run_threads(_run, 2, graph, plan, x)
+    assert keys0 == [(), (0,)] and keys1 == [(), (1,)], "one dropout on a shard, one on a replicated value"
+    ref = DropNet()
+    for step in range(2):
+        shard0, shard1 = masks0[("shard",)][step], masks1[("shard",)][step]
+        rep0, rep1 = masks0[()][step], masks1[()][step]
+        assert shard0.shape == (16, 128) and rep0.shape == (16, 64)
+        assert torch.equal(rep0, rep1), "ranks applied different masks to the same replicated value"
+        assert not torch.equal(shard0, shard1), "the two halves of up's output got the same mask"
+        full = torch.cat([shard0, shard1], dim=1)  # colwise: rank 0 holds the first 128 columns
+        for keep in (full, rep0):  # keep rate 1 - p, within 5 standard deviations
+            assert abs(keep.float().mean().item() - (1 - P)) < 5 * (P * (1 - P) / keep.numel()) ** 0.5
+        # the same masks applied by hand to the original model: same output and gradients on both ranks
+        ref.zero_grad(set_to_none=True)
+        y_ref = ref.down(ref.up(x) * full / (1 - P)) + x * rep0 / (1 - P)
+        y_ref.pow(2).sum().backward()
+        for y, grads in (steps0[step], steps1[step]):
+            torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5 * y_ref.abs().max().item())
+            for name, p in ref.named_parameters():
+                torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5 * p.grad.abs().max().item())
+    assert not torch.equal(masks0[()][0], masks0[()][1]), "the masks did not change between calls"
+
+
+def test_dropout_off_is_the_plain_op():
+    from autotp.dropout import ShardedDropout
+    from autotp.rewrite import has_active_dropout
+
+    import autotp
+
+    x = torch.randn(4, 64)
+    graph = autotp.capture(DropNet().eval(), (x,))
+    assert not has_active_dropout(graph)
+    with pytest.raises(ValueError, match="dropout probability 1.5"):
+        ShardedDropout(1.5, 0, 0, ())
