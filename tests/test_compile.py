@@ -1,7 +1,7 @@
 """``torch.compile`` of the parallel module: one graph, no breaks, the eager module's numbers.
 
-On two spawned gloo ranks (Dynamo's process-wide state rules out threads): tiny Llama parallelized
-with a budget that forces sharding and compiled; the backend must receive one graph per compile (a
+On two spawned gloo ranks (Dynamo's process-wide state rules out threads): a model (the MLP by
+default; tiny Llama, attention and embeddings included, under ``-m slow``) parallelized with a budget that forces sharding and compiled; the backend must receive one graph per compile (a
 graph break splits the model in two), and the compiled module's outputs and gradients must equal
 the eager module's, at the example's sizes and (under ``-m slow``, a recompile) at others. ``aot_eager`` runs by default; ``inductor`` (C++
 code generation, minutes on two cores) under ``-m slow``.
@@ -23,13 +23,18 @@ def _grads(module) -> dict[str, torch.Tensor]:
             for n, p in module.named_parameters()}
 
 
-def _compiled_equals_eager(rank, world, backend, sizes, layers):
+def _inputs(name: str, batch: int, seq: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seq)
+    return torch.randn(batch, 64, generator=g) if name == "mlp" else torch.randint(0, 128, (batch, seq), generator=g)
+
+
+def _compiled_equals_eager(rank, world, backend, sizes, name):
     import autotp
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    model, inp = models.tiny_llama(batch=4, seq=16, n_layer=layers)
+    model, inp = getattr(models, name)(batch=4, **({} if name == "mlp" else {"seq": 16}))
     try:
         autotp.plan(model, (world,), inp, hardware="cpu-gloo", memory_budget=1)
     except autotp.MemoryBudgetError as err:
@@ -42,8 +47,8 @@ def _compiled_equals_eager(rank, world, backend, sizes, layers):
     counter = CompileCounterWithBackend(backend)
     compiled = torch.compile(pm, backend=counter)
     worst, graphs = 0.0, {}
-    for batch, seq in ((4, 16), (2, 8)) if sizes else ((4, 16),):
-        ids = torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(seq))
+    for batch, seq in ((4, 16), (2, 8)) if sizes else ((4, 16),):  # (mlp: batch only)
+        ids = _inputs(name, batch, seq)
         results = []
         for m in (pm, compiled):
             pm.zero_grad(set_to_none=True)
@@ -60,13 +65,13 @@ def _compiled_equals_eager(rank, world, backend, sizes, layers):
     return {"graphs": graphs, "worst": worst}
 
 
-@pytest.mark.parametrize("backend, sizes, layers", [
-    ("aot_eager", False, 1),  # the default run: one block, the example's sizes
-    pytest.param("aot_eager", True, 2, marks=pytest.mark.slow),
-    pytest.param("inductor", True, 2, marks=pytest.mark.slow),
+@pytest.mark.parametrize("backend, sizes, name", [
+    ("aot_eager", False, "mlp"),  # the default run: colwise/rowwise blocks, the example's sizes
+    pytest.param("aot_eager", True, "tiny_llama", marks=pytest.mark.slow),
+    pytest.param("inductor", True, "tiny_llama", marks=pytest.mark.slow),
 ])
-def test_compiled_module_has_no_graph_break_and_matches_eager(backend, sizes, layers):
-    for r in run_ranks(_compiled_equals_eager, 2, backend, sizes, layers):
+def test_compiled_module_has_no_graph_break_and_matches_eager(backend, sizes, name):
+    for r in run_ranks(_compiled_equals_eager, 2, backend, sizes, name):
         assert r["graphs"][(4, 16)] == 1, f"{r['graphs']}: a graph break splits the model"
         if sizes:  # another size recompiles once, with its dims symbolic, again in one graph
             assert r["graphs"][(2, 8)] == 2, f"{r['graphs']}: a graph break at the second size"

@@ -955,6 +955,7 @@ def test_two_process_sweep_writes_table_and_loadable_profile(tmp_path):
     assert m["axes"]["axis0"]["fit"]["all_reduce"]["segments"][0]["from_bytes"] == 0
 
 
+@pytest.mark.slow  # the refinement itself is tested in one process above
 def test_two_ranks_refine_in_step_and_write_the_added_sizes_as_fit_points(tmp_path):
     """With two rounds the ranks fit after the first and may add sizes: they must agree on them
     (or the run would hang or fail), and every added size joins the fit and the JSON."""
