@@ -61,7 +61,8 @@ def run_plan(args: argparse.Namespace) -> int:
         pins[name] = placements
     try:
         plan = autotp.plan(model, mesh, example_inputs, hardware=args.hardware, mode=args.mode,
-                           memory_budget=args.memory_budget, time_limit_s=args.time_limit, pin=pins or None)
+                           memory_budget=args.memory_budget, time_limit_s=args.time_limit, pin=pins or None,
+                           dynamic_dims=None if args.dynamic else False)
     except (autotp.MemoryBudgetError, ValueError) as err:
         print(f"autotp plan: {err}", file=sys.stderr)
         return 2
@@ -90,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit in seconds")
     p.add_argument("--pin", action="append", default=[], metavar="PARAM=PLACEMENTS",
                    help="fix a weight's layout, e.g. lm_head.weight=R or layers.0.mlp.up_proj.weight=S(0) (repeatable)")
+    p.add_argument("--dynamic", action="store_true",
+                   help="trace the batch and sequence dims as dynamic: the report lists them, and a parallel "
+                        "module built from the saved plan runs at other sizes")
     p.add_argument("--json", default=None, help="write the plan as JSON to this path")
     p.add_argument("--html", default=None, help="write the report as HTML to this path")
     p.set_defaults(run=run_plan)

@@ -124,6 +124,9 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
     (integer inputs: every dim; float inputs: all but the last), ``False`` none, and a dict such as
     ``{"input_ids": (0, 1)}`` exactly those (:mod:`autotp.dynamic`). The plan is priced at the
     example's sizes; ``result.plan.report()`` lists the dynamic dims and what the plan needs of them.
+    With a ``plan`` given and ``dynamic_dims`` left at None, the model is traced as the plan was:
+    dynamic if it was made with dynamic dims (``autotp.plan(..., dynamic_dims=None)``, ``autotp plan
+    --dynamic``), else static.
     """
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -142,6 +145,10 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
             name = torch.cuda.get_device_name() if mesh.device_type == "cuda" else None
             hardware = default_hardware(mesh.device_type, name)
         resolve_hardware(hardware)  # a bad profile is refused on every rank, before the capture
+    if plan is not None and dynamic_dims is None:
+        # trace as the plan was traced: a plan made with static sizes fits the static graph (a symbolic
+        # trace may keep ops, such as full-range slices, that a static one drops)
+        dynamic_dims = None if plan.dynamic_dims else False
     t0 = time.perf_counter()
     try:
         graph = capture(model, example_inputs, dynamic_dims)

@@ -76,3 +76,14 @@ def test_a_profile_file_drives_plan_and_cli(tmp_path, capsys):
     assert set(slow_plan.module_styles().values()) == {"replicate"}
     assert main(["plan", "examples.models:tiny_gpt", "--mesh", "2", "--hardware", str(path)]) == 0
     assert "hardware slow-links" in capsys.readouterr().out
+
+
+def test_dynamic_flag_lists_the_dynamic_dims(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "examples.models:tiny_llama", "--mesh", "2", "--hardware", "cpu-gloo", "--dynamic",
+                 "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "Dynamic dims" in printed and "input_ids dim 0: example 2, any size >= 2" in printed
+    assert [(d.input, d.dim) for d in autotp.load_plan(out).dynamic_dims] == [("input_ids", 0), ("input_ids", 1)]
+    assert main(["plan", "examples.models:tiny_llama", "--mesh", "2", "--hardware", "cpu-gloo"]) == 0
+    assert "Dynamic dims" not in capsys.readouterr().out

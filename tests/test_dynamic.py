@@ -204,3 +204,31 @@ def test_greedy_generation_under_inference_mode_equals_one_process():
     assert len(set(expected)) > 1, "a degenerate reference (one token repeated) would prove little"
     for tokens in run_threads(_generate, 2, (graph, plan), prompt):
         assert tokens == expected
+
+
+def _with_given_plans(rank, world, static_plan, dynamic_plan):
+    import autotp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model = _model("tiny_llama")
+    example, other = _inputs("tiny_llama", 4, 16), _inputs("tiny_llama", 2, 8)
+    static = autotp.parallelize(model, mesh, example, plan=static_plan)
+    with pytest.raises(ValueError, match="dim 0 has size 2, but this parallel module was built for size 4"):
+        static(*other)
+    dynamic = autotp.parallelize(model, mesh, example, plan=dynamic_plan)
+    return (dynamic(*other) - model(*other)).abs().max().item()
+
+
+def test_a_given_plan_is_built_as_it_was_traced():
+    """``parallelize(plan=...)`` traces the model as the plan was traced (the graphs differ: a symbolic
+    trace keeps full-range slices a static one drops), so a saved plan of either kind fits."""
+    import autotp
+
+    model, example = _model("tiny_llama"), _inputs("tiny_llama", 4, 16)
+    static_plan = autotp.plan(model, (1,), example, hardware="cpu-gloo")
+    dynamic_plan = autotp.Plan.from_json(autotp.plan(model, (1,), example, hardware="cpu-gloo",
+                                                     dynamic_dims=None).to_json())
+    assert not static_plan.dynamic_dims and dynamic_plan.dynamic_dims
+    assert len(static_plan.nodes) != len(dynamic_plan.nodes)
+    assert run_threads(_with_given_plans, 1, static_plan, dynamic_plan)[0] < 1e-5
