@@ -15,8 +15,11 @@ as a :class:`ShardedDropout` that draws its mask from a generator of its own, se
 
 What this does not give: the mask a single-device run draws (its generator walks the whole tensor
 in one order; each rank here draws only its piece), so a run with dropout on equals a single
-device in distribution, not value by value. With dropout off (``eval()``, ``p=0``) the module is
-the plain op and runs are exact.
+device in distribution, not value by value. The call count lives in the module, not in its
+``state_dict``: a forward run twice for one step (activation recompute) draws a new mask, and a
+resumed run starts the count again. Under ``torch.compile`` the module runs eagerly (a graph
+break at each active dropout). With dropout off (``eval()``, ``p=0``) the module is the plain op
+and runs are exact.
 
 >>> import torch
 >>> d = ShardedDropout(0.5, base_seed=0, stream=3, shard_key=(1,))
@@ -52,6 +55,7 @@ class ShardedDropout(nn.Module):
         """This call's seed: equal on ranks with equal shard keys, independent otherwise."""
         return hash((self.base_seed, self.calls, self.stream, self.shard_key)) & _MASK
 
+    # @torch.compiler.disable  # runs eagerly under torch.compile: a graph break, no guard on ``calls``
     def forward(self, x: torch.Tensor, *rest) -> tuple[torch.Tensor, torch.Tensor]:
         generator = torch.Generator(device=x.device).manual_seed(self.seed())
         self.calls += 1

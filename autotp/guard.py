@@ -63,9 +63,15 @@ class InputGuard(nn.Module):
     and divisible as the plan requires (:class:`autotp.dynamic.Divisibility`)."""
 
     def __init__(self, specs: tuple[InputSpec, ...], dynamic: tuple[DynamicDim, ...] = (),
-                 divisibility: tuple[Divisibility, ...] = ()) -> None:
+                 divisibility: tuple[Divisibility, ...] = (), tensor_positions: tuple[int, ...] | None = None,
+                 recorded: Any = None) -> None:
+        """``tensor_positions``: which of the inputs the specs describe (default: the first ones);
+        ``recorded``: export's own check of all the inputs (``ExportedProgram.module()._guards_fn``),
+        run after autotp's."""
         super().__init__()
         self.specs = tuple(specs)
+        self.positions = tuple(range(len(self.specs))) if tensor_positions is None else tuple(tensor_positions)
+        self.recorded = recorded
         self.dynamic = tuple(dynamic)
         self.divisibility = tuple(divisibility)
         # each size expression as a plain function of the symbols' sizes, made once: torch.compile
@@ -75,12 +81,17 @@ class InputGuard(nn.Module):
 
     def _value(self, expression: str, sizes: dict[str, int]) -> int:
         names, fn = self._expressions[expression]
+        missing = [n for n in names if n not in sizes]
+        if missing:
+            raise ValueError(f"cannot check the size {expression}: {missing} is not the size of an input dim; "
+                             f"call autotp.parallelize with dynamic_dims=False")
         return int(fn(*(sizes[n] for n in names)))
 
     def extra_repr(self) -> str:
         return ", ".join(f"{s.name}: {list(s.shape)} {s.dtype}" for s in self.specs)
 
-    def forward(self, *inputs: Any) -> None:
+    def forward(self, *args: Any) -> None:
+        inputs = [args[i] for i in self.positions]
         sizes: dict[str, int] = {}
         where: dict[str, tuple[str, int]] = {}
         for spec, value in zip(self.specs, inputs):
@@ -106,6 +117,13 @@ class InputGuard(nn.Module):
                 raise ValueError(f"{what}, but the plan splits it over {req.divisor} ranks (tensor {req.tensor}) and "
                                  f"needs a multiple of {req.divisor}; pad the input to a multiple of {req.divisor}, "
                                  f"or plan with a mesh that does not split this dim")
+        if self.recorded is not None:
+            try:
+                self.recorded(*args)
+            except AssertionError as err:
+                raise ValueError(f"the inputs break a condition on sizes that the model's code relies on (the trace "
+                                 f"followed one branch of it): {err}; call autotp.parallelize with example inputs "
+                                 f"that meet the condition you run with, or dynamic_dims=False") from None
 
 
 _AGAIN = "call autotp.parallelize again with example inputs of this shape"

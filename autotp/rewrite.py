@@ -192,7 +192,7 @@ class _Builder:
         sig = self.ep.graph_signature
         specs = {s.arg.name: s for s in sig.input_specs if hasattr(s.arg, "name")}
         alias = dict(self.g.alias_placeholders)
-        user_inputs: list[tuple[torch.fx.Node, InputSpec]] = []
+        user_inputs: list[tuple[torch.fx.Node, InputSpec | None]] = []  # None: not a tensor
         guarded = False
         for node in self.ep.graph.nodes:
             if node.op != "placeholder" and not guarded:
@@ -204,8 +204,8 @@ class _Builder:
                 if kind == "USER_INPUT":
                     self.local[node.name] = self.fx.placeholder(node.name)
                     value = node.meta.get("val")
-                    if isinstance(value, torch.Tensor):
-                        user_inputs.append((self.local[node.name], InputSpec.of(node.name, value)))
+                    spec_ = InputSpec.of(node.name, value) if isinstance(value, torch.Tensor) else None
+                    user_inputs.append((self.local[node.name], spec_))
                 elif node.name in alias:
                     continue
                 elif kind == "PARAMETER":
@@ -237,15 +237,24 @@ class _Builder:
         for name, buf in self.root.named_buffers():
             # GraphModule re-registers the buffers it reads as persistent: restore the model's choice
             _set(gm, name, buf, "buffer", persistent=name in persistent)
-        gm.graph._codegen = self.ep.module().graph._codegen
+        # export's own module: its codegen (the inputs' pytree) and its input guards (emit_guard)
+        unlifted = self.ep.module()
+        gm.graph._codegen = unlifted.graph._codegen
+        if hasattr(gm, "autotp_input_guard"):
+            gm.autotp_input_guard.recorded = getattr(unlifted, "_guards_fn", None)
         gm.recompile()
         return gm
 
-    def emit_guard(self, user_inputs: list[tuple[torch.fx.Node, InputSpec]]) -> None:
-        """The input check, first of all nodes (:mod:`autotp.guard`)."""
-        if user_inputs:
+    def emit_guard(self, user_inputs: list[tuple[torch.fx.Node, InputSpec | None]]) -> None:
+        """The input check, first of all nodes (:mod:`autotp.guard`): autotp's own, then the conditions
+        on sizes that ``torch.export`` recorded from the model's code (``x.size(1) % 2 == 0`` where the
+        model branched on it), which the graph, holding one branch, no longer shows."""
+        if any(spec is not None for _, spec in user_inputs):
             divisibility = requirements(self.g.symbolic, self.g.nodes, self.plan.strategies, self.mesh_shape)
-            guard = InputGuard(tuple(spec for _, spec in user_inputs), self.g.dynamic, divisibility)
+            guard = InputGuard(tuple(spec for _, spec in user_inputs if spec is not None), self.g.dynamic,
+                               divisibility, tensor_positions=tuple(i for i, (_, spec) in enumerate(user_inputs)
+                                                                    if spec is not None),
+                               )
             self.root.add_module("autotp_input_guard", guard)
             self.fx.call_module("autotp_input_guard", tuple(node for node, _ in user_inputs))
 
@@ -314,7 +323,7 @@ class _Builder:
         """``dropout(x, p, train)`` that drops anything: train set and ``p > 0``."""
         p = args[1] if len(args) > 1 else 0.5
         train = args[2] if len(args) > 2 else True
-        return bool(train) and p is not None and float(p) > 0.0
+        return (train is None or bool(train)) and p is not None and float(p) > 0.0  # native_dropout: None is train
 
     def read_placements(self, op, k: int) -> tuple[Placement, ...]:
         """The placements op ``op`` reads its ``k``-th tensor argument with."""

@@ -35,7 +35,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 from autotp.graph import BUFFER, CONSTANT, INPUT, PARAMETER, OpGraph, OpNode, TensorInfo
 from autotp.placement import P, Placement, R, S, Strategy
@@ -126,10 +126,27 @@ def _view_groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> Optional[
     return mapping
 
 
-def _dim_map(node: OpNode) -> Optional[dict[int, int]]:
-    """out dim -> in dim for single-input view-like ops; None when the op is not view-like."""
+def _dim_map(node: OpNode, symbolic: Optional[Mapping] = None) -> Optional[dict[int, int]]:
+    """out dim -> in dim for single-input view-like ops; None when the op is not view-like.
+
+    ``symbolic`` (``OpGraph.symbolic``): where sizes are dynamic, a slice or expand keeps a dim whole
+    only if its size is the same expression on both sides, not merely the same at the example's
+    sizes (``pos[:x.size(1)]`` is all of ``pos`` only when the sequence is as long as the table)."""
     t = node.target
     ins, out = node.input_infos[0].shape, node.output.shape
+    if symbolic:
+        in_expr = (symbolic.get(node.inputs[0]) or ((None,) * len(ins),))[0]
+        out_expr = (symbolic.get(node.name) or ((None,) * len(out),))[0]
+        lead = len(out) - len(ins)
+        ins = tuple(n if e is None else (n, e) for n, e in zip(ins, in_expr))
+        out = tuple(n if e is None else (n, e) for n, e in zip(out, out_expr))
+        if t == "aten.expand.default":  # the same dim, compared as (size, expression)
+            return {o: o - lead for o in range(lead, len(out)) if ins[o - lead] == out[o]}
+        if t == "aten.slice.Tensor":
+            args = node.args_repr.split(",")
+            d = _norm(int(args[1]), len(ins)) if len(args) > 1 else 0
+            return {o: o for o in range(len(out)) if o != d or ins[d] == out[d]}
+        ins, out = node.input_infos[0].shape, node.output.shape
     args = node.args_repr.split(",")
     if t in ("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default", "aten.unflatten.int",
              "aten.flatten.using_ints", "aten.view_as.default"):
@@ -427,7 +444,7 @@ def axis_choices(node: OpNode, n: int, warned: Optional[_Warned] = None,
     if len(node.outputs) == 1 and len(node.inputs) >= 1:
         if t in _POINTWISE:
             return _pointwise_choices(node, n)
-        dim_map = _dim_map(node)
+        dim_map = _dim_map(node, getattr(graph, "symbolic", None))
         if dim_map is not None:
             return _view_choices(node, n, dim_map)
     if len(node.inputs) == 1 and t in ("aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default"):

@@ -40,7 +40,7 @@ def _prepare():
     return graph, plan, x
 
 
-def _run(rank, world, graph, plan, x):
+def _run(rank, world, graph, plan, x, model):
     """Two steps; each step's masks as every dropout module drew them (a forward hook), the output,
     and the gradients."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -49,7 +49,7 @@ def _run(rank, world, graph, plan, x):
     from autotp.rewrite import build_parallel_module
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    pm = build_parallel_module(graph, plan, mesh, DropNet(), seed=1234)
+    pm = build_parallel_module(graph, plan, mesh, model, seed=1234)  # (built once: seeding is process-wide)
     masks: dict[tuple, list] = {}
     for m in pm.modules():
         if isinstance(m, ShardedDropout):
@@ -69,7 +69,7 @@ def test_shards_get_independent_masks_and_replicas_one_mask():
     graph, plan, x = _prepare()
     styles = plan.module_styles()
     assert (styles["up"], styles["down"]) == ("colwise", "rowwise"), styles
-    (keys0, masks0, steps0), (keys1, masks1, steps1) = run_threads(_run, 2, graph, plan, x)
+    (keys0, masks0, steps0), (keys1, masks1, steps1) = run_threads(_run, 2, graph, plan, x, DropNet())
     assert keys0 == [(), (0,)] and keys1 == [(), (1,)], "one dropout on a shard, one on a replicated value"
     ref = DropNet()
     for step in range(2):

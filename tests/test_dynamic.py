@@ -211,7 +211,7 @@ def _with_given_plans(rank, world, static_plan, dynamic_plan):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    model = _model("tiny_llama")
+    model = models.tiny_llama(n_layer=1)[0]
     example, other = _inputs("tiny_llama", 4, 16), _inputs("tiny_llama", 2, 8)
     static = autotp.parallelize(model, mesh, example, plan=static_plan)
     with pytest.raises(ValueError, match="dim 0 has size 2, but this parallel module was built for size 4"):
@@ -225,10 +225,49 @@ def test_a_given_plan_is_built_as_it_was_traced():
     trace keeps full-range slices a static one drops), so a saved plan of either kind fits."""
     import autotp
 
-    model, example = _model("tiny_llama"), _inputs("tiny_llama", 4, 16)
+    model, example = models.tiny_llama(n_layer=1)[0], _inputs("tiny_llama", 4, 16)
     static_plan = autotp.plan(model, (1,), example, hardware="cpu-gloo")
     dynamic_plan = autotp.Plan.from_json(autotp.plan(model, (1,), example, hardware="cpu-gloo",
                                                      dynamic_dims=None).to_json())
     assert not static_plan.dynamic_dims and dynamic_plan.dynamic_dims
     assert len(static_plan.nodes) != len(dynamic_plan.nodes)
     assert run_threads(_with_given_plans, 1, static_plan, dynamic_plan)[0] < 1e-5
+
+
+class _Branchy(torch.nn.Module):
+    """Branches on the parity of the sequence: the trace keeps one branch and records the condition."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):  # (B, T, 8)
+        return self.lin(x) * (2.0 if x.shape[1] % 2 == 0 else 3.0)
+
+
+def _branchy(rank, world, graph, plan, model):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autotp.rewrite import build_parallel_module
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    pm = build_parallel_module(graph, plan, mesh, model)
+    ok = (pm(torch.ones(2, 6, 8)) - model(torch.ones(2, 6, 8))).abs().max().item()
+    log = CollectiveLog(mesh)
+    with log, pytest.raises(ValueError) as info:
+        pm(torch.ones(2, 7, 8))
+    assert not log.counts()
+    return ok, str(info.value)
+
+
+def test_conditions_the_trace_recorded_from_the_model_are_checked():
+    import autotp
+    from autotp.planner import plan_graph
+
+    graph = autotp.capture(_Branchy(), (torch.ones(4, 16, 8),), dynamic_dims=None)
+    plan = plan_graph(graph, (2,), "cpu-gloo", "train")
+    ok, message = run_threads(_branchy, 2, graph, plan, _Branchy())[0]
+    assert ok < 1e-6
+    assert message.startswith("the inputs break a condition on sizes that the model's code relies on"), message
+    assert "% 2" in message, message
