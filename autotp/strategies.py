@@ -126,6 +126,11 @@ def _view_groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> Optional[
     return mapping
 
 
+def _sized(shape: Sequence[int], expressions: Optional[tuple]) -> tuple:
+    """Each size with its expression (``OpGraph.symbolic``; None where static)."""
+    return tuple(zip(shape, expressions[0] if expressions else (None,) * len(shape)))
+
+
 def _dim_map(node: OpNode, symbolic: Optional[Mapping] = None) -> Optional[dict[int, int]]:
     """out dim -> in dim for single-input view-like ops; None when the op is not view-like.
 
@@ -134,19 +139,6 @@ def _dim_map(node: OpNode, symbolic: Optional[Mapping] = None) -> Optional[dict[
     sizes (``pos[:x.size(1)]`` is all of ``pos`` only when the sequence is as long as the table)."""
     t = node.target
     ins, out = node.input_infos[0].shape, node.output.shape
-    if symbolic:
-        in_expr = (symbolic.get(node.inputs[0]) or ((None,) * len(ins),))[0]
-        out_expr = (symbolic.get(node.name) or ((None,) * len(out),))[0]
-        lead = len(out) - len(ins)
-        ins = tuple(n if e is None else (n, e) for n, e in zip(ins, in_expr))
-        out = tuple(n if e is None else (n, e) for n, e in zip(out, out_expr))
-        if t == "aten.expand.default":  # the same dim, compared as (size, expression)
-            return {o: o - lead for o in range(lead, len(out)) if ins[o - lead] == out[o]}
-        if t == "aten.slice.Tensor":
-            args = node.args_repr.split(",")
-            d = _norm(int(args[1]), len(ins)) if len(args) > 1 else 0
-            return {o: o for o in range(len(out)) if o != d or ins[d] == out[d]}
-        ins, out = node.input_infos[0].shape, node.output.shape
     args = node.args_repr.split(",")
     if t in ("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default", "aten.unflatten.int",
              "aten.flatten.using_ints", "aten.view_as.default"):
@@ -169,6 +161,8 @@ def _dim_map(node: OpNode, symbolic: Optional[Mapping] = None) -> Optional[dict[
         if len(keep) != len(out):  # squeeze of only some unit dims: fall back to the general reshape map
             return _view_groups(ins, out)
         return {o: d for o, d in enumerate(keep)}
+    if symbolic and t in ("aten.expand.default", "aten.slice.Tensor"):  # compare (size, expression) pairs
+        ins, out = _sized(ins, symbolic.get(node.inputs[0])), _sized(out, symbolic.get(node.name))
     if t == "aten.expand.default":
         lead = len(out) - len(ins)
         return {o: o - lead for o in range(lead, len(out)) if ins[o - lead] == out[o]}

@@ -271,3 +271,28 @@ def test_conditions_the_trace_recorded_from_the_model_are_checked():
     assert ok < 1e-6
     assert message.startswith("the inputs break a condition on sizes that the model's code relies on"), message
     assert "% 2" in message, message
+
+
+class _Positions(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = torch.nn.Parameter(torch.randn(16, 8))
+
+    def forward(self, x):  # (B, T, 8), T <= 16
+        return x + self.pos[:x.shape[1]]
+
+
+def test_a_slice_to_a_dynamic_length_is_not_the_whole_dim():
+    """``pos[:T]`` equals ``pos`` at the example's T = 16 only: with T dynamic, splitting the sliced dim
+    on both sides would give each rank 8 rows of ``pos`` for 4 rows of ``x`` at T = 8."""
+    import autotp
+    from autotp.strategies import all_strategies
+
+    choices = {}
+    for dynamic_dims in (None, False):
+        graph = autotp.capture(_Positions(), (torch.randn(4, 16, 8),), dynamic_dims=dynamic_dims)
+        strategies = all_strategies(graph, (2,))
+        (node,) = [n for n in graph.nodes if n.target == "aten.slice.Tensor"]
+        choices[dynamic_dims] = {str(s) for s in strategies[node.name]}
+    assert "(S(0)) -> S(0)" not in choices[None] and "(S(1)) -> S(1)" in choices[None]
+    assert "(S(0)) -> S(0)" in choices[False]  # static: the slice is the whole dim, splitting it is exact
