@@ -204,8 +204,8 @@ class _Builder:
                 if kind == "USER_INPUT":
                     self.local[node.name] = self.fx.placeholder(node.name)
                     value = node.meta.get("val")
-                    spec_ = InputSpec.of(node.name, value) if isinstance(value, torch.Tensor) else None
-                    user_inputs.append((self.local[node.name], spec_))
+                    input_spec = InputSpec.of(node.name, value) if isinstance(value, torch.Tensor) else None
+                    user_inputs.append((self.local[node.name], input_spec))
                 elif node.name in alias:
                     continue
                 elif kind == "PARAMETER":
@@ -248,13 +248,13 @@ class _Builder:
     def emit_guard(self, user_inputs: list[tuple[torch.fx.Node, InputSpec | None]]) -> None:
         """The input check, first of all nodes (:mod:`autotp.guard`): autotp's own, then the conditions
         on sizes that ``torch.export`` recorded from the model's code (``x.size(1) % 2 == 0`` where the
-        model branched on it), which the graph, holding one branch, no longer shows."""
-        if any(spec is not None for _, spec in user_inputs):
+        model branched on it, set by ``build`` once export's module exists), which the graph, holding
+        one branch, no longer shows."""
+        tensors = [i for i, (_, spec) in enumerate(user_inputs) if spec is not None]
+        if tensors:
             divisibility = requirements(self.g.symbolic, self.g.nodes, self.plan.strategies, self.mesh_shape)
-            guard = InputGuard(tuple(spec for _, spec in user_inputs if spec is not None), self.g.dynamic,
-                               divisibility, tensor_positions=tuple(i for i, (_, spec) in enumerate(user_inputs)
-                                                                    if spec is not None),
-                               )
+            guard = InputGuard(tuple(user_inputs[i][1] for i in tensors), self.g.dynamic, divisibility,
+                               tensor_positions=tuple(tensors))
             self.root.add_module("autotp_input_guard", guard)
             self.fx.call_module("autotp_input_guard", tuple(node for node, _ in user_inputs))
 
