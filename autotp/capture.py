@@ -26,7 +26,7 @@ import torch
 import torch.fx
 from torch.utils import flop_counter
 
-from autotp.dynamic import DynamicDim, export_spec
+from autotp.dynamic import DynamicDim, export_spec, size_expression, size_hint
 from autotp.graph import BUFFER, CONSTANT, INPUT, OP, PARAMETER, OpGraph, OpNode, ParameterInfo, TensorInfo
 
 __all__ = ["capture", "CaptureError", "normalize_inputs", "VIEW_TARGETS", "concrete"]
@@ -121,19 +121,9 @@ def _explain_export_failure(err: BaseException) -> str:
     )
 
 
-def _hint(size: Any) -> int:
-    """A size as a number: a symbolic size (a dynamic dim) at its example value."""
-    return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
-
-
-def _expression(size: Any) -> str | None:
-    """A symbolic size as an expression in the dims' symbols (``"s1*s0"``), None for a static one."""
-    return str(size.node.expr) if isinstance(size, torch.SymInt) and not size.node.expr.is_number else None
-
-
 def _tensor_info(val: Any) -> TensorInfo | None:
     if isinstance(val, torch.Tensor):
-        return TensorInfo(tuple(_hint(s) for s in val.shape), str(val.dtype).removeprefix("torch."))
+        return TensorInfo(tuple(size_hint(s) for s in val.shape), str(val.dtype).removeprefix("torch."))
     return None
 
 
@@ -141,7 +131,7 @@ def _symbolic_dims(node: torch.fx.Node) -> tuple[tuple[str | None, ...], ...] | 
     """Each tensor output's dims as expressions (None: static), or None if every dim is static."""
     val = node.meta.get("val")
     vals = [val] if isinstance(val, torch.Tensor) else list(val) if isinstance(val, (tuple, list)) else []
-    dims = tuple(tuple(_expression(s) for s in v.shape) for v in vals if isinstance(v, torch.Tensor))
+    dims = tuple(tuple(size_expression(s) for s in v.shape) for v in vals if isinstance(v, torch.Tensor))
     return dims if any(e is not None for d in dims for e in d) else None
 
 
@@ -162,10 +152,10 @@ def concrete(value: Any) -> Any:
     trace's shape environment fix the symbol to the example's value, for good."""
     def one(v: Any) -> Any:
         if isinstance(v, torch.SymInt):
-            return _hint(v)
+            return size_hint(v)
         if isinstance(v, torch.Tensor) and any(isinstance(n, torch.SymInt) for n in (*v.shape, *v.stride())):
-            return torch.empty_strided([_hint(n) for n in v.shape], [_hint(n) for n in v.stride()], dtype=v.dtype,
-                                       device="meta")
+            return torch.empty_strided([size_hint(n) for n in v.shape], [size_hint(n) for n in v.stride()],
+                                       dtype=v.dtype, device="meta")
         return v
     return torch.utils._pytree.tree_map(one, value)
 
@@ -349,8 +339,8 @@ def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.
             needs_grad = role == PARAMETER and requires_grad.get(fqn, True)
             grad[node.name] = needs_grad
             infos[node.name] = outs
-            if _symbolic_dims(node):
-                symbolic[node.name] = _symbolic_dims(node)
+            if dims := _symbolic_dims(node):
+                symbolic[node.name] = dims
             nodes.append(OpNode(node.name, role, role, (), (), outs, param_fqn=fqn, requires_grad=needs_grad))
         elif node.op == "call_function":
             outs = _node_outputs(node)
@@ -375,8 +365,8 @@ def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.
                           and target not in NO_GRADIENT_TARGETS)
             grad[node.name] = needs_grad
             infos[node.name] = outs
-            if _symbolic_dims(node):
-                symbolic[node.name] = _symbolic_dims(node)
+            if dims := _symbolic_dims(node):
+                symbolic[node.name] = dims
             nodes.append(
                 OpNode(
                     name=node.name, role=OP, target=target, inputs=tuple(srcs), input_infos=tuple(src_infos),
@@ -409,13 +399,13 @@ def _dynamic_dims(node: torch.fx.Node, ranges: Any) -> list[DynamicDim]:
     val = node.meta.get("val")
     out = []
     for d, size in enumerate(val.shape if isinstance(val, torch.Tensor) else ()):
-        expr = _expression(size)
+        expr = size_expression(size)
         if expr is None:
             continue
         bounds = ranges.get(size.node.expr)
         low = _finite(bounds.lower) if bounds is not None else None
         high = _finite(bounds.upper) if bounds is not None else None
-        out.append(DynamicDim(node.name, d, expr, _hint(size), low or 0, high))
+        out.append(DynamicDim(node.name, d, expr, size_hint(size), low or 0, high))
     return out
 
 

@@ -20,12 +20,16 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 import torch
 
-__all__ = ["DynamicDim", "Divisibility", "export_spec", "requirements", "evaluate", "compiled"]
+from autotp.placement import dim_pieces
+
+__all__ = ["DynamicDim", "Divisibility", "export_spec", "requirements", "evaluate", "compiled", "size_hint",
+           "size_expression", "in_input_terms"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,23 @@ def evaluate(expression: str, sizes: Mapping[str, int]) -> int:
     """The integer value of a size expression (``"2*s1"``) given the symbols' sizes."""
     names, fn = compiled(expression)
     return int(fn(*(sizes[n] for n in names)))
+
+
+def size_hint(size: Any) -> int:
+    """A size as a number: a symbolic size (a dynamic dim) at its example value."""
+    return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
+
+
+def size_expression(size: Any) -> Optional[str]:
+    """A symbolic size as an expression in the dims' symbols (``"s1*s0"``), None for a static one."""
+    return str(size.node.expr) if isinstance(size, torch.SymInt) and not size.node.expr.is_number else None
+
+
+def in_input_terms(expression: str, names: Mapping[str, str]) -> str:
+    """``expression`` with each symbol written as ``names`` says (``"input_ids.size(1)"``)."""
+    for symbol in sorted(names, key=len, reverse=True):
+        expression = re.sub(rf"\b{symbol}\b", names[symbol], expression)
+    return expression
 
 
 # -- which dims capture marks dynamic -------------------------------------------------------------
@@ -163,7 +184,7 @@ def requirements(symbolic: Mapping[str, tuple[tuple[Optional[str], ...], ...]], 
         for d in {p.dim for p in (placements or ()) if p.is_shard}:
             if d >= len(expressions) or expressions[d] is None:
                 continue
-            ranks = math.prod(n for p, n in zip(placements, mesh_shape) if p.is_shard and p.dim == d)
+            ranks = dim_pieces(placements, mesh_shape, d)
             old, where = found.get(expressions[d], (1, tensor))
             found[expressions[d]] = (math.lcm(old, ranks), where)
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autotp.dynamic import Divisibility, DynamicDim, compiled
+from autotp.dynamic import Divisibility, DynamicDim, compiled, in_input_terms, size_expression, size_hint
 
 __all__ = ["InputSpec", "InputGuard"]
 
@@ -52,9 +52,7 @@ class InputSpec:
 
 
 def _size(n: Any) -> int | str:
-    if isinstance(n, torch.SymInt) and not n.node.expr.is_number:
-        return str(n.node.expr)
-    return int(n.node.hint) if isinstance(n, torch.SymInt) else int(n)
+    return size_expression(n) or size_hint(n)
 
 
 class InputGuard(nn.Module):
@@ -76,8 +74,8 @@ class InputGuard(nn.Module):
         self.divisibility = tuple(divisibility)
         # each size expression as a plain function of the symbols' sizes, made once: torch.compile
         # then traces the checks as arithmetic on the input sizes
-        self._expressions = {e: compiled(e) for e in {r.expression for r in self.divisibility}
-                             | {n for s in self.specs for n in s.shape if isinstance(n, str) and not _SYMBOL.fullmatch(n)}}
+        derived = {n for s in self.specs for n in s.shape if isinstance(n, str) and not _SYMBOL.fullmatch(n)}
+        self._expressions = {e: compiled(e) for e in {r.expression for r in self.divisibility} | derived}
 
     def _value(self, expression: str, sizes: dict[str, int]) -> int:
         names, fn = self._expressions[expression]
@@ -140,9 +138,7 @@ def _describe(expression: str, where: dict[str, tuple[str, int]], value: int) ->
     if expression in where:
         name, dim = where[expression]
         return f"input {name!r}: dim {dim} has size {value}"
-    text = expression
-    for symbol, (name, dim) in sorted(where.items(), key=lambda kv: -len(kv[0])):
-        text = re.sub(rf"\b{symbol}\b", f"{name}.size({dim})", text)
+    text = in_input_terms(expression, {symbol: f"{name}.size({dim})" for symbol, (name, dim) in where.items()})
     return f"the size {text} is {value}"
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 __all__ = ["Placement", "R", "P", "S", "Placements", "Strategy", "format_placements", "parse_placements",
-           "local_shape", "shard_divisor"]
+           "local_shape", "shard_divisor", "dim_pieces"]
 
 
 @dataclass(frozen=True, order=True)
@@ -129,6 +129,11 @@ class Strategy:
 def shard_divisor(shape: Sequence[int], placements: Iterable[Placement], mesh_shape: Sequence[int]) -> int:
     """How many pieces the tensor is cut into (product of axis sizes over the sharded axes)."""
     return math.prod(n for p, n in zip(placements, mesh_shape) if p.is_shard)
+
+
+def dim_pieces(placements: Iterable[Placement], mesh_shape: Sequence[int], dim: int) -> int:
+    """How many pieces dim ``dim`` is cut into (product of the sizes of the axes that split it)."""
+    return math.prod(n for p, n in zip(placements, mesh_shape) if p.is_shard and p.dim == dim)
 
 
 def local_shape(shape: Sequence[int], placements: Iterable[Placement], mesh_shape: Sequence[int]) -> tuple[int, ...]:

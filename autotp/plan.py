@@ -23,7 +23,7 @@ from cost_models import HardwareProfile
 from autotp.dynamic import Divisibility, DynamicDim
 from autotp.graph import OpGraph, PARAMETER
 from autotp.mesh import MeshSpec
-from autotp.placement import Strategy, format_placements
+from autotp.placement import Strategy, dim_pieces, format_placements
 from autotp.program import Collective
 
 __all__ = ["Plan", "PredictedTime", "MemoryPerDevice", "SolveStats", "ModuleChoice", "load_plan", "PlanError"]
@@ -233,10 +233,7 @@ class Plan:
     @staticmethod
     def _check_even(name: str, target: str, placements, shape, mesh: MeshSpec) -> None:
         for d in {p.dim for p in (placements or ()) if p.is_shard}:
-            ranks = 1
-            for p, n in zip(placements, mesh.shape):
-                if p.is_shard and p.dim == d:
-                    ranks *= n
+            ranks = dim_pieces(placements, mesh.shape, d)
             if d >= len(shape) or shape[d] % ranks:
                 size = shape[d] if d < len(shape) else "missing"
                 raise PlanError(

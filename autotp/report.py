@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import html
 import json
-import re
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
+from autotp.dynamic import in_input_terms
 from autotp.units import format_bytes
 
 if TYPE_CHECKING:
@@ -54,9 +54,7 @@ def dynamic_lines(plan: "Plan") -> list[str]:
         lines.append(f"{d.input} dim {d.dim}: example {d.example}, {bound}{need}")
     for r in plan.divisibility:
         if r.expression not in names:
-            text = r.expression
-            for symbol in sorted(names, key=len, reverse=True):
-                text = re.sub(rf"\b{symbol}\b", names[symbol], text)
+            text = in_input_terms(r.expression, names)
             lines.append(f"{text}: a multiple of {r.divisor} (the plan splits tensor {r.tensor} of that size)")
     return lines
 

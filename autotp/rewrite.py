@@ -12,7 +12,6 @@ example inputs it was built for (:mod:`autotp.guard`).
 
 from __future__ import annotations
 
-import math
 import operator
 import sys
 from typing import Any
@@ -28,7 +27,7 @@ from autotp.dropout import ShardedDropout
 from autotp.dynamic import requirements
 from autotp.graph import OpGraph
 from autotp.guard import InputGuard, InputSpec
-from autotp.placement import Placement, local_shape
+from autotp.placement import Placement, dim_pieces, local_shape
 from autotp.plan import Plan
 from autotp.program import reads
 from autotp.redistribute import conversion_steps, fused_axes
@@ -345,8 +344,7 @@ class _Builder:
         if node.target is aten.sym_size.int:
             src = alias.get(node.args[0].name, node.args[0].name)
             d = node.args[1] % self.g[src].outputs[0].ndim
-            pieces = math.prod(n for p, n in zip(self.plan.strategy(src).output, self.mesh_shape)
-                               if p.is_shard and p.dim == d)
+            pieces = dim_pieces(self.plan.strategy(src).output, self.mesh_shape, d)
             size = self.fx.call_function(aten.sym_size.int, (self.local[src], d))
             self.sizes[node.name] = size if pieces == 1 else self.fx.call_function(operator.mul, (size, pieces))
             return
@@ -363,7 +361,7 @@ class _Builder:
             return list(static)
         out = []
         for d, size in enumerate(sizes):
-            pieces = math.prod(n for p, n in zip(placements, self.mesh_shape) if p.is_shard and p.dim == d)
+            pieces = dim_pieces(placements, self.mesh_shape, d)
             if isinstance(size, torch.fx.Node):
                 out.append(size if pieces == 1 else self.fx.call_function(operator.floordiv, (size, pieces)))
             else:
