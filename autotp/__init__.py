@@ -4,6 +4,8 @@
 ``autotp.parallelize(...)`` runs the model that way. See README.md and docs/design.md.
 """
 
+from cost_models import OptimizerSpec
+
 from autotp import checkpoint
 from autotp.capture import CaptureError, capture
 from autotp.graph import OpGraph, OpNode, TensorInfo
@@ -17,5 +19,6 @@ from autotp.program import Collective
 from autotp.solver import MemoryBudgetError
 
 __all__ = ["capture", "CaptureError", "OpGraph", "OpNode", "TensorInfo", "plan", "Plan", "PlanError", "load_plan",
-           "Collective", "MemoryBudgetError", "parallelize", "checkpoint", "load_weights", "meta_init", "init_weights"]
+           "Collective", "MemoryBudgetError", "parallelize", "checkpoint", "load_weights", "meta_init", "init_weights",
+           "OptimizerSpec"]
 __version__ = "0.1.0"

@@ -59,10 +59,19 @@ def run_plan(args: argparse.Namespace) -> int:
             raise SystemExit(f"autotp plan: --pin {item!r}: expected PARAM=PLACEMENTS, e.g. lm_head.weight=R")
         name, placements = item.split("=", 1)
         pins[name] = placements
+    from cost_models import OptimizerSpec
+
     try:
+        sizes = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, None: None}
+        for flag, value in (("--master-dtype", args.master_dtype), ("--optimizer-state-dtype", args.state_dtype)):
+            if value not in sizes:
+                raise ValueError(f"{flag} {value!r}: expected float32, bfloat16 or float16")
+        optimizer = OptimizerSpec("sgd" if args.optimizer == "none" else args.optimizer,
+                                  state_dtype_bytes=sizes[args.state_dtype], master_dtype_bytes=sizes[args.master_dtype])
         plan = autotp.plan(model, mesh, example_inputs, hardware=args.hardware, mode=args.mode,
                            memory_budget=args.memory_budget, time_limit_s=args.time_limit, pin=pins or None,
-                           dynamic_dims=None if args.dynamic else False)
+                           dynamic_dims=None if args.dynamic else False, optimizer=optimizer,
+                           recompute={"auto": None, "all": True, "off": False}[args.recompute])
     except (autotp.MemoryBudgetError, ValueError) as err:
         print(f"autotp plan: {err}", file=sys.stderr)
         return 2
@@ -94,6 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dynamic", action="store_true",
                    help="trace the batch and sequence dims as dynamic: the report lists them, and a parallel "
                         "module built from the saved plan runs at other sizes")
+    p.add_argument("--optimizer", choices=("adamw", "adam", "sgd_momentum", "sgd", "adafactor", "none"),
+                   default="adamw", help="the optimizer whose state the memory counts (default adamw)")
+    p.add_argument("--master-dtype", default=None,
+                   help="mixed precision: the dtype of the optimizer's master weights, e.g. float32")
+    p.add_argument("--optimizer-state-dtype", dest="state_dtype", default=None,
+                   help="the dtype of the optimizer state (default: the parameter's, or the master's)")
+    p.add_argument("--recompute", choices=("auto", "all", "off"), default="auto",
+                   help="activation recompute of repeated layers: chosen by the planner when memory is short "
+                        "(auto), every repeated layer (all), or none (off)")
     p.add_argument("--json", default=None, help="write the plan as JSON to this path")
     p.add_argument("--html", default=None, help="write the report as HTML to this path")
     p.set_defaults(run=run_plan)

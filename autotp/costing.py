@@ -24,8 +24,8 @@
 * A **gradient reduction** is the backward ``all_reduce`` of a tensor that is replicated on an
   axis where a consumer works on shards: each rank then holds only a partial gradient. One
   reduction serves every such consumer of the tensor (q, k and v share one).
-* Memory per device: parameters, gradients and AdamW state of the local shards
-  (``cost_models.model_state_bytes``) and, in train mode, the activations kept for backward.
+* Memory per device: parameters, gradients and the optimizer's state of the local shards
+  (``cost_models.model_state_bytes``, for the optimizer the user names: AdamW by default) and, in train mode, the activations kept for backward.
 
 >>> from autotp.mesh import MeshSpec
 >>> from autotp.placement import R, S
@@ -40,9 +40,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
-from cost_models import HardwareProfile, collective_time_s, compute_time_s, model_state_bytes
+from cost_models import (HardwareProfile, OptimizerSpec, collective_time_s, compute_time_s, model_state_bytes,
+                         optimizer_spec)
 
 from autotp.graph import PARAMETER, OpNode, TensorInfo, dtype_bytes
 from autotp.mesh import MeshSpec
@@ -71,9 +72,11 @@ class MemoryParts:
 class CostModel:
     """Prices strategies on one mesh with one hardware profile, in ``train`` or ``inference`` mode."""
 
-    def __init__(self, mesh: MeshSpec, profile: HardwareProfile, mode: str) -> None:
+    def __init__(self, mesh: MeshSpec, profile: HardwareProfile, mode: str,
+                 optimizer: Union[str, OptimizerSpec, None] = "adamw") -> None:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: expected one of {MODES}")
+        self.optimizer = optimizer_spec(optimizer)
         self.mesh = mesh
         self.profile = profile
         self.mode = mode
@@ -119,6 +122,19 @@ class CostModel:
             total += sum(self.copy_s(b, info.dtype) for b in copies_fwd + (copies_bwd if backward else ()))
         return total
 
+    def edge_forward_s(self, info: TensorInfo, src: Sequence[Placement], dst: Optional[Sequence[Placement]],
+                       grad_axes: Sequence[int] = ()) -> float:
+        """The forward part of :meth:`edge_s`: its collectives and copies (what a recomputed read runs again)."""
+        if dst is None or tuple(src) == tuple(dst) or not is_convertible(tuple(src), tuple(dst)):
+            return 0.0
+        total = 0.0
+        for step in conversion_steps(tuple(src), tuple(dst), self.mesh.shape, tuple(grad_axes) if self.train else ()):
+            if step.forward:
+                total += self.collective_s(step.forward, step.axis, info.nbytes / step.divisor)
+            copies_fwd, _ = step_copies(step, info.shape, self.mesh.shape[step.axis], info.nbytes)
+            total += sum(self.copy_s(b, info.dtype) for b in copies_fwd)
+        return total
+
     def copy_s(self, bytes_moved: float, dtype: str) -> float:
         """Seconds of one local copy kernel moving ``bytes_moved`` (read plus written)."""
         return compute_time_s(self.profile.device, 0.0, bytes_moved, dtype)
@@ -158,7 +174,13 @@ class CostModel:
         local = self.local_bytes(node.outputs[0], strategy.output)
         return (gradient_reads - 1) * compute_time_s(self.profile.device, 0.0, 3 * local, node.outputs[0].dtype)
 
-    def _work_s(self, node: OpNode, strategy: Strategy) -> float:
+    def node_forward_s(self, node: OpNode, strategy: Strategy) -> float:
+        """Roofline seconds of the node's forward alone (what recomputing it costs)."""
+        if node.is_placeholder or node.is_view:
+            return 0.0
+        return self._forward(node, strategy)[0]
+
+    def _forward(self, node: OpNode, strategy: Strategy) -> tuple[float, float, list, float, str]:
         # the work splits over an axis only where some tensor is cut in pieces on it: an op on
         # partials (P) does the whole work on every rank
         work_divisor = 1
@@ -171,8 +193,11 @@ class CostModel:
         moved = sum(b for b, _ in in_bytes) + out_bytes
         dtype = node.outputs[0].dtype if node.outputs[0].is_float else next(
             (i.dtype for i in node.input_infos if i.is_float), "float32")
+        return compute_time_s(self.profile.device, flops, moved, dtype), flops, in_bytes, out_bytes, dtype
+
+    def _work_s(self, node: OpNode, strategy: Strategy) -> float:
+        seconds, flops, in_bytes, out_bytes, dtype = self._forward(node, strategy)
         device = self.profile.device
-        seconds = compute_time_s(device, flops, moved, dtype)
         if self.train and node.requires_grad:
             if flops > 0:
                 seconds *= 1.0 + BACKWARD_FLOP_RATIO
@@ -189,7 +214,7 @@ class CostModel:
             info = node.output
             fraction = 1.0 / shard_divisor(info.shape, strategy.output, self.mesh.shape)
             state = model_state_bytes(info.numel, dtype_bytes(info.dtype), fraction,
-                                      mode=self.mode if node.requires_grad else "inference")
+                                      mode=self.mode if node.requires_grad else "inference", optimizer=self.optimizer)
             return MemoryParts(state.parameters_bytes, state.gradients_bytes, state.optimizer_bytes, 0.0)
         if self.train and node.requires_grad and not node.is_placeholder and not node.is_view:
             return MemoryParts(activations_bytes=sum(self.local_bytes(o, strategy.output) for o in node.outputs))

@@ -21,11 +21,14 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from cost_models import optimizer_spec
+
 from autotp.capture import CaptureError, capture
 from autotp.mesh import MeshSpec
 from autotp.meta import unfillable_state
 from autotp.plan import Plan, PlanError
 from autotp.planner import plan_graph, resolve_hardware
+from autotp.recompute import check_recompute
 from autotp.rewrite import build_parallel_module, has_active_dropout
 from autotp.solver import MemoryBudgetError
 
@@ -77,7 +80,8 @@ def _from_first_rank(mesh, payload: list[Any]) -> list[Any]:
     return payload
 
 
-def _agreed_plan(graph, spec: MeshSpec, mesh, hardware: Any, mode: str, memory_budget: Any, capture_s: float) -> Plan:
+def _agreed_plan(graph, spec: MeshSpec, mesh, hardware: Any, mode: str, memory_budget: Any, capture_s: float,
+                 optimizer: Any = "adamw", recompute: Optional[bool] = None) -> Plan:
     """The rank at the mesh's first coordinate plans; its plan (or its error) reaches every rank by a
     broadcast along each axis in turn (from coordinate 0 of that axis), and every rank returns it."""
     coordinate = mesh.get_coordinate()
@@ -86,7 +90,8 @@ def _agreed_plan(graph, spec: MeshSpec, mesh, hardware: Any, mode: str, memory_b
     error: Optional[BaseException] = None
     if all(c == 0 for c in coordinate):
         try:
-            plan = plan_graph(graph, spec, hardware, mode, memory_budget, capture_s=capture_s)
+            plan = plan_graph(graph, spec, hardware, mode, memory_budget, capture_s=capture_s, optimizer=optimizer,
+                              recompute=recompute)
             payload = [("plan", plan.to_json())]
         except MemoryBudgetError as err:
             payload, error = [("budget", str(err), err.minimum_bytes)], err
@@ -109,15 +114,17 @@ def _agreed_plan(graph, spec: MeshSpec, mesh, hardware: Any, mode: str, memory_b
 
 
 def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional[Plan] = None, hardware: Any = None,
-                mode: str = "train", memory_budget: Any = None, dynamic_dims: Any = None) -> torch.fx.GraphModule:
+                mode: str = "train", memory_budget: Any = None, dynamic_dims: Any = None, optimizer: Any = "adamw",
+                recompute: Optional[bool] = None) -> torch.fx.GraphModule:
     """Return a module that computes what ``model`` computes, sharded over ``mesh`` as planned.
 
     ``mesh`` must be a ``DeviceMesh`` over a live process group (every rank calls this with the same
     model and inputs). The model may have its parameters on the meta device (``autotp.meta_init``):
     each rank then allocates only its shards, uninitialized, for ``autotp.load_weights`` to fill. ``plan`` defaults to the plan the mesh's first rank makes with ``hardware``
-    (default: the profile of the mesh's device, :func:`default_hardware`), ``mode`` and
-    ``memory_budget``, which every rank receives. The result's parameters are DTensor shards under
-    the model's own names; ``result.plan`` is the plan used.
+    (default: the profile of the mesh's device, :func:`default_hardware`), ``mode``,
+    ``memory_budget``, ``optimizer`` and ``recompute`` (see :func:`autotp.plan`), which every rank
+    receives. The result's parameters are DTensor shards under the model's own names; ``result.plan``
+    is the plan used. Layers the plan recomputes run under ``torch.utils.checkpoint``.
 
     The result runs at other sizes of the inputs' dynamic dims without planning again:
     ``dynamic_dims=None`` (default) makes the batch and sequence dims dynamic where the model allows
@@ -138,6 +145,8 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
     if device is not None and device not in ("meta", mesh.device_type):
         raise ValueError(f"the model is on {device!r} but the mesh is on {mesh.device_type!r}; "
                          f"move the model to {mesh.device_type!r} or build the mesh on {device!r}")
+    optimizer_spec(optimizer)  # bad arguments are refused on every rank, before the capture
+    check_recompute(recompute)
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"plan is a {type(plan).__name__}; expected an autotp Plan (autotp.plan or autotp.load_plan)")
     if plan is None:
@@ -160,7 +169,8 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
                          f"{', '.join(unfillable)}; build the model under autotp.meta_init() (parameters on meta, "
                          f"buffers made for real)")
     if plan is None:
-        plan = _agreed_plan(graph, spec, mesh, hardware, mode, memory_budget, time.perf_counter() - t0)
+        plan = _agreed_plan(graph, spec, mesh, hardware, mode, memory_budget, time.perf_counter() - t0, optimizer,
+                            recompute)
     plan.check_matches(graph, spec)
     # dropout masks: one base seed for all ranks, the first rank's (autotp.dropout)
     seed = _from_first_rank(mesh, [torch.initial_seed()])[0] if has_active_dropout(graph) else None

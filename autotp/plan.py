@@ -18,7 +18,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional
 
-from cost_models import HardwareProfile
+from cost_models import HardwareProfile, OptimizerSpec
 
 from autotp.dynamic import Divisibility, DynamicDim
 from autotp.graph import OpGraph, PARAMETER
@@ -42,6 +42,7 @@ class PlanError(ValueError):
 class PredictedTime:
     compute_s: float
     communication_s: float
+    recompute_s: float = 0.0  # of the two above, what recomputing layers adds (forward compute and collectives)
 
     @property
     def total_s(self) -> float:
@@ -53,8 +54,9 @@ class MemoryPerDevice:
     parameters_bytes: float
     gradients_bytes: float
     optimizer_bytes: float
-    activations_bytes: float
+    activations_bytes: float  # kept for the backward, after recompute
     budget_bytes: Optional[float] = None
+    recompute_saved_bytes: float = 0.0  # activations that recomputed layers do not keep
 
     @property
     def total_bytes(self) -> float:
@@ -112,6 +114,9 @@ class Plan:
     # the inputs' dynamic dims and what the plan needs of them (autotp.dynamic); empty: all static
     dynamic_dims: tuple[DynamicDim, ...] = ()
     divisibility: tuple[Divisibility, ...] = ()
+    # the layers that recompute their activations in the backward (module paths), and the optimizer priced
+    recompute: tuple[str, ...] = ()
+    optimizer: OptimizerSpec = OptimizerSpec()
     _strategies: Mapping[str, Strategy] = field(default=None, repr=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -171,6 +176,8 @@ class Plan:
             "modules": [asdict(m) for m in self.modules],
             "dynamic_dims": [asdict(d) for d in self.dynamic_dims],
             "divisibility": [asdict(d) for d in self.divisibility],
+            "recompute": list(self.recompute),
+            "optimizer": asdict(self.optimizer),
         }
 
     def to_json(self) -> str:
@@ -199,6 +206,8 @@ class Plan:
                 modules=tuple(ModuleChoice(**m) for m in d["modules"]),
                 dynamic_dims=tuple(DynamicDim(**x) for x in d.get("dynamic_dims", ())),
                 divisibility=tuple(Divisibility(**x) for x in d.get("divisibility", ())),
+                recompute=tuple(d.get("recompute", ())),
+                optimizer=OptimizerSpec(**d.get("optimizer", {})),
             )
         except (KeyError, TypeError, IndexError) as err:
             raise PlanError(f"plan file is missing or has a malformed field: {err}") from err
@@ -229,6 +238,10 @@ class Plan:
             strat = self._strategies[node.name]
             for placements, info in zip(strat.inputs, node.input_infos):
                 self._check_even(node.name, node.target, placements, info.shape, mesh)
+        paths = {path for node in graph.ops() for path in node.module_stack}
+        unknown = [path for path in self.recompute if path not in paths]
+        if unknown:
+            raise PlanError(f"the plan recomputes layers the model does not have: {', '.join(unknown)}")
 
     @staticmethod
     def _check_even(name: str, target: str, placements, shape, mesh: MeshSpec) -> None:

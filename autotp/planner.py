@@ -10,10 +10,10 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Collection, Mapping, Optional, Sequence
 
 import torch
-from cost_models import HardwareProfile, load_profile
+from cost_models import HardwareProfile, load_profile, optimizer_spec
 
 from autotp.capture import capture
 from autotp.costing import MODES, CostModel
@@ -23,9 +23,10 @@ from autotp.mesh import MeshSpec
 from autotp.placement import Strategy, format_placements, parse_placements
 from autotp.plan import MemoryPerDevice, NodeChoice, Plan, PredictedTime, SolveStats, module_choices
 from autotp.program import Collective, LocalCopy, program
+from autotp.recompute import check_recompute, layer_chains, recompute_saved_bytes, recomputed_nodes
 from autotp.solver import solve
 from autotp.strategies import all_strategies
-from autotp.tying import find_repeats
+from autotp.tying import tie
 
 __all__ = ["plan", "plan_graph", "resolve_hardware", "parse_bytes"]
 
@@ -106,22 +107,31 @@ def _apply_pins(graph: OpGraph, spec: MeshSpec, rep: Mapping[str, str], strat_re
 
 
 def predicted_time(graph: OpGraph, chosen: Mapping[str, Strategy], spec: MeshSpec, cost: CostModel,
-                   steps: Optional[tuple[Sequence[Collective], Sequence[LocalCopy]]] = None) -> PredictedTime:
-    """Seconds of one step under ``chosen``: every node's compute, and every collective and local
-    copy the program runs (:func:`autotp.program.program`, or ``steps`` if given), each priced by ``cost``."""
-    colls, copies = steps if steps is not None else program(graph, chosen, spec, cost.train)
+                   steps: Optional[tuple[Sequence[Collective], Sequence[LocalCopy]]] = None,
+                   recomputed: Collection[str] = ()) -> PredictedTime:
+    """Seconds of one step under ``chosen``: every node's compute (and the forward again of the
+    ``recomputed`` nodes), and every collective and local copy the program runs
+    (:func:`autotp.program.program`, or ``steps`` if given), each priced by ``cost``."""
+    colls, copies = steps if steps is not None else program(graph, chosen, spec, cost.train, recomputed)
     compute_s = sum(cost.node_compute_s(n, chosen[n.name], graph.gradient_reads(n.name)) for n in graph.nodes)
-    comm_s = (sum(cost.collective_s(c.kind, spec.axis_names.index(c.mesh_axis), c.bytes) for c in colls)
-              + sum(cost.copy_s(c.bytes, c.dtype) for c in copies))
-    return PredictedTime(compute_s, comm_s)
+    again_s = sum(cost.node_forward_s(graph[n], chosen[n]) for n in recomputed)
+    compute_s += again_s
+    comm = [cost.collective_s(c.kind, spec.axis_names.index(c.mesh_axis), c.bytes) for c in colls]
+    copy = [cost.copy_s(c.bytes, c.dtype) for c in copies]
+    again_s += (sum(t for t, c in zip(comm, colls) if c.phase == "recompute")
+                + sum(t for t, c in zip(copy, copies) if c.phase == "recompute"))
+    return PredictedTime(compute_s, sum(comm) + sum(copy), again_s)
 
 
 def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "train",
                memory_budget: Any = None, time_limit_s: float = 60.0, capture_s: float = 0.0,
-               pin: Optional[Mapping[str, str]] = None) -> Plan:
+               pin: Optional[Mapping[str, str]] = None, optimizer: Any = "adamw",
+               recompute: Optional[bool] = None) -> Plan:
     """Plan an already captured graph (see :func:`plan`)."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: expected one of {MODES}")
+    check_recompute(recompute)
+    optimizer = optimizer_spec(optimizer)
     spec = MeshSpec.of(mesh)
     profile = resolve_hardware(hardware)
     budget = parse_bytes(memory_budget)
@@ -129,23 +139,29 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
         budget = float(profile.device.memory_bytes)
 
     t0 = time.perf_counter()
-    rep = find_repeats(graph)
+    rep, chain_paths = tie(graph)
     reps = [n for n in graph.nodes if rep[n.name] == n.name]
     strat_rep = all_strategies(graph, spec.shape, reps)
     _apply_pins(graph, spec, rep, strat_rep, pin)
     strategies = {n.name: strat_rep[rep[n.name]] for n in graph.nodes}
     strategies_s = time.perf_counter() - t0
 
-    cost = CostModel(spec, profile, mode)
-    solution = solve(graph, strategies, rep, cost, budget, time_limit_s)
+    cost = CostModel(spec, profile, mode, optimizer)
+    chains = layer_chains(graph, chain_paths) if cost.train and recompute is not False else []
+    solution = solve(graph, strategies, rep, cost, budget, time_limit_s, chains, recompute)
     chosen = {name: strategies[name][i] for name, i in solution.choice.items()}
+    layers = [layer for g, k in sorted(solution.recompute.items()) for layer in chains[g][:k]]
+    recomputed = recomputed_nodes(graph, [layer.path for layer in layers])
 
-    colls, copies = program(graph, chosen, spec, cost.train)
-    parts = [cost.node_memory(n, chosen[n.name]) for n in graph.nodes]
+    colls, copies = program(graph, chosen, spec, cost.train, recomputed)
+    parts = {n.name: cost.node_memory(n, chosen[n.name]) for n in graph.nodes}
+    saved = recompute_saved_bytes(chains, solution.recompute, {n: p.activations_bytes for n, p in parts.items()})
     memory = MemoryPerDevice(
-        parameters_bytes=sum(p.parameters_bytes for p in parts), gradients_bytes=sum(p.gradients_bytes for p in parts),
-        optimizer_bytes=sum(p.optimizer_bytes for p in parts), activations_bytes=sum(p.activations_bytes for p in parts),
-        budget_bytes=budget,
+        parameters_bytes=sum(p.parameters_bytes for p in parts.values()),
+        gradients_bytes=sum(p.gradients_bytes for p in parts.values()),
+        optimizer_bytes=sum(p.optimizer_bytes for p in parts.values()),
+        activations_bytes=sum(p.activations_bytes for p in parts.values()) - saved,
+        budget_bytes=budget, recompute_saved_bytes=saved,
     )
     stats = SolveStats(
         solver=solution.solver, status=solution.status, optimal=solution.optimal, variables=solution.variables,
@@ -157,17 +173,18 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
         nodes=tuple(NodeChoice(n.name, n.target, n.module_path, n.outputs[0].shape, str(chosen[n.name]))
                     for n in graph.nodes),
         parameter_placements={p.fqn: format_placements(chosen[p.node].output) for p in graph.parameters},
-        collective_list=tuple(colls), time=predicted_time(graph, chosen, spec, cost, (colls, copies)),
+        collective_list=tuple(colls), time=predicted_time(graph, chosen, spec, cost, (colls, copies), recomputed),
         memory=memory, stats=stats,
         modules=module_choices(graph, chosen),
         dynamic_dims=tuple(graph.dynamic),
         divisibility=requirements(graph.symbolic, graph.nodes, chosen, spec.shape),
+        recompute=tuple(layer.path for layer in layers), optimizer=optimizer,
     )
 
 
 def plan(model: torch.nn.Module, mesh: Any, example_inputs: Any, hardware: Any = None, mode: str = "train",
          memory_budget: Any = None, time_limit_s: float = 60.0, pin: Optional[Mapping[str, str]] = None,
-         dynamic_dims: Any = False) -> Plan:
+         dynamic_dims: Any = False, optimizer: Any = "adamw", recompute: Optional[bool] = None) -> Plan:
     """Choose how to split every op of ``model`` over ``mesh``.
 
     ``mesh`` is a ``DeviceMesh`` or a shape such as ``(8,)`` or ``(2, 4)`` (no processes needed);
@@ -178,13 +195,20 @@ def plan(model: torch.nn.Module, mesh: Any, example_inputs: Any, hardware: Any =
     ``{"layers.0.mlp.up_proj.weight": "S(0)"}`` (colwise); the solver decides the rest.
     ``dynamic_dims`` (default False: all sizes the example's; see :func:`autotp.parallelize`) only
     adds the dynamic dims and what the plan needs of them to the report: the plan is the same.
+    ``optimizer`` names the optimizer whose state the memory counts: ``"adamw"`` (default), ``"adam"``,
+    ``"sgd_momentum"``, ``"sgd"``, ``"adafactor"`` (none counted) or a ``cost_models.OptimizerSpec``
+    (state dtype, fp32 master weights of mixed precision). ``recompute``: None (default) lets the
+    planner recompute layers of repeated blocks when memory is short, where that costs less than
+    sharding more (:mod:`autotp.recompute`); True recomputes every repeated layer, False none.
     """
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: expected one of {MODES}")
+    optimizer_spec(optimizer)
+    check_recompute(recompute)
     MeshSpec.of(mesh)  # reject a bad mesh before the (slow) capture
     resolve_hardware(hardware)
     parse_bytes(memory_budget)
     t0 = time.perf_counter()
     graph = capture(model, example_inputs, dynamic_dims)
     return plan_graph(graph, mesh, hardware, mode, memory_budget, time_limit_s, capture_s=time.perf_counter() - t0,
-                      pin=pin)
+                      pin=pin, optimizer=optimizer, recompute=recompute)

@@ -13,7 +13,7 @@ them, so the plan's collectives are the ones that run and its predicted time pri
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Collection, Mapping, Optional
 
 from autotp.graph import OpGraph
 from autotp.mesh import MeshSpec
@@ -44,7 +44,8 @@ class Read:
 
 @dataclass(frozen=True)
 class Collective:
-    """One collective of one step: kind, phase ("forward"/"backward"), mesh axis name, bytes, node."""
+    """One collective of one step: kind, phase ("forward", "backward", or "recompute": a forward
+    collective of a recomputed layer, run again during the backward), mesh axis name, bytes, node."""
 
     kind: str
     phase: str
@@ -96,9 +97,15 @@ def local_copies(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec,
     return program(graph, chosen, mesh, train)[1]
 
 
-def program(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec,
-            train: bool) -> tuple[list[Collective], list[LocalCopy]]:
-    """Both lists of one step at once: :func:`collectives` and :func:`local_copies`."""
+def program(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, train: bool,
+            recomputed: Collection[str] = ()) -> tuple[list[Collective], list[LocalCopy]]:
+    """Both lists of one step at once: :func:`collectives` and :func:`local_copies`.
+
+    ``recomputed``: the nodes of layers that recompute (:mod:`autotp.recompute`); a redistribution
+    first read by one of them runs again in the backward, its forward collectives and copies listed
+    once more with phase ``"recompute"``."""
+    rec: list[Collective] = []
+    rec_copies: list[LocalCopy] = []
     fwd: list[Collective] = []
     bwd: list[Collective] = []
     fwd_copies: list[LocalCopy] = []
@@ -118,12 +125,17 @@ def program(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec,
                 size = info.nbytes / step.divisor
                 axis = mesh.axis_names[step.axis]
                 backward = train and src.requires_grad
+                again = r.consumer in recomputed
                 if step.forward:
                     fwd.append(Collective(step.forward, "forward", axis, size, r.producer))
+                    if again:
+                        rec.append(Collective(step.forward, "recompute", axis, size, r.producer))
                 if step.backward and backward:
                     bwd.append(Collective(step.backward, "backward", axis, size, r.producer))
                 copies_fwd, copies_bwd = step_copies(step, info.shape, mesh.shape[step.axis], info.nbytes)
                 fwd_copies += [LocalCopy("forward", axis, b, info.dtype, r.producer) for b in copies_fwd]
+                if again:
+                    rec_copies += [LocalCopy("recompute", axis, b, info.dtype, r.producer) for b in copies_fwd]
                 if backward:
                     bwd_copies += [LocalCopy("backward", axis, b, info.dtype, r.producer) for b in copies_bwd]
         reduce_axes = tuple(a for a in r.grad_axes if a not in fused)
@@ -139,4 +151,4 @@ def program(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec,
                 bwd.append(Collective("all_reduce", "backward", mesh.axis_names[a], size, r.producer))
                 bwd_copies += [LocalCopy("backward", mesh.axis_names[a], b, info.dtype, r.producer)
                                for b in all_reduce_copies(size)]
-    return fwd + bwd, fwd_copies + bwd_copies
+    return fwd + bwd + rec, fwd_copies + bwd_copies + rec_copies

@@ -1,8 +1,9 @@
 """Report: the plan as a person reads it (text table, JSON, or HTML).
 
-Sections: per module its style and the placements of weight, input and output; the collectives of
-one step by kind and phase with bytes; the inputs' dynamic dims and what the plan needs of them;
-predicted compute and communication time; memory per device against the budget; how the solve went.
+Sections: per module its style, the placements of weight, input and output, and whether it
+recomputes its activations; the collectives of one step by kind and phase with bytes; the inputs' dynamic dims and what the plan needs of them;
+predicted compute and communication time; memory per device against the budget; which layers
+recompute and what that frees and costs; how the solve went.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def _collective_rows(plan: "Plan") -> list[list[str]]:
     groups: dict[tuple[str, str, str], list[float]] = defaultdict(list)
     for c in plan.collective_list:
         groups[(c.phase, c.kind, c.mesh_axis)].append(c.bytes)
-    order = {"forward": 0, "backward": 1}
+    order = {"forward": 0, "backward": 1, "recompute": 2}
     return [[phase, kind, axis, str(len(b)), format_bytes(sum(b))]
             for (phase, kind, axis), b in sorted(groups.items(), key=lambda kv: (order[kv[0][0]], kv[0][1:]))]
 
@@ -59,6 +60,29 @@ def dynamic_lines(plan: "Plan") -> list[str]:
     return lines
 
 
+def _recomputed(plan: "Plan", module: str) -> str:
+    """"yes" for a module inside a layer that recomputes its activations."""
+    return "yes" if any(module == p or module.startswith(p + ".") for p in plan.recompute) else ""
+
+
+def _module_rows(plan: "Plan") -> list[list[str]]:
+    return [[m.module or "(root)", m.style, m.op, m.weight, m.input, m.output, _recomputed(plan, m.module)]
+            for m in plan.modules]
+
+
+_MODULE_HEADERS = ["module", "style", "op", "weight", "input", "output", "recompute"]
+
+
+def recompute_line(plan: "Plan") -> str:
+    """What recompute does in this plan: which layers, what it frees and what it costs."""
+    if not plan.recompute:
+        return "Recompute: none (every layer keeps its activations for the backward)"
+    again = [c for c in plan.collective_list if c.phase == "recompute"]
+    return (f"Recompute: {len(plan.recompute)} layers ({', '.join(plan.recompute)}) run their forward again in the "
+            f"backward; frees {format_bytes(plan.memory.recompute_saved_bytes)} of activations per device, costs "
+            f"{_t(plan.time.recompute_s)} per step (forward compute again and {len(again)} collectives)")
+
+
 def _text(plan: "Plan") -> str:
     mem, t, st = plan.memory, plan.time, plan.stats
     lines = [
@@ -66,8 +90,7 @@ def _text(plan: "Plan") -> str:
         "",
         "Modules",
     ]
-    lines += _table(["module", "style", "op", "weight", "input", "output"],
-                    [[m.module or "(root)", m.style, m.op, m.weight, m.input, m.output] for m in plan.modules])
+    lines += _table(_MODULE_HEADERS, _module_rows(plan))
     lines += ["", "Collectives per step"]
     rows = _collective_rows(plan)
     lines += _table(["phase", "kind", "axis", "count", "bytes"], rows) if rows else ["(none: every rank works alone)"]
@@ -79,7 +102,9 @@ def _text(plan: "Plan") -> str:
         "",
         f"Predicted step time: {_t(t.total_s)} (compute {_t(t.compute_s)}, communication {_t(t.communication_s)}, local copies included)",
         f"Memory per device: {format_bytes(mem.total_bytes)}{budget} (parameters {format_bytes(mem.parameters_bytes)}, gradients "
-        f"{format_bytes(mem.gradients_bytes)}, optimizer {format_bytes(mem.optimizer_bytes)}, activations {format_bytes(mem.activations_bytes)})",
+        f"{format_bytes(mem.gradients_bytes)}, optimizer {format_bytes(mem.optimizer_bytes)} ({plan.optimizer.describe()}), "
+        f"activations {format_bytes(mem.activations_bytes)})",
+        recompute_line(plan),
         f"Solve: {st.solver}, {st.status}; {st.variables} variables, {st.constraints} constraints, "
         f"{st.representatives} of {st.nodes} nodes to decide after layer tying and merging; " + (
             f"capture {st.capture_s:.2f} s, strategies {st.strategies_s:.2f} s, solve {st.solve_s:.2f} s"
@@ -95,12 +120,11 @@ def _html(plan: "Plan") -> str:
         return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
     text = _text(plan).split("\n")
-    summary = "".join(f"<p>{html.escape(line)}</p>" for line in text if line.startswith(("Predicted", "Memory", "Solve")))
+    summary = "".join(f"<p>{html.escape(line)}</p>" for line in text if line.startswith(("Predicted", "Memory", "Recompute", "Solve")))
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>autotp plan</title></head><body>"
         f"<h1>{html.escape(text[0])}</h1><h2>Modules</h2>"
-        + table(["module", "style", "op", "weight", "input", "output"],
-                [[m.module or "(root)", m.style, m.op, m.weight, m.input, m.output] for m in plan.modules])
+        + table(_MODULE_HEADERS, _module_rows(plan))
         + "<h2>Collectives per step</h2>" + table(["phase", "kind", "axis", "count", "bytes"], _collective_rows(plan))
         + summary + "</body></html>"
     )

@@ -3,7 +3,8 @@
 The module's parameters are DTensors with the planned placements, registered under the model's
 own names (its ``state_dict`` keys equal the model's). Its graph runs every op on the local shard
 (shape arguments rewritten to local shapes, a row-split embedding as a masked lookup, dropout with
-masks that follow the shards: :mod:`autotp.dropout`) and holds
+masks that follow the shards: :mod:`autotp.dropout`), the layers the plan recomputes run under
+``torch.utils.checkpoint`` (:mod:`autotp.recompute`), and it holds
 the plan's collectives as ``call_module`` nodes (:mod:`autotp.collectives`), placed exactly where
 :mod:`autotp.program` says. Nothing else communicates: DTensor is the format of the parameters,
 not the engine that runs the ops. Before any of it the graph checks its inputs against the
@@ -30,6 +31,7 @@ from autotp.guard import InputGuard, InputSpec
 from autotp.placement import Placement, dim_pieces, local_shape
 from autotp.plan import Plan
 from autotp.program import reads
+from autotp.recompute import apply_recompute, recomputed_nodes
 from autotp.redistribute import conversion_steps, fused_axes
 
 __all__ = ["build_parallel_module", "local_shard", "has_active_dropout"]
@@ -46,7 +48,10 @@ def local_shard(full: torch.Tensor, placements: tuple[Placement, ...], coordinat
     for p, c, n in zip(placements, coordinate, mesh_shape):
         if p.is_shard:
             out = out.chunk(n, dim=p.dim)[c]
-    return out.contiguous()
+    out = out.contiguous()
+    if out.untyped_storage().nbytes() > out.numel() * out.element_size():
+        out = out.clone()  # a piece of a larger storage (a dim-0 chunk is a view): hold only the piece
+    return out
 
 
 def local_ranges(shape: tuple[int, ...], placements: tuple[Placement, ...], coordinate: list[int],
@@ -105,6 +110,8 @@ class _Builder:
         self.n_dropouts = 0
         self.seed = torch.initial_seed() if seed is None else int(seed)
         train = plan.mode == "train"
+        self.recomputed = recomputed_nodes(graph, plan.recompute)  # node -> the recomputed layer it is in
+        self.layer_of: dict[str, str] = {}  # fx node name -> the recomputed layer it runs in
         self.grad_axes = {(r.consumer, r.index): r.grad_axes for r in reads(graph, plan.strategies, plan.mesh, train)}
 
     # -- state ---------------------------------------------------------------------------------
@@ -223,7 +230,14 @@ class _Builder:
                         raise NotImplementedError(f"node {node.name} ({node.target}) returns no tensor but is used by "
                                                   f"{list(node.users)}; autotp cannot run it on shards yet")
                     continue
+                tail = self.fx._root.prev  # the last node so far: what emit adds comes after it
                 self.emit(node, alias)
+                layer = self.recomputed.get(node.name)
+                if layer is not None:  # the node and the reads made for it run in its layer's recompute
+                    added = self.fx._root.prev
+                    while added is not tail:
+                        self.layer_of[added.name] = layer
+                        added = added.prev
             elif node.op == "output":
                 self.emit_output(node, alias)
         gm = torch.fx.GraphModule(self.root, self.fx, class_name="AutotpParallelModule")
@@ -242,6 +256,8 @@ class _Builder:
         if hasattr(gm, "autotp_input_guard"):
             gm.autotp_input_guard.recorded = getattr(unlifted, "_guards_fn", None)
         gm.recompile()
+        if self.layer_of:
+            apply_recompute(gm, {n: self.layer_of[n.name] for n in gm.graph.nodes if n.name in self.layer_of})
         return gm
 
     def emit_guard(self, user_inputs: list[tuple[torch.fx.Node, InputSpec | None]]) -> None:

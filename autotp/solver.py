@@ -34,6 +34,18 @@ layer tying, ``m_r`` is how many nodes ``r`` stands for):
   activations kept for backward), added only when the optimum without it does not fit (that
   optimum, if it fits, is the optimum with it) and left out when even the largest choice of every
   node fits.
+* **recompute** (training; :mod:`autotp.recompute`): per chain ``g`` of ``L`` tied layers, how many
+  layers ``k_g`` recompute their activations (the first ``k_g``). With ``k_g`` fixed the problem
+  stays linear and as tight as without: the objective adds ``k_g`` times the layer's forward
+  seconds per root strategy and ``k_g`` times the forward part of each redistribution read inside
+  the layer (on its product or shared-read variable); the memory row takes ``k_g`` times the
+  activations the layer need not keep (all but those read outside it) off, and adds one layer's
+  activations back when every layer recomputes (that layer runs again while all others still hold
+  their inputs). The counts are searched outside the ILP (:func:`_with_recompute`): one exact solve
+  per count, from the least that can fit the budget upwards. (A count as an integer variable with
+  exact products ``v = k x`` left the LP bound 30% below the optimum on a 2-layer Llama, and the
+  solve 20 times slower than without recompute.) Only when the budget binds: a plan that fits
+  keeps every activation.
 * **objective**: ``Σ_r m_r Σ_s compute(r,s) x[r,s] + Σ_e Σ c(p,q) y + Σ g z``; ``compute(r,s)``
   also holds, once per member of r's tie group, the additions of that member's output gradients
   (``OpGraph.gradient_reads``: the last block's output is read less often than the others').
@@ -47,7 +59,7 @@ from __future__ import annotations
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import pulp
 
@@ -55,6 +67,7 @@ from autotp.costing import INFEASIBLE_S, CostModel
 from autotp.graph import OpGraph
 from autotp.ilp import SolverError, solve_with_first_solver
 from autotp.placement import Placement, Strategy
+from autotp.recompute import Layer
 from autotp.redistribute import fused_axes
 from autotp.units import format_bytes, format_bytes_pair
 
@@ -85,18 +98,33 @@ class Solution:
     solver: str
     status: str
     representatives: int
+    recompute: Mapping[int, int] = None  # type: ignore[assignment]  # chain index -> layers recomputed
 
 
 class _Formulation:
     def __init__(self, graph: OpGraph, strategies: Mapping[str, Sequence[Strategy]], rep: Mapping[str, str],
-                 cost: CostModel, memory_budget_bytes: Optional[float]) -> None:
+                 cost: CostModel, memory_budget_bytes: Optional[float],
+                 chains: Sequence[Sequence[Layer]] = ()) -> None:
         self.graph, self.strategies, self.rep, self.cost = graph, strategies, rep, cost
+        self.layers: dict[int, int] = {}  # layers of chain g that recompute in the problem as it stands
+        self._parts: dict[int, tuple[dict, dict, dict]] = {}
+        # the forward part of redistributions read inside a chain's layer: (chain, variable, seconds per layer)
+        # and, where the cost folded into one node, (chain, node, strategy -> seconds per layer)
+        self.recompute_edges: list[tuple[int, Any, Any]] = []  # (seconds per layer: a _Lazy)
+        self.recompute_folded: list[tuple[int, str, Any]] = []
+        # ... and where it has product variables (exactly one of them is 1): (chain, y, seconds per pair)
+        self.recompute_products: list[tuple[int, Mapping[tuple, Any], Any]] = []
         self.budget = memory_budget_bytes
         self.prob = pulp.LpProblem("autotp", pulp.LpMinimize)
         self.reps = [n.name for n in graph.nodes if rep[n.name] == n.name]
         self.mult: dict[str, int] = defaultdict(int)
         for n in graph.nodes:
             self.mult[rep[n.name]] += 1
+        # chains of tied layers that may recompute (each node of a chain's first layer stands for one node
+        # per layer), and which chain each node of a first layer is in
+        self.chains = {g: c for g, c in enumerate(chains)
+                       if all(rep[n] == n and self.mult[n] == len(c) for n in c[0].nodes)}
+        self.chain_of = {n: g for g, c in self.chains.items() for n in c[0].nodes}
         self.root, self.fmap, self.parent = self._merge_followers()
         self.roots = [r for r in self.reps if self.root[r] == r]
         self.node_cost: dict[str, list[float]] = {r: [0.0] * len(strategies[r]) for r in self.roots}
@@ -104,7 +132,8 @@ class _Formulation:
         self.x: dict[str, list[pulp.LpVariable]] = {}
         self.n_vars = 0
         self.mem: dict[str, list[float]] = {}
-        self.memory_row: Optional[pulp.LpConstraint] = None  # added only if a plan without it does not fit
+        self.memory_terms: list = []  # the memory row's terms, in GiB; added only if a plan without it does not fit
+        self.memory_needed = False
         # product variables of each edge that has them, keyed (producer rep, reader rep, input index),
         # when they were built with the readers' partial-gradient axes (a tensor that carries a gradient)
         self.products: dict[tuple[str, str, int], dict[tuple, pulp.LpVariable]] = {}
@@ -223,11 +252,20 @@ class _Formulation:
                         c[(p, (q, axes))] += count * self.cost.edge_s(info, p, q, grad, axes)
             if all(val == 0.0 for val in c.values()):
                 continue
+            chain = self.chain_of.get(rv)
+            # the forward part, per layer of the reader's chain: priced only if recompute is tried
+            fwd = _Lazy(lambda pairs=pairs, k=k, outs=outs, ins=ins, chain=chain: self._forward_parts(
+                Counter(self.graph[v].input_infos[k] for _, v in pairs), outs, ins, len(self.chains[chain])))
             if len(outs) == 1 or len(ins) == 1:  # the cost depends on one end only: fold it in
                 if len(ins) == 1:
                     self.add_cost(ru, lambda st: c[(st.output, ins[0])])
+                    if chain is not None:
+                        self.recompute_folded.append((chain, ru, lambda st, fwd=fwd, i=ins[0]: fwd()[(st.output, i)]))
                 else:
                     self.add_cost(rv, lambda st: c[(outs[0], self._requirement(st, k, grad))])
+                    if chain is not None:
+                        self.recompute_folded.append((chain, rv, lambda st, fwd=fwd, o=outs[0], k=k, grad=grad:
+                                                      fwd()[(o, self._requirement(st, k, grad))]))
                 continue
             y = self._product(f"{e}_{g}", ru, outs, rv, need, ins, c)
             if grad:
@@ -235,6 +273,17 @@ class _Formulation:
             for pq, var in y.items():
                 if c[pq] not in (0.0, INFEASIBLE_S):
                     self.objective.append(c[pq] * var)
+            if chain is not None:
+                self.recompute_products.append((chain, y, fwd))
+
+    def _forward_parts(self, infos: Counter, outs: list, ins: list, per_layer: int) -> dict[tuple, float]:
+        """Forward seconds per (output placement, requirement) of reads of ``infos``, per layer."""
+        fwd: dict[tuple, float] = defaultdict(float)
+        for info, count in infos.items():
+            for p in outs:
+                for q, axes in ins:
+                    fwd[(p, (q, axes))] += count * self.cost.edge_forward_s(info, p, q, axes) / per_layer
+        return fwd
 
     def _shared_value(self, e: int, ru: str, instances: Mapping[str, list[tuple[str, int]]]) -> None:
         """Several readers: readers that need the same thing share one redistribution, paid once.
@@ -248,6 +297,7 @@ class _Formulation:
         outs = sorted({s.output for s in su})
         c: dict[tuple, float] = defaultdict(float)  # per (p, requirement): what that pair costs
         shared: dict[tuple, float] = defaultdict(float)  # per (p, redistribution): what it costs once
+        forward_of: dict[tuple, list] = defaultdict(list)  # ... and what its forward part is priced on
         readers_rep: set[tuple[str, int]] = set()
         keys: set[tuple] = set()
         alike: Counter = Counter()  # instances with the same tensor, grad flag and readers cost the same
@@ -266,6 +316,7 @@ class _Formulation:
                     c[(p, (q, axes))] += count * self.cost.edge_s(info, p, q, grad, axes)
             for p, once in {_redistribution(p, kk) for kk in mine for p in outs}:
                 shared[(p, once)] += count * self.cost.edge_s(info, p, once[0], grad, once[1])
+                forward_of[(p, once)].append((count, info))
             keys |= mine
         if not any(c[(p, kk)] for kk in keys for p in outs):
             return
@@ -277,6 +328,13 @@ class _Formulation:
                     pay[(p, once)] = self.var(f"w{e}_{i}_{j}", 0, 1)
                     self.objective.append(shared[(p, once)] * pay[(p, once)])
         self.n_vars += len(pay)
+        chains = {self.chain_of.get(rv) for rv, _ in readers_rep}
+        if len(chains) == 1 and None not in chains:  # every reader inside one chain's layers
+            chain = chains.pop()
+            for key, var in pay.items():
+                p, (q, axes) = key
+                self.recompute_edges.append((chain, var, _Lazy(lambda p=p, q=q, axes=axes, uses=forward_of[key]: sum(
+                    n * self.cost.edge_forward_s(info, p, q, axes) for n, info in uses) / len(self.chains[chain]))))
         grad = self.cost.train and any(self.graph[u.split("[")[0]].requires_grad for u in instances)
         for r, (rv, k) in enumerate(sorted(readers_rep)):
             need = [self._requirement(st, k, grad) for st in self.strategies[rv]]
@@ -376,6 +434,10 @@ class _Formulation:
         minimum = sum(min(v) for v in mem.values())
         if self.budget is None:
             return
+        if minimum > self.budget and self.chains:
+            longest = {g: len(c) for g, c in self.chains.items()}
+            minimum = min(self.minimum_bytes({g: min(k, n) for g, n in longest.items()})
+                          for k in range(max(longest.values()) + 1))
         if minimum > self.budget:
             budget, needed = format_bytes_pair(self.budget, minimum)
             raise MemoryBudgetError(
@@ -385,12 +447,123 @@ class _Formulation:
         if sum(max(v) for v in mem.values()) <= self.budget:
             return  # every plan fits: the row could never bind
         # in GiB: coefficients near 1 keep the LP well scaled (bytes would reach 1e11)
-        terms = [m / 2**30 * self.x[r][s] for r in self.roots for s, m in enumerate(mem[r]) if m]
-        self.memory_row = pulp.lpSum(terms) <= self.budget / 2**30
+        self.memory_terms = [m / 2**30 * self.x[r][s] for r in self.roots for s, m in enumerate(mem[r]) if m]
+        self.memory_needed = True
 
-    def memory_bytes(self, choice_rep: Mapping[str, int]) -> float:
-        """Bytes per device of a choice (root -> strategy index)."""
-        return sum(self.mem[r][s] for r, s in choice_rep.items())
+    # -- activation recompute ----------------------------------------------------------------------
+
+    def _layer_parts(self, g: int) -> tuple[dict, dict, dict]:
+        """Per root touched by chain ``g``'s first layer, per root strategy: the forward seconds of the
+        layer's nodes, its activation bytes, and the bytes recompute frees (those not read outside)."""
+        if g not in self._parts:
+            self._parts[g] = self._layer_parts_uncached(g)
+        return self._parts[g]
+
+    def _layer_parts_uncached(self, g: int) -> tuple[dict, dict, dict]:
+        layer = self.chains[g][0]
+        fwd: dict[str, list[float]] = {}
+        act: dict[str, list[float]] = {}
+        saved: dict[str, list[float]] = {}
+        for r in layer.nodes:
+            root = self.root[r]
+            for d in (fwd, act, saved):
+                d.setdefault(root, [0.0] * len(self.strategies[root]))
+            for s, mine in enumerate(self.fmap[r]):
+                st = self.strategies[r][mine]
+                a = self.cost.node_memory(self.graph[r], st).activations_bytes
+                fwd[root][s] += self.cost.node_forward_s(self.graph[r], st)
+                act[root][s] += a
+                if r not in layer.outputs:
+                    saved[root][s] += a
+        for chain, r, cost_of in self.recompute_folded:
+            if chain == g:
+                root = self.root[r]
+                for d in (fwd, act, saved):
+                    d.setdefault(root, [0.0] * len(self.strategies[root]))
+                for s, mine in enumerate(self.fmap[r]):
+                    fwd[root][s] += cost_of(self.strategies[r][mine])
+        return fwd, act, saved
+
+    def fix_recompute(self, layers: Mapping[int, int]) -> None:
+        """Make the problem the one where ``layers[g]`` layers of chain ``g`` recompute: with the count
+        fixed, recompute is linear in the choices. The objective adds ``k_g fwd(r,s)`` to each root
+        strategy (the layer's forward again) and ``k_g c_f`` to each redistribution read inside the
+        layer (its forward part again); the memory row takes ``k_g saved(r,s)`` off (activations not
+        read outside the layer) and, when every layer of the chain recomputes, adds ``act(r,s)`` back
+        (one layer live again in its backward)."""
+        objective = list(self.objective)
+        memory = list(self.memory_terms)
+        for g, k in layers.items():
+            if not k:
+                continue
+            fwd, act, saved = self._layer_parts(g)
+            every = k == len(self.chains[g])
+            for root in fwd:
+                for s, x in enumerate(self.x[root]):
+                    if fwd[root][s]:
+                        objective.append(k * fwd[root][s] * x)
+                    freed = k * saved[root][s] - (act[root][s] if every else 0.0)
+                    if freed:
+                        memory.append(-freed / 2**30 * x)
+            for chain, y, seconds_of in self.recompute_products:
+                if chain == g:
+                    objective += [k * seconds_of()[pq] * var for pq, var in y.items() if seconds_of().get(pq)]
+            for chain, var, seconds in self.recompute_edges:
+                if chain == g and seconds():
+                    objective.append(k * seconds() * var)
+        self.prob.setObjective(pulp.lpSum(objective) * OBJECTIVE_SCALE)
+        _drop_constraint(self.prob, "memory")
+        if self.memory_needed:
+            self.prob += pulp.lpSum(memory) <= self.budget / 2**30, "memory"
+        self.layers = dict(layers)
+
+    def forward_floor_s(self, g: int) -> float:
+        """The least one more recomputed layer of chain ``g`` can cost: its forward at the cheapest strategies."""
+        return sum(min(v) for v in self._layer_parts(g)[0].values())
+
+    def minimum_bytes(self, layers: Mapping[int, int]) -> float:
+        """The least memory any plan needs with ``layers[g]`` layers of chain ``g`` recomputing (each
+        node at its smallest strategy: a lower bound that the choices can reach)."""
+        parts = {g: self._layer_parts(g) for g in self.chains}
+        total = 0.0
+        for r, v in self.mem.items():
+            best = []
+            for s, m in enumerate(v):
+                for g, k in layers.items():
+                    _, act, saved = parts[g]
+                    if k and r in act:
+                        m -= k * saved[r][s] - (act[r][s] if k == len(self.chains[g]) else 0.0)
+                best.append(m)
+            total += min(best)
+        return total
+
+    def recompute_candidates(self) -> list[dict[int, int]]:
+        """Recompute counts to try, fewest first: the least that can fit the budget (every chain the same
+        share of its layers), then 1, 2, 4, ... layers more, and every layer."""
+        longest = max(len(c) for c in self.chains.values())
+
+        def share(k: int) -> dict[int, int]:
+            return {g: min(len(c), -(-k * len(c) // longest)) for g, c in self.chains.items()}
+
+        least = next((k for k in range(longest + 1) if self.minimum_bytes(share(k)) <= self.budget), None)
+        if least is None:
+            return []
+        counts = [least] + [least + step for step in (1, 2, 4, 8, 16, 32, 64) if least + step < longest] + [longest]
+        return [share(k) for k in dict.fromkeys(counts)]
+
+    def memory_bytes(self, choice_rep: Mapping[str, int], layers: Mapping[int, int]) -> float:
+        """Bytes per device of a choice (root -> strategy index) with ``layers[g]`` layers of chain g
+        recomputing."""
+        total = sum(self.mem[r][s] for r, s in choice_rep.items())
+        for g, k in layers.items():
+            if k:
+                _, act, saved = self._layer_parts(g)
+                total -= k * sum(saved[r][choice_rep[r]] for r in saved)
+                if k == len(self.chains[g]):
+                    total += sum(act[r][choice_rep[r]] for r in act)
+        return total
+
+
 
     def objective_terms(self) -> None:
         for r in self.roots:
@@ -433,35 +606,98 @@ def _key_order(kk: tuple) -> tuple:
 
 
 def solve(graph: OpGraph, strategies: Mapping[str, Sequence[Strategy]], rep: Mapping[str, str], cost: CostModel,
-          memory_budget_bytes: Optional[float] = None, time_limit_s: float = 60.0) -> Solution:
-    """Choose one strategy per node; see the module docstring for the formulation."""
+          memory_budget_bytes: Optional[float] = None, time_limit_s: float = 60.0,
+          chains: Sequence[Sequence[Layer]] = (), recompute: Optional[bool] = None) -> Solution:
+    """Choose one strategy per node, and how many layers of each of ``chains`` recompute (``recompute``:
+    None lets the solver choose when memory is short, True recomputes every layer, False none); see
+    the module docstring for the formulation."""
     start = time.perf_counter()
-    f = _Formulation(graph, strategies, rep, cost, memory_budget_bytes)
+    f = _Formulation(graph, strategies, rep, cost, memory_budget_bytes,
+                     chains if cost.train and recompute is not False else ())
     f.one_hot()
     f.edges()
     f.grad_reductions()
     f.memory()
     f.objective_terms()
+    if recompute and f.chains:  # every layer recomputes: fixed from the start
+        f.fix_recompute({g: len(c) for g, c in f.chains.items()})
     # The memory row goes in only when the best plan without it does not fit: a plan that is optimal
     # without the row and fits is optimal with it, and the row (a knapsack over every choice) can only
     # make the search harder. (With the loose gradient rows of an earlier formulation it slowed 70B on
     # (8, 8) from 18 s to 25 s; with the tight ones it changes nothing measurable there, 1.4-1.6 s.)
     name, choice_rep = _run(f, time_limit_s, memory_budget_bytes)
-    if f.memory_row is not None and f.memory_bytes(choice_rep) > f.budget:
-        f.prob += f.memory_row, "memory"
-        # the constrained solve gets what is left, but never less than half the limit: a first solve
-        # that ran long must not leave the real one too little time to find any plan
-        left_s = max(time_limit_s / 2, time_limit_s - (time.perf_counter() - start))
-        name, choice_rep = _run(f, left_s, memory_budget_bytes)
-    optimal = f.prob.sol_status == pulp.LpSolutionOptimal
+    result = (name, choice_rep, _objective_s(f), f.prob.sol_status == pulp.LpSolutionOptimal, dict(f.layers))
+    if f.memory_needed and f.memory_bytes(choice_rep, f.layers) > f.budget:
+        # the constrained solves get what is left, but never less than half the limit: a first solve
+        # that ran long must not leave the real ones too little time to find any plan
+        now = time.perf_counter()
+        deadline = now + max(time_limit_s / 2, time_limit_s - (now - start))
+        if recompute is None and f.chains:
+            result = _with_recompute(f, deadline, memory_budget_bytes, result[2])
+        else:
+            f.fix_recompute(f.layers)
+            name, choice_rep = _run(f, deadline - time.perf_counter(), memory_budget_bytes)
+            result = (name, choice_rep, _objective_s(f), f.prob.sol_status == pulp.LpSolutionOptimal, dict(f.layers))
+    name, choice_rep, objective_s, optimal, layers = result
     spent_s = time.perf_counter() - start
     return Solution(
         choice={n.name: f.fmap[rep[n.name]][choice_rep[f.root[rep[n.name]]]] for n in graph.nodes},
-        objective_s=float(pulp.value(f.prob.objective) or 0.0) / OBJECTIVE_SCALE, variables=f.n_vars,
+        objective_s=objective_s, variables=f.n_vars,
         constraints=f.prob.numConstraints(), seconds=spent_s, optimal=optimal,
         solver=name, status="optimal" if optimal else f"best found in {spent_s:.0f} s (not proven optimal)",
-        representatives=len(f.roots),
+        representatives=len(f.roots), recompute=layers,
     )
+
+
+class _Lazy:
+    """A value computed on first use (the recompute prices of reads: needed only if memory is short)."""
+
+    def __init__(self, compute) -> None:
+        self.compute, self.done, self.value = compute, False, None
+
+    def __call__(self):
+        if not self.done:
+            self.value, self.done = self.compute(), True
+        return self.value
+
+
+def _drop_constraint(prob: pulp.LpProblem, name: str) -> None:
+    """Remove a named row (PuLP 3.3 deprecates the dict view of ``constraints``; older ones only have it)."""
+    store = getattr(prob, "_constraints", None)
+    (store if isinstance(store, dict) else prob.constraints).pop(name, None)
+
+
+def _objective_s(f: _Formulation) -> float:
+    return float(pulp.value(f.prob.objective) or 0.0) / OBJECTIVE_SCALE
+
+
+def _with_recompute(f: _Formulation, deadline: float, budget: Optional[float], unconstrained_s: float) -> tuple:
+    """The best plan over recompute counts (:meth:`_Formulation.recompute_candidates`), one exact solve
+    each. Counts grow from the least that can fit; the search stops where even the plan without a
+    budget plus the cheapest forward of the extra layers cannot beat the best found, or once two
+    counts in a row did worse than the one before them."""
+    best = None
+    worse = 0
+    for layers in f.recompute_candidates():
+        floor_s = unconstrained_s + sum(k * f.forward_floor_s(g) for g, k in layers.items())
+        if best is not None and (floor_s >= best[2] or worse >= 2):
+            break
+        if time.perf_counter() >= deadline and best is not None:
+            break
+        f.fix_recompute(layers)
+        try:
+            name, choice_rep = _run(f, max(1.0, deadline - time.perf_counter()), budget)
+        except MemoryBudgetError:
+            continue
+        found = (name, choice_rep, _objective_s(f), f.prob.sol_status == pulp.LpSolutionOptimal, dict(layers))
+        if best is None or found[2] < best[2] * (1 - 1e-9):
+            best, worse = found, 0
+        else:
+            worse += 1
+    if best is None:
+        raise MemoryBudgetError(f"no plan fits the memory budget {format_bytes(budget or 0)} per device on mesh "
+                                f"{f.cost.mesh}, even with layers recomputing their activations", 0.0)
+    return best
 
 
 def _run(f: _Formulation, time_limit_s: float, memory_budget_bytes: Optional[float]) -> tuple[str, dict[str, int]]:

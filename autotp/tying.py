@@ -31,7 +31,7 @@ from typing import Iterable
 
 from autotp.graph import OP, PARAMETER, OpGraph
 
-__all__ = ["find_repeats"]
+__all__ = ["find_repeats", "find_chains", "tie"]
 
 
 def _members(graph: OpGraph) -> tuple[dict[str, list[str]], dict[str, list[str]], list[str]]:
@@ -128,7 +128,29 @@ def _chains(graph: OpGraph, members: dict[str, list[str]], group: list[tuple[str
 
 def find_repeats(graph: OpGraph) -> dict[str, str]:
     """Map every node name to the name of the node whose strategy it takes (itself when untied)."""
+    return _tie(graph)[0]
+
+
+def find_chains(graph: OpGraph) -> list[tuple[str, ...]]:
+    """The module paths of every chain of tied layers (two or more), in graph order: the layers
+    that activation recompute may choose (:mod:`autotp.recompute`).
+
+    >>> import torch, autotp
+    >>> m = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+    >>> find_chains(autotp.capture(m, (torch.randn(2, 8),)))
+    [('1', '2')]
+    """
+    return _tie(graph)[1]
+
+
+def tie(graph: OpGraph) -> tuple[dict[str, str], list[tuple[str, ...]]]:
+    """:func:`find_repeats` and :func:`find_chains` at once."""
+    return _tie(graph)
+
+
+def _tie(graph: OpGraph) -> tuple[dict[str, str], list[tuple[str, ...]]]:
     rep = {n.name: n.name for n in graph.nodes}
+    chains_found: list[tuple[str, ...]] = []
     members, children, tops = _members(graph)
 
     def visit(paths: Iterable[str]) -> None:
@@ -146,6 +168,7 @@ def find_repeats(graph: OpGraph) -> dict[str, str]:
                     visit(children.get(chain[0][0], []))
                     continue
                 first_path, first_params = chain[0]
+                chains_found.append(tuple(path for path, _ in chain))
                 for path, params in chain[1:]:
                     for mine, theirs in zip(members[path], members[first_path]):
                         rep[mine] = theirs
@@ -153,4 +176,4 @@ def find_repeats(graph: OpGraph) -> dict[str, str]:
                         rep[mine] = theirs
 
     visit(tops)
-    return rep
+    return rep, chains_found

@@ -5,7 +5,7 @@
 - ``communication``: alpha-beta time of a collective with nccl-tests' bus factors; which
   link a mesh axis uses.
 - ``compute``: roofline time of a kernel.
-- ``memory``: parameter, gradient and optimizer bytes per device.
+- ``memory``: parameter, gradient and optimizer bytes per device (``OptimizerSpec``).
 
 >>> import cost_models as cm
 >>> p = cm.load_profile("a100-sxm")
@@ -33,7 +33,7 @@ from cost_models.hardware import (
     builtin_profile_names,
     load_profile,
 )
-from cost_models.memory import ModelStateBytes, model_state_bytes
+from cost_models.memory import OPTIMIZER_STATES, ModelStateBytes, OptimizerSpec, model_state_bytes, optimizer_spec
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -43,6 +43,8 @@ __all__ = [
     "HardwareProfile",
     "LinkSpec",
     "ModelStateBytes",
+    "OPTIMIZER_STATES",
+    "OptimizerSpec",
     "ProfileError",
     "axis_collective_time_s",
     "axis_link_name",
@@ -52,4 +54,5 @@ __all__ = [
     "compute_time_s",
     "load_profile",
     "model_state_bytes",
+    "optimizer_spec",
 ]

@@ -434,6 +434,12 @@ def llama3_70b(batch: int = 1, seq: int = 2048, n_layer: int = 80, *,
     return _llama(cfg, batch, seq, device, dtype, seed)
 
 
+def llama3_70b_long(batch: int = 8, seq: int = 4096, **kwargs):
+    """The Llama 3 70B shape at batch 8 x 4096 tokens, on meta: a run that activations decide (for
+    ``autotp plan examples.models:llama3_70b_long --mesh 8x8 --memory-budget 60GB``)."""
+    return llama3_70b(batch=batch, seq=seq, **kwargs)
+
+
 @_serialized
 def tiny_bert(batch: int = 2, seq: int = 16, n_layer: int = 2, dim: int = 64, n_head: int = 4,
               ffn_dim: int = 128, vocab: int = 128, *, device="cpu", dtype=torch.float32, seed: int = 0):

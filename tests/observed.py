@@ -73,8 +73,10 @@ class CollectiveLog(TorchDispatchMode):
 
 
 def planned(plan, phase: str) -> Counter:
-    """``plan.collectives()`` of one phase as ``{(kind, mesh_axis, bytes): count}``."""
-    return Counter((c.kind, c.mesh_axis, int(round(c.bytes))) for c in plan.collectives() if c.phase == phase)
+    """``plan.collectives()`` of one phase as ``{(kind, mesh_axis, bytes): count}``; the backward's
+    includes the forward collectives of recomputed layers, which run during it."""
+    phases = {phase, "recompute"} if phase == "backward" else {phase}  # a recomputed layer's run in the backward
+    return Counter((c.kind, c.mesh_axis, int(round(c.bytes))) for c in plan.collectives() if c.phase in phases)
 
 
 def assert_as_planned(log: CollectiveLog, plan, phase: str) -> None:

@@ -47,6 +47,26 @@ def test_memory_budget_reaches_the_solver(tmp_path, capsys):
     assert set(tight.parameter_placements.values()) != {"R"}, tight.parameter_placements
 
 
+def test_optimizer_and_recompute_flags(tmp_path, capsys):
+    """--optimizer sets the state the memory counts, --master-dtype adds fp32 master weights,
+    --recompute all recomputes every repeated layer (the report's column and line say so)."""
+    out = {}
+    for name, flags in {"sgd": ["--optimizer", "sgd", "--recompute", "off"],
+                        "mixed": ["--master-dtype", "float32", "--recompute", "all"]}.items():
+        path = tmp_path / f"{name}.json"
+        assert main(["plan", "examples.models:tiny_gpt", "--mesh", "2", "--json", str(path), *flags]) == 0
+        out[name] = (autotp.load_plan(path), capsys.readouterr().out)
+    sgd, mixed = out["sgd"][0], out["mixed"][0]
+    assert sgd.memory.optimizer_bytes == 0 and sgd.recompute == ()
+    # float32 weights: two float32 moments plus a float32 master copy, three times the parameters
+    assert mixed.memory.optimizer_bytes == 3 * mixed.memory.parameters_bytes
+    assert mixed.recompute == ("layers.0", "layers.1")  # the two blocks form one chain
+    assert "Recompute: 2 layers (layers.0, layers.1)" in out["mixed"][1]
+    assert "adamw (4-byte master weights)" in out["mixed"][1]
+    assert main(["plan", "examples.models:tiny_gpt", "--mesh", "2", "--master-dtype", "int3"]) == 2
+    assert "--master-dtype 'int3'" in capsys.readouterr().err
+
+
 def test_refusals(capsys):
     assert main(["plan", "examples.models:tiny_gpt", "--mesh", "2", "--pin", "no.such=R"]) == 2
     assert "no parameter 'no.such'" in capsys.readouterr().err

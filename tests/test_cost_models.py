@@ -20,6 +20,7 @@ from cost_models import (
     HardwareProfile,
     LinkSpec,
     ModelStateBytes,
+    OptimizerSpec,
     ProfileError,
     axis_collective_time_s,
     axis_link_name,
@@ -29,6 +30,7 @@ from cost_models import (
     compute_time_s,
     load_profile,
     model_state_bytes,
+    optimizer_spec,
 )
 from cost_models import communication, compute, device, hardware, links, memory
 
@@ -334,9 +336,14 @@ def test_memory_train_adamw():
     assert s == ModelStateBytes(
         parameters_bytes=1_000_000 / 4 * 2,  # bf16 shard
         gradients_bytes=1_000_000 / 4 * 2,  # same as parameters
-        optimizer_bytes=1_000_000 / 4 * 8,  # two fp32 moments
+        optimizer_bytes=1_000_000 / 4 * 2 * 2,  # two moments in the parameter's dtype, as torch.optim keeps them
     )
-    assert s.total_bytes == 500_000 + 500_000 + 2_000_000
+    assert s.total_bytes == 500_000 + 500_000 + 1_000_000
+    # mixed precision: bf16 weights and gradients, an fp32 master copy and fp32 moments
+    mixed = model_state_bytes(1_000_000, 2, 1 / 4, optimizer=OptimizerSpec("adamw", master_dtype_bytes=4))
+    assert mixed.optimizer_bytes == 250_000 * (4 + 2 * 4)
+    fp32_state = model_state_bytes(1_000_000, 2, 1 / 4, optimizer=OptimizerSpec("adam", state_dtype_bytes=4))
+    assert fp32_state.optimizer_bytes == 250_000 * 8
 
 
 def test_memory_inference_and_other_optimizers():
@@ -344,6 +351,9 @@ def test_memory_inference_and_other_optimizers():
     assert (s.parameters_bytes, s.gradients_bytes, s.optimizer_bytes) == (4_000_000, 0, 0)
     assert model_state_bytes(1000, 4, 0.5, optimizer=None).total_bytes == 2000 + 2000
     assert model_state_bytes(1000, 4, 0.5, optimizer="sgd_momentum").optimizer_bytes == 500 * 4
+    assert model_state_bytes(1000, 2, 0.5, optimizer="sgd_momentum").optimizer_bytes == 500 * 2
+    assert model_state_bytes(1000, 4, 0.5, optimizer="adafactor").optimizer_bytes == 0
+    assert optimizer_spec("AdamW") == OptimizerSpec("adamw") and optimizer_spec("none") == OptimizerSpec("sgd")
 
 
 @pytest.mark.parametrize(
@@ -353,6 +363,7 @@ def test_memory_inference_and_other_optimizers():
         ({"shard_fraction": 1.5}, "shard_fraction"),
         ({"mode": "eval"}, "mode"),
         ({"optimizer": "lion"}, "optimizer"),
+        ({"optimizer": 3}, "optimizer"),
     ],
 )
 def test_memory_rejects(kwargs, match):

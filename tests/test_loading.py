@@ -84,11 +84,12 @@ def _parallelize(model, mesh, ids, budget_slack=1.05):
 
     # static sizes: what is loaded does not depend on them (tests/test_dynamic.py covers other sizes),
     # and a static trace is half the time of these two-process runs
+    # (no recompute: what is loaded does not depend on it, tests/test_recompute.py covers it)
     try:
-        return autotp.parallelize(model, mesh, (ids,), memory_budget=1, dynamic_dims=False)
+        return autotp.parallelize(model, mesh, (ids,), memory_budget=1, dynamic_dims=False, recompute=False)
     except autotp.MemoryBudgetError as err:  # just above the least any plan needs: it shards
         return autotp.parallelize(model, mesh, (ids,), memory_budget=err.minimum_bytes * budget_slack,
-                                  dynamic_dims=False)
+                                  dynamic_dims=False, recompute=False)
 
 
 def _ranks(rank, world, dirs):

@@ -228,7 +228,15 @@ def _check_against_reference(rank, world, factory, mode, steps, comm_debug=False
     # 1. same outputs, 2. the planned forward collectives
     train = mode == "train"
     out_ref = ref(*inp)
-    with torch.set_grad_enabled(train), _watch(mesh, comm_debug) as fwd:
+    # CommDebugMode spans forward and backward: a recomputed layer's modules run again in the backward,
+    # and CommDebugMode names modules by where it first saw them run (a fresh one in the backward would
+    # first see them there, inside checkpoint's recomputation, and fail to place them)
+    whole_step = contextlib.ExitStack()
+    if comm_debug:
+        from torch.distributed.tensor.debug import CommDebugMode
+
+        comm = whole_step.enter_context(CommDebugMode())
+    with torch.set_grad_enabled(train), _watch(mesh, False) as fwd:
         out = pm(*inp)
     assert type(out) is type(out_ref), f"the parallel module returns a {type(out).__name__}, the model a {type(out_ref).__name__}"
     ref_t, out_t = tensor_of(out_ref), tensor_of(out)
@@ -238,15 +246,22 @@ def _check_against_reference(rank, world, factory, mode, steps, comm_debug=False
     decisions = {k: v for k, v in plan.to_dict().items() if k != "stats"}  # stats hold timings
     result = {"styles": styles, "plan": decisions, "forward": dict(fwd.kind_counts())}
     if not train:
+        whole_step.close()
         assert not planned(plan, "backward"), "an inference plan with backward collectives"
         return result
 
     # 1. same gradients, 2. the planned backward collectives
     loss = _loss(out)
     _loss(out_ref).backward()
-    with _watch(mesh, comm_debug) as bwd:
+    with _watch(mesh, False) as bwd:
         loss.backward()
+    whole_step.close()
+    if comm_debug:
+        assert _kind_counts(comm.get_comm_counts()) == fwd.kind_counts() + bwd.kind_counts(), (
+            f"CommDebugMode saw {dict(_kind_counts(comm.get_comm_counts()))}, the logs "
+            f"{dict(fwd.kind_counts() + bwd.kind_counts())}")
     assert_as_planned(bwd, plan, "backward")
+    result["recompute"] = plan.recompute
     result["backward"] = dict(bwd.kind_counts())
     _assert_grads_match(pm, ref)
 
@@ -416,6 +431,8 @@ def test_gloo_processes_run_as_planned():
     communicates exactly as planned, seen by PyTorch's CommDebugMode and by tests/observed.py."""
     results = run_ranks(_gloo_checks, 2)
     assert results[0]["tiny_llama"]["plan"] == results[1]["tiny_llama"]["plan"], "the ranks planned differently"
+    # under its tight budget the plan also recomputes layers: their collectives ran again, as planned
+    assert results[0]["tiny_llama"]["recompute"], "the plan recomputes no layer"
     first, second = results[0]["one_plan"], results[1]["one_plan"]
     assert (first["solves"], second["solves"]) == (2, 0), "only the first rank solves"
     assert first["plan"] == second["plan"] and first["hardware"] == second["hardware"] == "cpu-gloo"

@@ -1,0 +1,237 @@
+"""Does the memory model predict what a step holds? Predicted against measured peak bytes per rank.
+
+On 2 gloo ranks (CPU), a small Llama (``tiny_llama``: float32, dim 256, 8 heads, 4 kv heads, ffn
+768, vocab 2048, batch 4 x 128 tokens, ``--layers`` layers), five plans:
+
+* ``replicated``: every weight pinned ``R``;
+* ``megatron``: q/k/v/gate/up and the LM head ``colwise``, o and down ``rowwise`` (pinned);
+* ``free``: the planner's own choice under a roomy budget;
+* ``tight``: the planner's choice at the least budget any plan fits without recompute;
+* ``recompute``: the same budget less a quarter of its activations, where the planner must recompute.
+
+Each rank runs three training steps (``zero_grad(set_to_none=True)``, forward, cross-entropy,
+backward, ``torch.optim.AdamW`` step) and measures the third under :class:`LiveBytes`, a
+``TorchDispatchMode`` that counts every storage the step allocates until it is freed, on top of the
+parameters, buffers, optimizer state and inputs that live across steps. It prints, per plan, the
+plan's ``memory_per_device()`` (parameters, gradients, optimizer state, activations: their sum is
+what the budget bounds) and the measured peak, with what was alive at the peak, and their ratio.
+
+    .venv/bin/python benchmarks/memory.py [--layers 2] [--foreach]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import weakref
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass  # noqa: E402
+from torch.utils._pytree import tree_flatten  # noqa: E402
+
+from examples.ranks import run_ranks  # noqa: E402
+
+MB = 1e6
+KINDS = ("parameters", "optimizer", "gradients", "inputs", "other")
+_COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
+_ROWWISE = ("o_proj", "down_proj")
+
+
+def _storages(t: torch.Tensor) -> list:
+    """The storages that hold ``t`` (a DTensor: its local tensor's)."""
+    out, todo = [], [t]
+    while todo:
+        x = todo.pop()
+        if is_traceable_wrapper_subclass(x):
+            names, _ = x.__tensor_flatten__()
+            todo += [getattr(x, n) for n in names if isinstance(getattr(x, n), torch.Tensor)]
+        elif x.device.type != "meta":
+            out.append(x.untyped_storage())
+    return out
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the storages alive, by kind, and their peak. Each storage counts once (one Python
+    object per storage: a weak reference to it fires when the storage is freed). What lived before
+    the mode is registered with :meth:`track`; a parameter's gradient moves to ``gradients`` when
+    autograd stores it; everything else a step allocates (activations, temporaries) is ``other``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alive: dict[int, list] = {}  # id(storage) -> [bytes, kind, weakref]
+        self.now = dict.fromkeys(KINDS, 0)
+        self.peak, self.at_peak, self.peak_phase = 0, dict(self.now), ""
+        self.phase = "forward"
+        self.hooks: list = []
+
+    def _add(self, storage, kind: str) -> None:
+        entry = self.alive.get(id(storage))
+        if entry is not None:
+            if kind != "other" and entry[1] != kind:  # re-labelled: a gradient, or state made in the step
+                self.now[entry[1]] -= entry[0]
+                self.now[kind] += entry[0]
+                entry[1] = kind
+            return
+        size = storage.nbytes()
+        key = id(storage)
+        self.alive[key] = [size, kind, weakref.ref(storage, lambda _, key=key: self._free(key))]
+        self.now[kind] += size
+        total = sum(self.now.values())
+        if total > self.peak:
+            self.peak, self.at_peak, self.peak_phase = total, dict(self.now), self.phase
+
+    def _free(self, key: int) -> None:
+        entry = self.alive.pop(key, None)
+        if entry is not None:
+            self.now[entry[1]] -= entry[0]
+
+    def track(self, t: torch.Tensor, kind: str) -> None:
+        for storage in _storages(t):
+            self._add(storage, kind)
+
+    def track_training(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs) -> None:
+        for p in module.parameters():
+            self.track(p, "parameters")
+            self.hooks.append(p.register_post_accumulate_grad_hook(lambda q: self.track(q.grad, "gradients")))
+        for b in module.buffers():
+            self.track(b, "parameters")
+        for state in optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    self.track(v, "optimizer")
+        for t in inputs:
+            self.track(t, "inputs")
+        self.peak = sum(self.now.values())
+        self.at_peak = dict(self.now)
+
+    def __exit__(self, *exc):
+        for h in self.hooks:
+            h.remove()
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor runs local ops, which come back here
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.track(t, "other")
+        return out
+
+
+def build(layers: int):
+    from examples.models import tiny_llama
+
+    return tiny_llama(batch=4, seq=128, n_layer=layers, dim=256, n_head=8, n_kv_head=4, ffn_dim=768, vocab=2048)
+
+
+def plans(layers: int) -> dict[str, str]:
+    """The five plans, as JSON (made once, on the first rank)."""
+    import autotp
+    from autotp.planner import plan_graph
+
+    model, inputs = build(layers)
+    graph = autotp.capture(model, inputs)
+    hw = "cpu-gloo"
+
+    def least(**kwargs) -> float:
+        try:
+            plan_graph(graph, (2,), hw, memory_budget=1, **kwargs)
+        except autotp.MemoryBudgetError as err:
+            return err.minimum_bytes
+        raise AssertionError("a budget of one byte was met")
+
+    megatron = {n: "S(0)" if any(k in n for k in _COLWISE) else "S(1)" if any(k in n for k in _ROWWISE) else "R"
+                for n, _ in model.named_parameters()}
+    tight = least(recompute=False) * 1.001
+    out = {
+        "replicated": plan_graph(graph, (2,), hw, memory_budget="100GB", recompute=False,
+                                 pin={n: "R" for n, _ in model.named_parameters()}),
+        "megatron": plan_graph(graph, (2,), hw, memory_budget="100GB", recompute=False, pin=megatron),
+        "free": plan_graph(graph, (2,), hw, memory_budget="100GB"),
+        "tight": plan_graph(graph, (2,), hw, memory_budget=tight, recompute=False),
+    }
+    activations = out["tight"].memory.activations_bytes
+    out["recompute"] = plan_graph(graph, (2,), hw, memory_budget=max(tight - activations / 4, least() * 1.001))
+    return {name: plan.to_json() for name, plan in out.items()}
+
+
+def _rank(rank: int, world: int, layers: int, foreach) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autotp
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    made = [plans(layers) if rank == 0 else None]
+    dist.broadcast_object_list(made, src=0)
+    results = {}
+    for name, text in made[0].items():
+        plan = autotp.Plan.from_json(text)
+        model, inputs = build(layers)
+        pm = autotp.parallelize(model, mesh, inputs, plan=plan)
+        del model
+        optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=foreach)
+        targets = torch.randint(0, 2048, inputs[0].shape, generator=torch.Generator().manual_seed(1))
+
+        def step(meter=None):
+            optimizer.zero_grad(set_to_none=True)
+            logits = pm(*inputs)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+            del logits
+            if meter is not None:
+                meter.phase = "backward"
+            loss.backward()
+            if meter is not None:
+                meter.phase = "optimizer step"
+            optimizer.step()
+
+        step()
+        step()  # the optimizer state exists from here on
+        meter = LiveBytes()
+        meter.track_training(pm, optimizer, inputs)
+        with meter:
+            step(meter)
+        m = plan.memory_per_device()
+        results[name] = dict(predicted=(m.parameters_bytes, m.gradients_bytes, m.optimizer_bytes,
+                                        m.activations_bytes, m.total_bytes),
+                             peak=meter.peak, at_peak=meter.at_peak, phase=meter.peak_phase,
+                             recompute=len(plan.recompute),
+                             styles=sorted(set(plan.module_styles().values()) - {"replicate"}))
+        del pm, optimizer
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--foreach", action="store_true", help="AdamW(foreach=True) (default: torch's choice)")
+    args = ap.parse_args()
+    results = run_ranks(_rank, 2, args.layers, True if args.foreach else None)
+    print(f"tiny_llama, {args.layers} layers, dim 256, batch 4 x 128, float32; 2 gloo ranks; AdamW; MB per rank "
+          f"(rank 0; rank 1 in brackets where it differs)")
+    head = (f"{'plan':11} {'recompute':>9} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'predicted':>9} | "
+            f"{'measured':>9} {'phase':>15} | {'params':>7} {'grads':>7} {'optim':>7} {'other':>7} | pred/meas")
+    print(head)
+    print("-" * len(head))
+    for name, r in results[0].items():
+        p = r["predicted"]
+        a = r["at_peak"]
+        other = r["peak"] - a["parameters"] - a["gradients"] - a["optimizer"]
+        second = results[1][name]["peak"]
+        also = f" ({second / MB:.2f})" if abs(second - r["peak"]) > 1e4 else ""
+        print(f"{name:11} {r['recompute']:>9} {p[0] / MB:7.2f} {p[1] / MB:7.2f} {p[2] / MB:7.2f} {p[3] / MB:7.2f} "
+              f"{p[4] / MB:9.2f} | {r['peak'] / MB:9.2f}{also} {r['phase']:>15} | {a['parameters'] / MB:7.2f} "
+              f"{a['gradients'] / MB:7.2f} {a['optimizer'] / MB:7.2f} {other / MB:7.2f} | {p[4] / r['peak']:.2f}")
+    print("other = activations kept for the backward, the loss's tensors and the step's temporaries, alive at "
+          "the peak")
+
+
+if __name__ == "__main__":
+    main()
