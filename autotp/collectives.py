@@ -26,11 +26,15 @@ _reduce_scatter_dim0 = getattr(funcol, "reduce_scatter_single", None) or funcol.
 def _gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     # concatenating along dim 0 of the moved tensors is concatenating along ``dim``
     # one copy each way unless ``dim`` is leading (autotp.redistribute.step_copies prices them)
+    if dim == 0:  # the collective's own output: no view of anything (see _Step.forward)
+        return funcol.wait_tensor(_all_gather_dim0(x.contiguous(), 0, group))
     front = x.movedim(dim, 0).contiguous()
     return funcol.wait_tensor(_all_gather_dim0(front, 0, group)).movedim(0, dim).contiguous()
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    if dim == 0:
+        return funcol.wait_tensor(_reduce_scatter_dim0(x.contiguous(), "sum", 0, group))
     front = x.movedim(dim, 0).contiguous()
     return funcol.wait_tensor(_reduce_scatter_dim0(front, "sum", 0, group)).movedim(0, dim).contiguous()
 
@@ -40,7 +44,8 @@ def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 
 def _slice(x: torch.Tensor, dim: int, n: int, rank: int) -> torch.Tensor:
-    return x.chunk(n, dim=dim)[rank].contiguous()
+    # a copy of the piece whatever the dim (autotp.redistribute.step_copies prices one)
+    return x.chunk(n, dim=dim)[rank].clone(memory_format=torch.contiguous_format)
 
 
 def _all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, n: int, group: dist.ProcessGroup) -> torch.Tensor:
@@ -54,7 +59,14 @@ class _Step(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, module: "RedistributeStep"):  # type: ignore[override]
         ctx.module = module
-        return module.run_forward(x)
+        out = module.run_forward(x)
+        if out._base is not None:
+            # a view made inside a custom Function cannot be modified in place afterwards (``h += attn``
+            # after a reduce-scatter): a view of the collective's own buffer drops the view relation
+            # (no copy); one of the input, which no step returns, would be copied
+            same = out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+            out = out.clone() if same else out.detach()
+        return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]

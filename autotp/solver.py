@@ -678,6 +678,7 @@ def _with_recompute(f: _Formulation, deadline: float, budget: Optional[float], u
     counts in a row did worse than the one before them."""
     best = None
     worse = 0
+    failure: Optional[Exception] = None
     for layers in f.recompute_candidates():
         floor_s = unconstrained_s + sum(k * f.forward_floor_s(g) for g, k in layers.items())
         if best is not None and (floor_s >= best[2] or worse >= 2):
@@ -687,7 +688,8 @@ def _with_recompute(f: _Formulation, deadline: float, budget: Optional[float], u
         f.fix_recompute(layers)
         try:
             name, choice_rep = _run(f, max(1.0, deadline - time.perf_counter()), budget)
-        except MemoryBudgetError:
+        except (MemoryBudgetError, SolverError) as err:  # none fits at this count, or none found in time
+            failure = err
             continue
         found = (name, choice_rep, _objective_s(f), f.prob.sol_status == pulp.LpSolutionOptimal, dict(layers))
         if best is None or found[2] < best[2] * (1 - 1e-9):
@@ -695,6 +697,8 @@ def _with_recompute(f: _Formulation, deadline: float, budget: Optional[float], u
         else:
             worse += 1
     if best is None:
+        if isinstance(failure, SolverError):
+            raise failure
         raise MemoryBudgetError(f"no plan fits the memory budget {format_bytes(budget or 0)} per device on mesh "
                                 f"{f.cost.mesh}, even with layers recomputing their activations", 0.0)
     return best
