@@ -44,8 +44,7 @@ def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 
 def _slice(x: torch.Tensor, dim: int, n: int, rank: int) -> torch.Tensor:
-    # a copy of the piece whatever the dim (autotp.redistribute.step_copies prices one)
-    return x.chunk(n, dim=dim)[rank].clone(memory_format=torch.contiguous_format)
+    return x.chunk(n, dim=dim)[rank].contiguous()
 
 
 def _all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, n: int, group: dist.ProcessGroup) -> torch.Tensor:
@@ -60,12 +59,12 @@ class _Step(torch.autograd.Function):
     def forward(ctx, x, module: "RedistributeStep"):  # type: ignore[override]
         ctx.module = module
         out = module.run_forward(x)
-        if out._base is not None:
+        if out._base is not None and out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
             # a view made inside a custom Function cannot be modified in place afterwards (``h += attn``
-            # after a reduce-scatter): a view of the collective's own buffer drops the view relation
-            # (no copy); one of the input, which no step returns, would be copied
-            same = out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
-            out = out.clone() if same else out.detach()
+            # after a reduce-scatter): a view of the collective's own buffer drops the view relation (no
+            # copy). A slice of the input stays a view of it; the rewrite copies it before an op that
+            # writes into it (autotp.rewrite)
+            out = out.detach()
         return out
 
     @staticmethod

@@ -267,6 +267,9 @@ def module_choices(graph: OpGraph, chosen: Mapping[str, Strategy]) -> tuple[Modu
         params = [k for k, src in enumerate(node.inputs) if graph[src].role == PARAMETER]
         if not params or node.module_path in out:
             continue
+        # ``x @ w.T`` (Falcon's linear): the style is what the matmul does with the transposed weight
+        stored = chosen[node.inputs[params[0]]].output  # the weight as it is stored
+        node, params = _through_transpose(graph, node, params)
         strat = chosen[node.name]
         k_w = _WEIGHT_INPUT.get(node.target)
         acts = [k for k in range(len(node.inputs)) if k not in params]
@@ -287,6 +290,22 @@ def module_choices(graph: OpGraph, chosen: Mapping[str, Strategy]) -> tuple[Modu
                 p.is_shard and 0 < p.dim < info.ndim - 1 for p in act_in)
             style = "sequence" if seq else "replicate"
         out[node.module_path] = ModuleChoice(node.module_path, style, node.target.split(".")[1],
-                                             format_placements(w), format_placements(act_in),
+                                             format_placements(stored if k_w in params else w),
+                                             format_placements(act_in),
                                              format_placements(strat.output))
     return tuple(out.values())
+
+
+_TRANSPOSES = {"aten.t.default", "aten.numpy_T.default", "aten.transpose.int"}
+
+
+def _through_transpose(graph: OpGraph, node, params: list[int]):
+    """A 2-D weight read through a transpose by a matmul: that matmul, reading it as its weight."""
+    if node.target not in _TRANSPOSES or node.output.ndim != 2:
+        return node, params
+    for name in graph.consumers(node.name):
+        consumer = graph[name]
+        k_w = _WEIGHT_INPUT.get(consumer.target)
+        if k_w is not None and k_w < len(consumer.inputs) and consumer.inputs[k_w] == node.name:
+            return consumer, [k_w]
+    return node, params

@@ -36,9 +36,7 @@ tensor along the axis, ``shard = size / n``:
 =================  =====================================================  ==================
 primitive          copies                                                 when
 =================  =====================================================  ==================
-slice S(d)         the shard out of the tensor: ``2 shard`` (a piece of   always
-                   its own: an op that writes in place after it must not
-                   write into the input)
+slice S(d)         the shard out of the tensor: ``2 shard``               d not leading
 all_gather S(d)    the shard to dim 0 first, the result back: ``2 shard``  d not leading
                    and ``2 size``
 reduce_scatter     the input to dim 0 first, the shard back: ``2 size``    d not leading
@@ -194,8 +192,8 @@ def step_copies(step: Step, shape: Sequence[int], n: int, nbytes: float) -> tupl
     def moved(dim: int) -> bool:  # a copy is needed to bring ``dim`` to the front, or back
         return math.prod(local[:dim]) > 1
 
-    def sliced(dim: int) -> tuple[float, ...]:  # a piece of its own, whatever the dim (see the table)
-        return (2 * shard,)
+    def sliced(dim: int) -> tuple[float, ...]:
+        return (2 * shard,) if moved(dim) else ()
 
     def gathered(dim: int) -> tuple[float, ...]:
         return (2 * shard, 2 * size) if moved(dim) else ()

@@ -299,6 +299,12 @@ class _Builder:
 
         args = torch.fx.node.map_aggregate(node.args, mapped)
         kwargs = torch.fx.node.map_aggregate(node.kwargs, mapped)
+        if _writes_first_argument(node.target) and args and isinstance(args[0], torch.fx.Node):
+            src = op.inputs[0]
+            if args[0] is not self.local[src]:
+                # ``h += x`` on a redistributed h: write into a copy, not into the value redistributed
+                # from (a slice of it is a view) nor into what other reads of it share
+                args = (self.fx.call_function(aten.clone.default, (args[0],)), *args[1:])
         here = torch.device(self.mesh.device_type)  # a model traced on meta runs on the mesh's device
 
         def on_device(a: Any) -> Any:
@@ -399,6 +405,15 @@ class _Builder:
 
     def plan_output_placement(self) -> tuple[Placement, ...]:
         return tuple(Placement("R") for _ in self.mesh_shape)
+
+
+def _writes_first_argument(target: Any) -> bool:
+    """An op that writes into its first argument (``aten.add_.Tensor``)."""
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.arguments:
+        return False
+    alias = schema.arguments[0].alias_info
+    return alias is not None and alias.is_write
 
 
 def _is_size(node: torch.fx.Node) -> bool:

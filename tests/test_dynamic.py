@@ -45,11 +45,12 @@ def _prepare(name: str, world: int = 2, mode: str = "train", budget_scale: float
     from autotp.planner import plan_graph
 
     graph = autotp.capture(_model(name), _inputs(name, EXAMPLE["batch"], EXAMPLE["seq"]), dynamic_dims=dynamic_dims)
+    # without recompute: these plans are to shard (tests/test_recompute.py runs recompute at other sizes)
     try:
-        plan_graph(graph, (world,), "cpu-gloo", mode, 1.0)
+        plan_graph(graph, (world,), "cpu-gloo", mode, 1.0, recompute=False)
     except autotp.MemoryBudgetError as err:
         budget = int(err.minimum_bytes * budget_scale) + 1
-    return graph, plan_graph(graph, (world,), "cpu-gloo", mode, budget)
+    return graph, plan_graph(graph, (world,), "cpu-gloo", mode, budget, recompute=False)
 
 
 def _run_at_sizes(rank, world, name, prepared, sizes):

@@ -1,5 +1,6 @@
 """Ops that write in place after a collective (``h += attn`` after a reduce-scatter, as Falcon's
-decoder does): every redistribution returns a tensor of its own, so the write neither fails under
+decoder does): a collective's result is its own tensor, and the rewrite copies a redistributed value
+(a slice of the input is a view of it) before an op writes into it, so the write neither fails under
 autograd nor changes the tensor it was redistributed from."""
 
 from __future__ import annotations
@@ -24,18 +25,18 @@ def two_fake_ranks():
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("src, dst", [(R, S(0)), (R, S(1)), (S(0), R), (P, S(0)), (P, R), (S(1), S(0))])
-@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no-grad"])
-def test_each_step_returns_a_tensor_of_its_own(two_fake_ranks, src, dst, grad):
+@pytest.mark.parametrize("src, dst", [(R, S(1)), (S(0), R), (S(1), R), (P, S(0)), (P, S(1)), (P, R), (S(1), S(0))])
+def test_a_collective_step_can_be_written_in_place(two_fake_ranks, src, dst):
+    """What a collective returns is its own (a view of its buffer drops the view relation): writing
+    into it under autograd neither raises nor touches the input."""
     step = RedistributeStep(src, dst, "tp", two_fake_ranks, 2, 0)
-    x = torch.randn(4, 8, requires_grad=grad)
+    x = torch.randn(4, 8, requires_grad=True)
     before = x.detach().clone()
     out = step(x)
-    out.add_(1.0)  # must not raise, and must not write into x
+    out.add_(1.0)
     assert torch.equal(x.detach(), before)
-    if grad:
-        out.sum().backward()
-        assert x.grad is not None
+    out.sum().backward()
+    assert x.grad is not None
 
 
 class _ResidualInPlace(nn.Module):

@@ -244,6 +244,26 @@ def test_hf_gpt2_blocks_get_megatron_on_fast_interconnect():
     assert plan.predicted_time().total_s <= pinned.predicted_time().total_s * (1 + 1e-5)
 
 
+def test_module_styles_follow_the_matmul_through_a_transposed_weight():
+    """Falcon's linear computes ``x @ w.T``: the op that first reads the weight is the transpose, the
+    style is what the matmul does with it (colwise: output features split; rowwise: input features)."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    config = FalconConfig(vocab_size=32000, hidden_size=2048, num_hidden_layers=2, num_attention_heads=32,
+                          new_decoder_architecture=False, multi_query=True, use_cache=False)
+    with torch.device("meta"):
+        model = FalconForCausalLM(config)
+    plan = autotp.plan(model, (8,), (torch.zeros(1, 2048, dtype=torch.long),), hardware=FAST, mode="train")
+    styles, stored = plan.module_styles(), plan.parameter_placements
+    for i in range(2):
+        mlp = f"transformer.h.{i}.mlp"
+        assert (styles[f"{mlp}.dense_h_to_4h"], stored[f"{mlp}.dense_h_to_4h.weight"]) == ("colwise", "S(0)")
+        assert (styles[f"{mlp}.dense_4h_to_h"], stored[f"{mlp}.dense_4h_to_h.weight"]) == ("rowwise", "S(1)")
+    for module in plan.modules:  # the weight column shows the weight as stored
+        if module.module + ".weight" in stored:
+            assert module.weight == stored[module.module + ".weight"], module
+
+
 # ------------------------------------------------------------------------------------------------
 # slow links: replicated
 

@@ -134,6 +134,34 @@ def test_recomputing_module_is_exact_and_runs_the_planned_collectives(llama):
             torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-5 * g.abs().max().item(), msg=name)
 
 
+def _run_other_size(rank, world, graph, plan, model, x):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autotp.rewrite import build_parallel_module
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    pm = build_parallel_module(graph, plan, mesh, model)
+    out = pm(x)
+    out.float().pow(2).mean().backward()
+    return out.detach(), {n: p.grad.full_tensor() for n, p in pm.named_parameters()}
+
+
+def test_recomputing_module_runs_at_other_sizes():
+    """Traced with dynamic batch and sequence, every layer recomputing: a batch and length other than
+    the example's gives the model's outputs and gradients."""
+    model, (x,) = tiny_llama(batch=4, seq=16, n_layer=3)
+    graph = autotp.capture(model, (x,), None)
+    plan = plan_graph(graph, (2,), "h100-sxm", "train", recompute=True)
+    assert plan.recompute == ("layers.0", "layers.1", "layers.2") and plan.dynamic_dims
+    other = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(3))
+    ref = model(other)
+    ref.float().pow(2).mean().backward()
+    for out, got in run_threads(_run_other_size, 2, graph, plan, model, other):
+        torch.testing.assert_close(out, ref.detach(), rtol=1e-4, atol=1e-5 * ref.abs().max().item())
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(got[name], p.grad, rtol=1e-4, atol=1e-5 * p.grad.abs().max().item())
+
+
 class _DropBlock(nn.Module):
     def __init__(self, dim: int) -> None:
         super().__init__()
