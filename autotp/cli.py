@@ -63,6 +63,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
     try:
         sizes = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, None: None}
+        args.master_dtype = args.master_dtype.lower() if args.master_dtype else None
+        args.state_dtype = args.state_dtype.lower() if args.state_dtype else None
         for flag, value in (("--master-dtype", args.master_dtype), ("--optimizer-state-dtype", args.state_dtype)):
             if value not in sizes:
                 raise ValueError(f"{flag} {value!r}: expected float32, bfloat16 or float16")

@@ -207,7 +207,7 @@ class Plan:
                 dynamic_dims=tuple(DynamicDim(**x) for x in d.get("dynamic_dims", ())),
                 divisibility=tuple(Divisibility(**x) for x in d.get("divisibility", ())),
                 recompute=tuple(d.get("recompute", ())),
-                optimizer=OptimizerSpec(**d.get("optimizer", {})),
+                optimizer=_optimizer(d.get("optimizer", {})),
             )
         except (KeyError, TypeError, IndexError) as err:
             raise PlanError(f"plan file is missing or has a malformed field: {err}") from err
@@ -238,10 +238,14 @@ class Plan:
             strat = self._strategies[node.name]
             for placements, info in zip(strat.inputs, node.input_infos):
                 self._check_even(node.name, node.target, placements, info.shape, mesh)
-        paths = {path for node in graph.ops() for path in node.module_stack}
-        unknown = [path for path in self.recompute if path not in paths]
-        if unknown:
-            raise PlanError(f"the plan recomputes layers the model does not have: {', '.join(unknown)}")
+        if self.recompute:
+            from autotp.recompute import layer_chains
+
+            layers = {layer.path for chain in layer_chains(graph) for layer in chain}
+            unknown = [path for path in self.recompute if path not in layers]
+            if unknown:
+                raise PlanError(f"the plan recomputes {', '.join(unknown)}, which the model does not have as layers "
+                                f"of a stack of identical layers (those are: {', '.join(sorted(layers)) or 'none'})")
 
     @staticmethod
     def _check_even(name: str, target: str, placements, shape, mesh: MeshSpec) -> None:
@@ -252,6 +256,13 @@ class Plan:
                 raise PlanError(
                     f"the plan splits dim {d} (size {size}) of node {name} ({target}) over {ranks} ranks of "
                     f"mesh {mesh}, which does not divide it evenly; plan again for this mesh")
+
+
+def _optimizer(fields: Mapping[str, Any]) -> OptimizerSpec:
+    try:
+        return OptimizerSpec(**fields)
+    except ValueError as err:
+        raise PlanError(f"plan file: {err}") from err
 
 
 def load_plan(path: str | os.PathLike) -> Plan:

@@ -148,6 +148,10 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
 
     cost = CostModel(spec, profile, mode, optimizer)
     chains = layer_chains(graph, chain_paths) if cost.train and recompute is not False else []
+    if recompute is True and not chains:
+        raise ValueError("recompute=True: " + ("activations are kept for a backward only in train mode"
+                                               if not cost.train else
+                                               "the model has no stack of identical layers that can recompute"))
     solution = solve(graph, strategies, rep, cost, budget, time_limit_s, chains, recompute)
     chosen = {name: strategies[name][i] for name, i in solution.choice.items()}
     layers = [layer for g, k in sorted(solution.recompute.items()) for layer in chains[g][:k]]

@@ -112,6 +112,7 @@ class _Builder:
         train = plan.mode == "train"
         self.recomputed = recomputed_nodes(graph, plan.recompute)  # node -> the recomputed layer it is in
         self.layer_of: dict[str, str] = {}  # fx node name -> the recomputed layer it runs in
+        self.size_layer: dict[str, str] = {}  # exported size node -> the recomputed layer it is computed in
         self.grad_axes = {(r.consumer, r.index): r.grad_axes for r in reads(graph, plan.strategies, plan.mesh, train)}
 
     # -- state ---------------------------------------------------------------------------------
@@ -223,7 +224,19 @@ class _Builder:
                     self.local[node.name] = self.fx.get_attr("_autotp_constants." + spec.target.replace(".", "_"))
             elif node.op == "call_function":
                 if node.name not in self.g and _is_size(node):
+                    tail = self.fx._root.prev
                     self.emit_size(node, alias)
+                    # a size read from a tensor of a recomputed layer is computed in that layer (it may
+                    # feed a shape inside it: outside, it would both read the layer and be read by it)
+                    sources = [alias.get(a.name, a.name) for a in node.all_input_nodes]
+                    layer = next((self.recomputed.get(n) or self.size_layer.get(n) for n in sources
+                                  if self.recomputed.get(n) or self.size_layer.get(n)), None)
+                    if layer is not None:
+                        self.size_layer[node.name] = layer
+                        added = self.fx._root.prev
+                        while added is not tail:
+                            self.layer_of[added.name] = layer
+                            added = added.prev
                     continue
                 if node.name not in self.g:
                     if node.users:

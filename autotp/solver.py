@@ -435,9 +435,7 @@ class _Formulation:
         if self.budget is None:
             return
         if minimum > self.budget and self.chains:
-            longest = {g: len(c) for g, c in self.chains.items()}
-            minimum = min(self.minimum_bytes({g: min(k, n) for g, n in longest.items()})
-                          for k in range(max(longest.values()) + 1))
+            minimum = self.minimum_bytes(self.most_useful())
         if minimum > self.budget:
             budget, needed = format_bytes_pair(self.budget, minimum)
             raise MemoryBudgetError(
@@ -537,19 +535,24 @@ class _Formulation:
             total += min(best)
         return total
 
+    def most_useful(self) -> dict[int, int]:
+        """The counts that free the most: all layers but one per chain. Recomputing the last one too frees
+        its kept activations but brings one whole layer back while it runs again, never less."""
+        return {g: len(c) - 1 for g, c in self.chains.items()}
+
     def recompute_candidates(self) -> list[dict[int, int]]:
         """Recompute counts to try, fewest first: the least that can fit the budget (every chain the same
-        share of its layers), then 1, 2, 4, ... layers more, and every layer."""
+        share of its layers, at most all but one), then 1, 2, 4, ... layers more."""
         longest = max(len(c) for c in self.chains.values())
 
         def share(k: int) -> dict[int, int]:
-            return {g: min(len(c), -(-k * len(c) // longest)) for g, c in self.chains.items()}
+            return {g: min(len(c) - 1, -(-k * len(c) // longest)) for g, c in self.chains.items()}
 
-        least = next((k for k in range(longest + 1) if self.minimum_bytes(share(k)) <= self.budget), None)
+        least = next((k for k in range(longest) if self.minimum_bytes(share(k)) <= self.budget), None)
         if least is None:
-            return []
-        counts = [least] + [least + step for step in (1, 2, 4, 8, 16, 32, 64) if least + step < longest] + [longest]
-        return [share(k) for k in dict.fromkeys(counts)]
+            return [self.most_useful()] if self.minimum_bytes(self.most_useful()) <= self.budget else []
+        counts = [least] + [least + step for step in (1, 2, 4, 8, 16, 32, 64) if least + step < longest]
+        return list({tuple(sorted(share(k).items())): share(k) for k in counts}.values())
 
     def memory_bytes(self, choice_rep: Mapping[str, int], layers: Mapping[int, int]) -> float:
         """Bytes per device of a choice (root -> strategy index) with ``layers[g]`` layers of chain g
@@ -633,7 +636,8 @@ def solve(graph: OpGraph, strategies: Mapping[str, Sequence[Strategy]], rep: Map
         now = time.perf_counter()
         deadline = now + max(time_limit_s / 2, time_limit_s - (now - start))
         if recompute is None and f.chains:
-            result = _with_recompute(f, deadline, memory_budget_bytes, result[2])
+            # the plan without a budget bounds every plan's time from below only if it was proven optimal
+            result = _with_recompute(f, deadline, memory_budget_bytes, result[2] if result[3] else 0.0)
         else:
             f.fix_recompute(f.layers)
             name, choice_rep = _run(f, deadline - time.perf_counter(), memory_budget_bytes)
@@ -700,7 +704,8 @@ def _with_recompute(f: _Formulation, deadline: float, budget: Optional[float], u
         if isinstance(failure, SolverError):
             raise failure
         raise MemoryBudgetError(f"no plan fits the memory budget {format_bytes(budget or 0)} per device on mesh "
-                                f"{f.cost.mesh}, even with layers recomputing their activations", 0.0)
+                                f"{f.cost.mesh}, even with layers recomputing their activations",
+                                f.minimum_bytes(f.most_useful()))
     return best
 
 

@@ -51,7 +51,7 @@ class OptimizerSpec:
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZER_STATES:
-            raise ValueError(f"optimizer {self.name!r}: expected one of {', '.join(OPTIMIZER_STATES)} or None")
+            raise ValueError(f"optimizer {self.name!r}: expected one of {', '.join(OPTIMIZER_STATES)}")
         for field in ("state_dtype_bytes", "master_dtype_bytes"):
             value = getattr(self, field)
             if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1):
@@ -75,7 +75,7 @@ def optimizer_spec(optimizer: Union[str, OptimizerSpec, None]) -> OptimizerSpec:
     """A name (``"adamw"``, ``"sgd"``, ...; None: no state, as ``"sgd"``) or a spec → a spec."""
     if isinstance(optimizer, OptimizerSpec):
         return optimizer
-    if optimizer is None or optimizer == "none":
+    if optimizer is None or (isinstance(optimizer, str) and optimizer.lower() == "none"):
         return OptimizerSpec("sgd")
     if isinstance(optimizer, str):
         return OptimizerSpec(optimizer.lower())

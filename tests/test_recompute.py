@@ -82,6 +82,10 @@ def test_planner_recomputes_only_when_memory_is_short(llama):
     assert any(line.startswith("Recompute: ") and f"{len(again)} collectives" in line for line in lines)
     saved = autotp.Plan.from_json(tight.to_json())
     assert saved.recompute == tight.recompute and saved.to_json() == tight.to_json()
+    # a plan edited to recompute what is not a layer of the stack is refused against the model
+    edited = dataclasses.replace(tight, recompute=("layers.0.mlp",))
+    with pytest.raises(autotp.PlanError, match="layers.0.mlp, which the model does not have as layers"):
+        edited.check_matches(graph, edited.mesh)
 
 
 def test_recompute_wins_over_sharding_where_links_are_slow(llama):
@@ -237,6 +241,8 @@ def test_optimizer_state_follows_the_optimizer_named(llama):
 @pytest.mark.parametrize("kwargs, match", [
     ({"optimizer": "lion"}, "optimizer 'lion': expected one of adamw"),
     ({"recompute": "yes"}, "recompute 'yes': expected None"),
+    ({"recompute": True}, "no stack of identical layers"),
+    ({"recompute": True, "mode": "inference"}, "only in train mode"),
 ])
 def test_bad_arguments_are_refused_before_the_capture(kwargs, match):
     model = nn.Linear(8, 8)
