@@ -104,36 +104,29 @@ class CostModel:
         """
         if dst is None or tuple(src) == tuple(dst):
             return 0.0
-        return self._edge_cached(info, tuple(src), tuple(dst), bool(requires_grad), tuple(grad_axes))
-
-    def _edge_uncached(self, info: TensorInfo, src: tuple, dst: tuple, requires_grad: bool,
-                       grad_axes: tuple) -> float:
-        if not is_convertible(src, dst):
+        if not is_convertible(tuple(src), tuple(dst)):
             return INFEASIBLE_S
-        total = 0.0
-        backward = self.train and requires_grad
+        forward_s, backward_s = self._edge_cached(info, tuple(src), tuple(dst), tuple(grad_axes))
+        return forward_s + (backward_s if self.train and requires_grad else 0.0)
+
+    def _edge_uncached(self, info: TensorInfo, src: tuple, dst: tuple, grad_axes: tuple) -> tuple[float, float]:
+        """Seconds of the redistribution's forward (collectives and copies) and of its backward."""
+        forward_s = backward_s = 0.0
         for step in conversion_steps(src, dst, self.mesh.shape, grad_axes if self.train else ()):
             size = info.nbytes / step.divisor
-            if step.forward:
-                total += self.collective_s(step.forward, step.axis, size)
-            if step.backward and backward:
-                total += self.collective_s(step.backward, step.axis, size)
             copies_fwd, copies_bwd = step_copies(step, info.shape, self.mesh.shape[step.axis], info.nbytes)
-            total += sum(self.copy_s(b, info.dtype) for b in copies_fwd + (copies_bwd if backward else ()))
-        return total
+            forward_s += (self.collective_s(step.forward, step.axis, size) if step.forward else 0.0) + sum(
+                self.copy_s(b, info.dtype) for b in copies_fwd)
+            backward_s += (self.collective_s(step.backward, step.axis, size) if step.backward else 0.0) + sum(
+                self.copy_s(b, info.dtype) for b in copies_bwd)
+        return forward_s, backward_s
 
     def edge_forward_s(self, info: TensorInfo, src: Sequence[Placement], dst: Optional[Sequence[Placement]],
                        grad_axes: Sequence[int] = ()) -> float:
         """The forward part of :meth:`edge_s`: its collectives and copies (what a recomputed read runs again)."""
         if dst is None or tuple(src) == tuple(dst) or not is_convertible(tuple(src), tuple(dst)):
             return 0.0
-        total = 0.0
-        for step in conversion_steps(tuple(src), tuple(dst), self.mesh.shape, tuple(grad_axes) if self.train else ()):
-            if step.forward:
-                total += self.collective_s(step.forward, step.axis, info.nbytes / step.divisor)
-            copies_fwd, _ = step_copies(step, info.shape, self.mesh.shape[step.axis], info.nbytes)
-            total += sum(self.copy_s(b, info.dtype) for b in copies_fwd)
-        return total
+        return self._edge_cached(info, tuple(src), tuple(dst), tuple(grad_axes))[0]
 
     def copy_s(self, bytes_moved: float, dtype: str) -> float:
         """Seconds of one local copy kernel moving ``bytes_moved`` (read plus written)."""

@@ -106,14 +106,14 @@ def check_recompute(recompute: object) -> None:
 def recompute_saved_bytes(chains: Sequence[Sequence[Layer]], layers: Mapping[int, int],
                           activations: Mapping[str, float]) -> float:
     """Activation bytes per device that recomputing the first ``layers[g]`` layers of each chain ``g``
-    frees: what those layers keep except their outputs, less one whole layer live again in its backward
-    when every layer of the chain recomputes."""
+    frees (:func:`autotp.recompute_counts.freed_bytes`)."""
+    from autotp.recompute_counts import freed_bytes  # noqa: PLC0415 - a module of numbers, no import cycle
+
     total = 0.0
     for g, k in layers.items():
-        for layer in chains[g][:k]:
-            total += sum(activations[n] for n in layer.nodes if n not in layer.outputs)
-        if k and k == len(chains[g]):
-            total -= max(sum(activations[n] for n in layer.nodes) for layer in chains[g])
+        first = chains[g][0]  # tied layers: every one holds what the first does
+        saved = sum(activations[n] for n in first.nodes if n not in first.outputs)
+        total += freed_bytes(k, len(chains[g]), saved, sum(activations[n] for n in first.nodes))
     return total
 
 

@@ -233,10 +233,7 @@ class _Builder:
                                   if self.recomputed.get(n) or self.size_layer.get(n)), None)
                     if layer is not None:
                         self.size_layer[node.name] = layer
-                        added = self.fx._root.prev
-                        while added is not tail:
-                            self.layer_of[added.name] = layer
-                            added = added.prev
+                        self.tag_since(tail, layer)
                     continue
                 if node.name not in self.g:
                     if node.users:
@@ -247,10 +244,7 @@ class _Builder:
                 self.emit(node, alias)
                 layer = self.recomputed.get(node.name)
                 if layer is not None:  # the node and the reads made for it run in its layer's recompute
-                    added = self.fx._root.prev
-                    while added is not tail:
-                        self.layer_of[added.name] = layer
-                        added = added.prev
+                    self.tag_since(tail, layer)
             elif node.op == "output":
                 self.emit_output(node, alias)
         gm = torch.fx.GraphModule(self.root, self.fx, class_name="AutotpParallelModule")
@@ -272,6 +266,13 @@ class _Builder:
         if self.layer_of:
             apply_recompute(gm, {n: self.layer_of[n.name] for n in gm.graph.nodes if n.name in self.layer_of})
         return gm
+
+    def tag_since(self, tail: torch.fx.Node, layer: str) -> None:
+        """The fx nodes added after ``tail`` run in recomputed ``layer``."""
+        added = self.fx._root.prev
+        while added is not tail:
+            self.layer_of[added.name] = layer
+            added = added.prev
 
     def emit_guard(self, user_inputs: list[tuple[torch.fx.Node, InputSpec | None]]) -> None:
         """The input check, first of all nodes (:mod:`autotp.guard`): autotp's own, then the conditions

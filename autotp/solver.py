@@ -41,7 +41,7 @@ layer tying, ``m_r`` is how many nodes ``r`` stands for):
   the layer (on its product or shared-read variable); the memory row takes ``k_g`` times the
   activations the layer need not keep (all but those read outside it) off, and adds one layer's
   activations back when every layer recomputes (that layer runs again while all others still hold
-  their inputs). The counts are searched outside the ILP (:func:`_with_recompute`): one exact solve
+  their inputs). The counts are searched outside the ILP (:mod:`autotp.recompute_counts`): one exact solve
   per count, from the least that can fit the budget upwards. (A count as an integer variable with
   exact products ``v = k x`` left the LP bound 30% below the optimum on a 2-layer Llama, and the
   solve 20 times slower than without recompute.) Only when the budget binds: a plan that fits
@@ -68,6 +68,7 @@ from autotp.graph import OpGraph
 from autotp.ilp import SolverError, solve_with_first_solver
 from autotp.placement import Placement, Strategy
 from autotp.recompute import Layer
+from autotp.recompute_counts import all_but_one, candidates, freed_bytes, least_bytes, search
 from autotp.redistribute import fused_axes
 from autotp.units import format_bytes, format_bytes_pair
 
@@ -125,6 +126,7 @@ class _Formulation:
         self.chains = {g: c for g, c in enumerate(chains)
                        if all(rep[n] == n and self.mult[n] == len(c) for n in c[0].nodes)}
         self.chain_of = {n: g for g, c in self.chains.items() for n in c[0].nodes}
+        self.lengths = {g: len(c) for g, c in self.chains.items()}
         self.root, self.fmap, self.parent = self._merge_followers()
         self.roots = [r for r in self.reps if self.root[r] == r]
         self.node_cost: dict[str, list[float]] = {r: [0.0] * len(strategies[r]) for r in self.roots}
@@ -435,7 +437,7 @@ class _Formulation:
         if self.budget is None:
             return
         if minimum > self.budget and self.chains:
-            minimum = self.minimum_bytes(self.most_useful())
+            minimum = self.least_bytes(all_but_one(self.lengths))
         if minimum > self.budget:
             budget, needed = format_bytes_pair(self.budget, minimum)
             raise MemoryBudgetError(
@@ -495,12 +497,11 @@ class _Formulation:
             if not k:
                 continue
             fwd, act, saved = self._layer_parts(g)
-            every = k == len(self.chains[g])
             for root in fwd:
                 for s, x in enumerate(self.x[root]):
                     if fwd[root][s]:
                         objective.append(k * fwd[root][s] * x)
-                    freed = k * saved[root][s] - (act[root][s] if every else 0.0)
+                    freed = freed_bytes(k, self.lengths[g], saved[root][s], act[root][s])
                     if freed:
                         memory.append(-freed / 2**30 * x)
             for chain, y, seconds_of in self.recompute_products:
@@ -519,51 +520,18 @@ class _Formulation:
         """The least one more recomputed layer of chain ``g`` can cost: its forward at the cheapest strategies."""
         return sum(min(v) for v in self._layer_parts(g)[0].values())
 
-    def minimum_bytes(self, layers: Mapping[int, int]) -> float:
-        """The least memory any plan needs with ``layers[g]`` layers of chain ``g`` recomputing (each
-        node at its smallest strategy: a lower bound that the choices can reach)."""
-        parts = {g: self._layer_parts(g) for g in self.chains}
-        total = 0.0
-        for r, v in self.mem.items():
-            best = []
-            for s, m in enumerate(v):
-                for g, k in layers.items():
-                    _, act, saved = parts[g]
-                    if k and r in act:
-                        m -= k * saved[r][s] - (act[r][s] if k == len(self.chains[g]) else 0.0)
-                best.append(m)
-            total += min(best)
-        return total
-
-    def most_useful(self) -> dict[int, int]:
-        """The counts that free the most: all layers but one per chain. Recomputing the last one too frees
-        its kept activations but brings one whole layer back while it runs again, never less."""
-        return {g: len(c) - 1 for g, c in self.chains.items()}
-
-    def recompute_candidates(self) -> list[dict[int, int]]:
-        """Recompute counts to try, fewest first: the least that can fit the budget (every chain the same
-        share of its layers, at most all but one), then 1, 2, 4, ... layers more."""
-        longest = max(len(c) for c in self.chains.values())
-
-        def share(k: int) -> dict[int, int]:
-            return {g: min(len(c) - 1, -(-k * len(c) // longest)) for g, c in self.chains.items()}
-
-        least = next((k for k in range(longest) if self.minimum_bytes(share(k)) <= self.budget), None)
-        if least is None:
-            return [self.most_useful()] if self.minimum_bytes(self.most_useful()) <= self.budget else []
-        counts = [least] + [least + step for step in (1, 2, 4, 8, 16, 32, 64) if least + step < longest]
-        return list({tuple(sorted(share(k).items())): share(k) for k in counts}.values())
+    def least_bytes(self, counts: Mapping[int, int]) -> float:
+        """The least memory any plan needs with ``counts`` (:func:`autotp.recompute_counts.least_bytes`)."""
+        return least_bytes(self.mem, {g: self._layer_parts(g) for g in self.chains}, self.lengths, counts)
 
     def memory_bytes(self, choice_rep: Mapping[str, int], layers: Mapping[int, int]) -> float:
         """Bytes per device of a choice (root -> strategy index) with ``layers[g]`` layers of chain g
         recomputing."""
         total = sum(self.mem[r][s] for r, s in choice_rep.items())
         for g, k in layers.items():
-            if k:
-                _, act, saved = self._layer_parts(g)
-                total -= k * sum(saved[r][choice_rep[r]] for r in saved)
-                if k == len(self.chains[g]):
-                    total += sum(act[r][choice_rep[r]] for r in act)
+            _, act, saved = self._layer_parts(g)
+            total -= sum(freed_bytes(k, self.lengths[g], saved[r][choice_rep[r]], act[r][choice_rep[r]])
+                         for r in saved)
         return total
 
 
@@ -676,36 +644,24 @@ def _objective_s(f: _Formulation) -> float:
 
 
 def _with_recompute(f: _Formulation, deadline: float, budget: Optional[float], unconstrained_s: float) -> tuple:
-    """The best plan over recompute counts (:meth:`_Formulation.recompute_candidates`), one exact solve
-    each. Counts grow from the least that can fit; the search stops where even the plan without a
-    budget plus the cheapest forward of the extra layers cannot beat the best found, or once two
-    counts in a row did worse than the one before them."""
-    best = None
-    worse = 0
-    failure: Optional[Exception] = None
-    for layers in f.recompute_candidates():
-        floor_s = unconstrained_s + sum(k * f.forward_floor_s(g) for g, k in layers.items())
-        if best is not None and (floor_s >= best[2] or worse >= 2):
-            break
-        if time.perf_counter() >= deadline and best is not None:
-            break
-        f.fix_recompute(layers)
-        try:
-            name, choice_rep = _run(f, max(1.0, deadline - time.perf_counter()), budget)
-        except (MemoryBudgetError, SolverError) as err:  # none fits at this count, or none found in time
-            failure = err
-            continue
-        found = (name, choice_rep, _objective_s(f), f.prob.sol_status == pulp.LpSolutionOptimal, dict(layers))
-        if best is None or found[2] < best[2] * (1 - 1e-9):
-            best, worse = found, 0
-        else:
-            worse += 1
+    """The best plan over recompute counts (:func:`autotp.recompute_counts.search`), one exact solve each,
+    from the least count that can fit. ``unconstrained_s`` plus the cheapest forward of the layers
+    recomputed bounds a count's plan from below."""
+
+    def solve_at(counts: Mapping[int, int]) -> tuple:
+        f.fix_recompute(counts)
+        name, choice_rep = _run(f, max(1.0, deadline - time.perf_counter()), budget)
+        return name, choice_rep, _objective_s(f), f.prob.sol_status == pulp.LpSolutionOptimal, dict(counts)
+
+    tries = candidates(f.lengths, lambda counts: f.least_bytes(counts) <= f.budget)
+    best, failure = search(tries, solve_at, lambda counts: unconstrained_s + sum(
+        k * f.forward_floor_s(g) for g, k in counts.items()), deadline, (MemoryBudgetError, SolverError))
     if best is None:
         if isinstance(failure, SolverError):
             raise failure
         raise MemoryBudgetError(f"no plan fits the memory budget {format_bytes(budget or 0)} per device on mesh "
                                 f"{f.cost.mesh}, even with layers recomputing their activations",
-                                f.minimum_bytes(f.most_useful()))
+                                f.least_bytes(all_but_one(f.lengths)))
     return best
 
 
