@@ -16,9 +16,11 @@ from autotp.meta import meta_init
 from autotp.parallel import parallelize
 from autotp.planner import plan
 from autotp.program import Collective
+from autotp.rules import register_rule, unregister_rule
+from autotp.rules.check import check_rule
 from autotp.solver import MemoryBudgetError
 
 __all__ = ["capture", "CaptureError", "OpGraph", "OpNode", "TensorInfo", "plan", "Plan", "PlanError", "load_plan",
            "Collective", "MemoryBudgetError", "parallelize", "checkpoint", "load_weights", "meta_init", "init_weights",
-           "OptimizerSpec"]
+           "OptimizerSpec", "register_rule", "unregister_rule", "check_rule"]
 __version__ = "0.1.0"

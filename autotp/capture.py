@@ -16,44 +16,25 @@ The model is never modified, and a model on the meta device costs no memory.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import operator
 import threading
 import warnings
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx
 from torch.utils import flop_counter
 
+from autotp import ops
 from autotp.dynamic import DynamicDim, export_spec, size_expression, size_hint
-from autotp.graph import BUFFER, CONSTANT, INPUT, OP, PARAMETER, OpGraph, OpNode, ParameterInfo, TensorInfo
+from autotp.graph import (BUFFER, CONSTANT, INPUT, OP, PARAMETER, OpArgs, OpGraph, OpNode, ParameterInfo, SizeArg,
+                          TensorArg, TensorInfo)
 
-__all__ = ["capture", "CaptureError", "normalize_inputs", "VIEW_TARGETS", "concrete"]
+__all__ = ["capture", "CaptureError", "normalize_inputs", "concrete", "op_args", "map_tensor_arguments"]
 
 aten = torch.ops.aten
-
-# Ops that only create a view (or a no-op alias): no kernel, no bytes.
-VIEW_TARGETS = frozenset(
-    str(op)
-    for op in (
-        aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.transpose.int,
-        aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
-        aten.squeeze.default, aten.expand.default, aten.t.default, aten.alias.default,
-        aten.slice.Tensor, aten.select.int, aten.detach.default, aten.split.Tensor,
-        aten.split_with_sizes.default, aten.chunk.default, aten.unflatten.int, aten.flatten.using_ints,
-        aten.view_as.default, aten.expand_as.default, aten.lift_fresh_copy.default,
-    )
-) | {"getitem"}
-# ops whose output carries no gradient back to their inputs, whatever those carry
-NO_GRADIENT_TARGETS = frozenset(
-    str(op)
-    for op in (
-        aten.detach.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
-        aten.full_like.default, aten.rand_like.default, aten.randn_like.default, aten.randint_like.default,
-    )
-)
-
 
 class CaptureError(RuntimeError):
     """The model could not be captured; the message says what failed and what to do."""
@@ -105,10 +86,13 @@ def _explain_export_failure(err: BaseException) -> str:
     if "cache" in low:
         hints.append("build the model with use_cache=False (a KV cache object cannot be traced)")
     if any(w in low for w in ("data-dependent", "data dependent", "guardondatadependent", "could not guard", "symbool")):
-        hints.append("make the control flow static: branch on shapes or config flags, not on tensor values "
-                     "(or use torch.cond)")
+        hints.append("make the control flow static: branch on shapes or config flags, not on tensor values")
     if "unsupported" in low or "not supported" in low:
         hints.append("replace the unsupported construct named above, or move it out of forward()")
+    if isinstance(err, TypeError) and any(w in low for w in ("positional argument", "keyword argument", "missing")) \
+            or any(w in low for w in ("size mismatch", "shape", "must match", "dtype", "scalar type", "] x [")):
+        hints.append("check the example inputs: they must be what model(*example_inputs) is called with "
+                     "(how many, their shapes and dtypes)")
     if not hints:
         hints.append("make forward() traceable by torch.export(strict=False): static control flow, no Python "
                      "side effects on tensors, no .item()/.tolist() used for control flow")
@@ -290,8 +274,40 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, spec: Any = None
         return graph_from_exported(exported, model)
 
 
+# what a higher-order op in the exported graph stands for in the user's code, and what to do about it
+_HIGHER_ORDER = {
+    "wrap_with_set_grad_enabled": (
+        "a block run under torch.no_grad() or torch.set_grad_enabled() inside forward()",
+        "move that block out of forward() (prepare or rescale weights once, before autotp sees the model), "
+        "or put the model in the mode where forward() skips it"),
+    "wrap_with_autocast": (
+        "a torch.autocast region inside forward()",
+        "cast explicitly in forward() (x.to(dtype)) or build the model in the dtype it should compute in"),
+    "cond": ("torch.cond (a branch on tensor values)",
+             "branch on shapes or config flags instead, so one branch is traced"),
+    "while_loop": ("torch.while_loop (a loop on tensor values)", "unroll the loop to a static count"),
+    "map": ("torch.map over a tensor", "write the loop over a static count"),
+    "scan": ("torch.scan", "write the loop over a static count"),
+}
+
+
+def _check_higher_order_ops(exported: torch.export.ExportedProgram, model: torch.nn.Module) -> None:
+    """autotp places ATen ops; a higher-order op holds a subgraph it cannot place: refuse it by name."""
+    for node in exported.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+            name = node.target.name()
+            construct, todo = _HIGHER_ORDER.get(name, (
+                f"the higher-order op {name}", "rewrite that part of forward() as plain tensor operations"))
+            path, mtype, _ = _module_info(node)
+            where = f"module {path!r} ({mtype})" if path else f"{type(model).__name__}.forward()"
+            raise CaptureError(
+                f"autotp cannot place {construct}: torch.export keeps it as the higher-order op {name} "
+                f"(node {node.name}), at {where}.\n  what to do: {todo}.")
+
+
 def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.Module) -> OpGraph:
     """Build the OpGraph of an ``ExportedProgram`` traced from ``model``."""
+    _check_higher_order_ops(exported, model)
     sig = exported.graph_signature
     kinds = {spec.arg.name: spec for spec in sig.input_specs if hasattr(spec.arg, "name")}
 
@@ -359,10 +375,10 @@ def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.
                     src = rename.get(a.name, a.name)
                     srcs.append(src)
                     src_infos.append(infos[src][0])
-            is_view = target in VIEW_TARGETS
+            is_view = target in ops.VIEW
             path, mtype, stack = _module_info(node)
             needs_grad = (any(grad.get(s, False) for s in srcs) and any(o.is_float for o in outs)
-                          and target not in NO_GRADIENT_TARGETS)
+                          and target not in ops.NO_GRADIENT)
             grad[node.name] = needs_grad
             infos[node.name] = outs
             if dims := _symbolic_dims(node):
@@ -374,7 +390,7 @@ def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.
                     bytes_read=0.0 if is_view else float(sum(i.nbytes for i in src_infos)),
                     bytes_written=0.0 if is_view else float(sum(o.nbytes for o in outs)),
                     module_path=path, module_type=mtype, module_stack=stack, requires_grad=needs_grad,
-                    is_view=is_view, args_repr=_args_repr(node),
+                    is_view=is_view, args=op_args(node),
                 )
             )
         elif node.op == "output":
@@ -415,14 +431,10 @@ def _finite(bound: Any) -> int | None:
     return None if bound in (int_oo, -int_oo) or not bound.is_number or not bound.is_finite else int(bound)
 
 
-_SAME_DTYPE_OPS = {"aten.linear.default", "aten.mm.default", "aten.bmm.default", "aten.matmul.default",
-                   "aten.addmm.default", "aten.baddbmm.default", "aten.convolution.default"}
-
-
 def _check_operand_dtypes(nodes: list[OpNode]) -> None:
     """Tracing with fake tensors lets ``x.double() @ w.float()`` through; the real kernel would refuse it."""
     for node in nodes:
-        if node.target in _SAME_DTYPE_OPS and len({i.dtype for i in node.input_infos}) > 1:
+        if node.target in ops.SAME_DTYPE and len({i.dtype for i in node.input_infos}) > 1:
             raise CaptureError(
                 f"{node.target} at {node.module_path or 'the model'} (node {node.name}) gets operands of dtypes "
                 f"{[i.dtype for i in node.input_infos]}; expected one dtype: give example inputs of the dtype the "
@@ -433,28 +445,65 @@ def _check_operand_dtypes(nodes: list[OpNode]) -> None:
                 f"{node.input_infos[1].dtype}; expected integer token ids (torch.long)")
 
 
-def tensor_arguments(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The tensor arguments of a node, one entry per occurrence (``mul(h, h)`` has two), in the order
-    of its positional then keyword arguments. OpNode.inputs and the rewrite both follow this order."""
-    found: list[torch.fx.Node] = []
+def map_tensor_arguments(node: torch.fx.Node, fn: Callable[[int, torch.fx.Node], Any],
+                         other: Callable[[Any], Any] = lambda a: a) -> tuple[Any, Any]:
+    """``(args, kwargs)`` of ``node`` with its k-th tensor argument replaced by ``fn(k, argument)``
+    and every other leaf by ``other(leaf)``.
+
+    The one definition of the order of tensor arguments: positional then keyword arguments, one
+    entry per occurrence (``mul(h, h)`` has two). ``OpNode.inputs``, ``OpArgs`` and the rewrite
+    all follow it."""
+    count = itertools.count()
 
     def visit(a: Any) -> Any:
         if isinstance(a, torch.fx.Node) and _node_outputs(a):
-            found.append(a)
-        return a
+            return fn(next(count), a)
+        return other(a)
 
-    torch.fx.node.map_aggregate(node.args, visit)
-    torch.fx.node.map_aggregate(node.kwargs, visit)
+    return torch.fx.node.map_aggregate(node.args, visit), torch.fx.node.map_aggregate(node.kwargs, visit)
+
+
+def tensor_arguments(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The tensor arguments of a node in the order of :func:`map_tensor_arguments`."""
+    found: list[torch.fx.Node] = []
+    map_tensor_arguments(node, lambda k, a: found.append(a))
     return found
 
 
-def _args_repr(node: torch.fx.Node) -> str:
-    """The non-tensor arguments of a node, for structural comparison (layer tying)."""
-    def show(a: Any) -> str:
-        if isinstance(a, torch.fx.Node):
-            return "%"
-        if isinstance(a, (list, tuple)):
-            return "[" + ",".join(show(x) for x in a) + "]"
-        return repr(a)
-    parts = [show(a) for a in node.args] + [f"{k}={show(v)}" for k, v in sorted(node.kwargs.items())]
-    return ",".join(parts)
+def _plain(value: Any) -> Any:
+    """An argument as plain, hashable data: lists as tuples, a symbolic size as a SizeArg."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, torch.fx.Node):  # a size computed in the graph (dynamic dims), or another non-tensor
+        val = value.meta.get("val")
+        if isinstance(val, (torch.SymInt, int)):
+            return SizeArg(size_expression(val) or str(size_hint(val)), size_hint(val))
+        return SizeArg(value.name, 0)
+    if isinstance(value, torch.SymInt):
+        return SizeArg(size_expression(value) or str(size_hint(value)), size_hint(value))
+    if isinstance(value, dict):
+        return tuple(sorted((k, _plain(v)) for k, v in value.items()))
+    return value
+
+
+def op_args(node: torch.fx.Node) -> OpArgs:
+    """The arguments of a call node as :class:`~autotp.graph.OpArgs`, named by the op's schema."""
+    args, kwargs = map_tensor_arguments(node, lambda k, a: TensorArg(k))
+    args, kwargs = tuple(_plain(a) for a in args), {k: _plain(v) for k, v in kwargs.items()}
+    if node.target is operator.getitem:
+        return OpArgs(("self", "index"), args[:2])
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:  # not an OpOverload: positional arguments by position, then keywords
+        names = tuple(f"arg{i}" for i in range(len(args))) + tuple(sorted(kwargs))
+        return OpArgs(names, args + tuple(kwargs[k] for k in sorted(kwargs)))
+    names, values = [], []
+    for i, a in enumerate(schema.arguments):
+        if i < len(args) and not a.kwarg_only:
+            value = args[i]
+        elif a.name in kwargs:
+            value = kwargs[a.name]
+        else:
+            value = _plain(a.default_value) if a.has_default_value() else None
+        names.append(a.name)
+        values.append(value)
+    return OpArgs(tuple(names), tuple(values))

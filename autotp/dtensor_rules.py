@@ -6,8 +6,9 @@ so a PyTorch upgrade that moves them touches this file alone. It answers one que
 :mod:`autotp.strategies`: which single-axis choices does DTensor know for this op node, on an
 axis of ``n`` ranks?
 
-How: the op's real ``OpOverload`` and non-tensor arguments come from the node of the exported
-``torch.fx`` graph with the node's name. Every tensor input gets an ``OpStrategy`` holding each
+How: the op's ``OpOverload`` is found from the node's target name, and its arguments are the
+node's typed :class:`~autotp.graph.OpArgs`, each tensor a meta tensor of its shape and dtype
+(contiguous). Every tensor input gets an ``OpStrategy`` holding each
 candidate placement (``Replicate``, ``Shard(d)`` for every dim, ``Partial("sum")``) on a 1-D
 ``DeviceMesh`` of ``n`` ranks built without any process group (``_init_backend=False``), so a
 group the user has is never touched. The registry is asked the way DTensor's propagator asks it:
@@ -47,18 +48,17 @@ argument this adapter cannot describe) is ``None``; the caller then uses its fal
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
 import math
 import types
-import weakref
 from typing import Any, Optional
 
 import torch
-import torch.fx
 
-from autotp.capture import concrete
+from autotp.graph import SizeArg, TensorArg
 from autotp.placement import P, Placement, R, S
 
 log = logging.getLogger(__name__)
@@ -118,43 +118,63 @@ def _mesh(n: int) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
-# the fx node behind an OpNode
-
-_FX_NODES: "weakref.WeakKeyDictionary[Any, dict[str, torch.fx.Node]]" = weakref.WeakKeyDictionary()
+# the call an OpNode describes
 
 
-def _fx_node(graph: Any, name: str) -> Optional[torch.fx.Node]:
-    exported = getattr(graph, "exported", None)
-    if exported is None:
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """An op with its arguments as DTensor's propagator takes them: tensors as meta tensors."""
+
+    op: Any
+    args: tuple
+    kwargs: dict
+    outputs: tuple  # one meta tensor per output
+
+
+def resolve_op(target: str) -> Optional[Any]:
+    """The ``OpOverload`` a target name such as ``"aten.mm.default"`` names, or None."""
+    parts = target.split(".")
+    if len(parts) != 3:
         return None
-    nodes = _FX_NODES.get(graph)
-    if nodes is None:
-        nodes = {n.name: n for n in exported.graph_module.graph.nodes}
-        _FX_NODES[graph] = nodes
-    return nodes.get(name)
+    try:
+        op = getattr(getattr(getattr(torch.ops, parts[0]), parts[1]), parts[2])
+    except (AttributeError, RuntimeError):
+        return None
+    return op if isinstance(op, torch._ops.OpOverload) else None
+
+
+def _meta(info: Any) -> torch.Tensor:
+    return torch.empty(info.shape, dtype=getattr(torch, info.dtype), device="meta")
+
+
+def _call(node: Any, op: Any) -> _Call:
+    """The call of ``node``: its OpArgs laid out by the op's schema (positional, then keyword-only)."""
+    tensors = [_meta(i) for i in node.input_infos]
+
+    def value(v: Any) -> Any:
+        if isinstance(v, TensorArg):
+            return tensors[v.index]
+        if isinstance(v, SizeArg):  # a symbolic size: DTensor would read it as the example's, fixing it
+            raise _Unsupported(f"a symbolic size {v}")
+        if isinstance(v, tuple):
+            return [value(x) for x in v]
+        return v
+
+    args, kwargs = [], {}
+    for a, (name, v) in zip(op._schema.arguments, node.args.items()):
+        if a.kwarg_only:
+            kwargs[name] = value(v)
+        else:
+            args.append(value(v))
+    call = _Call(op, tuple(args), kwargs, tuple(_meta(o) for o in node.outputs))
+    order = [next(k for k, t in enumerate(tensors) if t is a) for a in _tensor_args(call)]
+    if order != list(range(len(tensors))):  # the registry's rules list tensors in the schema's order
+        raise _Unsupported(f"tensor arguments in the order {order}, not the schema's")
+    return call
 
 
 def _tensor_val(a: Any) -> Optional[torch.Tensor]:
-    if isinstance(a, torch.fx.Node):
-        val = concrete(a.meta.get("val"))
-        if isinstance(val, torch.Tensor):
-            return val
-    return None
-
-
-def _freeze(a: Any) -> Any:
-    """A hashable description of one argument: tensors by shape, stride and dtype."""
-    val = _tensor_val(a)
-    if val is not None:
-        return ("T", tuple(int(s) for s in val.shape), tuple(int(s) for s in val.stride()), val.dtype)
-    if isinstance(a, torch.fx.Node):  # a symbolic size or a non-tensor value: cannot be described
-        raise _Unsupported(f"argument {a.name} is not a tensor")
-    if isinstance(a, (list, tuple)):
-        return (type(a).__name__, tuple(_freeze(x) for x in a))
-    if isinstance(a, dict):
-        return ("dict", tuple(sorted((k, _freeze(v)) for k, v in a.items())))
-    hash(a)
-    return a
+    return a if isinstance(a, torch.Tensor) else None
 
 
 class _Unsupported(Exception):
@@ -188,32 +208,26 @@ def registry_axis_choices(graph: Any, node: Any, n: int) -> Optional[list[AxisCh
     Only exact ones for autotp's runtime (module docstring); ``None`` when the registry has no
     entry for the op, raises, or the node's arguments cannot be described.
     """
-    fx_node = _fx_node(graph, node.name)
-    if fx_node is None or fx_node.op != "call_function":
+    op = resolve_op(node.target)
+    if op is None or registry_source(op) is None or len(node.args.names) != len(op._schema.arguments):
         return None
-    op = fx_node.target
-    if registry_source(op) is None:
-        return None
-    try:
-        key = (op, _freeze(fx_node.args), _freeze(fx_node.kwargs), n)
-    except (_Unsupported, TypeError):
-        return None
-    choices = _cached_choices(key, fx_node)
+    key = (node.target, node.args, node.input_infos, node.outputs, n)
+    choices = _cached_choices(key, node, op)
     if choices is None or len(choices[0][0]) != len(node.inputs):
         return None
     return list(choices)
 
 
-# (op, frozen arguments, n) -> choices: one registry call per distinct signature (repeated layers
+# (op, arguments, shapes, n) -> choices: one registry call per distinct signature (repeated layers
 # share it). The answer depends on nothing else, so it is kept for the life of the process.
 _CACHE: dict[tuple, Optional[tuple[AxisChoice, ...]]] = {}
 
 
-def _cached_choices(key: tuple, fx_node: torch.fx.Node) -> Optional[tuple[AxisChoice, ...]]:
+def _cached_choices(key: tuple, node: Any, op: Any) -> Optional[tuple[AxisChoice, ...]]:
     if key not in _CACHE:
-        op, n = key[0], key[-1]
+        n = key[-1]
         try:
-            _CACHE[key] = _ask(op, fx_node, n)
+            _CACHE[key] = _ask(op, _call(node, op), n)
         except Exception as err:  # noqa: BLE001 - the registry raising means "no answer"
             log.debug("autotp: DTensor's registry has no answer for %s (%s: %s)", op, type(err).__name__, err)
             _CACHE[key] = None
@@ -224,7 +238,7 @@ def _candidates(dt: Any, ndim: int) -> list[Any]:
     return [dt.Replicate(), *(dt.Shard(d) for d in range(ndim)), dt.Partial("sum")]
 
 
-def _schema(dt: Any, op: Any, fx_node: torch.fx.Node, n: int, as_strategy: bool) -> tuple[Any, list[torch.Tensor]]:
+def _schema(dt: Any, op: Any, call: _Call, n: int, as_strategy: bool) -> tuple[Any, list[torch.Tensor]]:
     """The OpSchema of the node on a mesh of ``n``: each tensor an OpStrategy of every candidate
     placement (``as_strategy``) or a DTensorSpec (R, the decomposition path enumerates itself)."""
     mesh = _mesh(n)
@@ -233,8 +247,6 @@ def _schema(dt: Any, op: Any, fx_node: torch.fx.Node, n: int, as_strategy: bool)
     def convert(a: Any) -> Any:
         val = _tensor_val(a)
         if val is None:
-            if isinstance(a, torch.fx.Node):
-                raise _Unsupported(f"argument {a.name} is not a tensor")
             if isinstance(a, (list, tuple)):
                 items = [convert(x) for x in a]
                 if as_strategy and items and all(isinstance(x, dt.OpStrategy) for x in items):
@@ -248,7 +260,7 @@ def _schema(dt: Any, op: Any, fx_node: torch.fx.Node, n: int, as_strategy: bool)
         return dt.OpStrategy([dt.OpSpec(dt.DTensorSpec(mesh, (p,), tensor_meta=meta))
                               for p in _candidates(dt, val.ndim)])
 
-    plain_args, plain_kwargs = _normalized_dims(op, fx_node)
+    plain_args, plain_kwargs = _normalized_dims(op, call)
     args = tuple(convert(a) for a in plain_args)
     kwargs = {k: convert(v) for k, v in plain_kwargs.items()}
     schema = dt.OpSchema(op, args, kwargs)
@@ -262,7 +274,7 @@ def _schema(dt: Any, op: Any, fx_node: torch.fx.Node, n: int, as_strategy: bool)
 _DIM_ARGUMENTS = ("dim", "dims")
 
 
-def _normalized_dims(op: Any, fx_node: torch.fx.Node) -> tuple[tuple, dict]:
+def _normalized_dims(op: Any, call: _Call) -> tuple[tuple, dict]:
     """The node's arguments with negative ``dim``/``dims`` of ``self`` made non-negative.
 
     Some strategy functions compare the dim argument with shard dims as given (torch 2.13's
@@ -272,12 +284,12 @@ def _normalized_dims(op: Any, fx_node: torch.fx.Node) -> tuple[tuple, dict]:
     ``self`` and no output has more dims (``unsqueeze``'s dim counts the output's dims).
     """
     arguments = op._schema.arguments
-    args, kwargs = tuple(fx_node.args), dict(fx_node.kwargs)
+    args, kwargs = call.args, call.kwargs
     self_val = _tensor_val(args[0]) if args else None
     if not arguments or arguments[0].name != "self" or self_val is None:
         return args, kwargs
     ndim = self_val.ndim
-    if any(o is not None and o.ndim > ndim for o in _outputs(fx_node)):
+    if any(o.ndim > ndim for o in call.outputs):
         return args, kwargs
 
     def norm(value: Any) -> Any:
@@ -293,28 +305,19 @@ def _normalized_dims(op: Any, fx_node: torch.fx.Node) -> tuple[tuple, dict]:
     return args, kwargs
 
 
-def _outputs(fx_node: torch.fx.Node) -> list[Optional[torch.Tensor]]:
-    val = concrete(fx_node.meta.get("val"))
-    if isinstance(val, torch.Tensor):
-        return [val]
-    if isinstance(val, (tuple, list)):
-        return [v if isinstance(v, torch.Tensor) else None for v in val]
-    return []
-
-
-def _ask(op: Any, fx_node: torch.fx.Node, n: int) -> Optional[tuple[AxisChoice, ...]]:
+def _ask(op: Any, call: _Call, n: int) -> Optional[tuple[AxisChoice, ...]]:
     dt = _dtensor()
-    outputs = _outputs(fx_node)
-    tensors = _tensor_args(fx_node)
+    outputs = list(call.outputs)
+    tensors = _tensor_args(call)
     if not outputs or not tensors:
         return None
     source = registry_source(op)
     if source == "single_dim":
-        rules = _single_dim_rules(dt, op, fx_node, n)
+        rules = _single_dim_rules(dt, op, call, n)
     elif source == "strategy":
-        rules = _strategy_rules(dt, op, fx_node, n)
+        rules = _strategy_rules(dt, op, call, n)
     else:
-        rules = _decomp_rules(dt, op, fx_node, n, tensors)
+        rules = _decomp_rules(dt, op, call, n, tensors)
     if rules is None:
         return None
     # Running the op on whole tensors is the op itself: the replicated choice, listed first as
@@ -330,25 +333,16 @@ def _ask(op: Any, fx_node: torch.fx.Node, n: int) -> Optional[tuple[AxisChoice, 
     return tuple(choices)
 
 
-def _tensor_args(fx_node: torch.fx.Node) -> list[torch.Tensor]:
-    """The node's tensor arguments in the order of OpNode.inputs (positional, then keyword)."""
-    found: list[torch.Tensor] = []
-
-    def visit(a: Any) -> Any:
-        val = _tensor_val(a)
-        if val is not None:
-            found.append(val)
-        return a
-
-    torch.fx.node.map_aggregate(fx_node.args, visit)
-    torch.fx.node.map_aggregate(fx_node.kwargs, visit)
-    return found
+def _tensor_args(call: _Call) -> list[torch.Tensor]:
+    """The call's tensor arguments in the order of OpNode.inputs (positional, then keyword)."""
+    leaves = torch.utils._pytree.tree_leaves((list(call.args), call.kwargs))
+    return [a for a in leaves if isinstance(a, torch.Tensor)]
 
 
-def _single_dim_rules(dt: Any, op: Any, fx_node: torch.fx.Node, n: int) -> list[tuple[list, list]]:
+def _single_dim_rules(dt: Any, op: Any, call: _Call, n: int) -> list[tuple[list, list]]:
     """A single-mesh-dim strategy function: rules [outputs..., inputs...], a sharding placeholder
     standing for a plain Shard of its dim."""
-    schema, tensors = _schema(dt, op, fx_node, n, as_strategy=True)
+    schema, tensors = _schema(dt, op, call, n, as_strategy=True)
     info = dt.prop.op_single_dim_strategy_funcs[op]
     out: list[tuple[list, list]] = []
     for rule in info.func(op, schema.args_meta, schema.kwargs_meta):
@@ -362,9 +356,9 @@ def _spec_placement(spec: Any) -> Any:
     return None if spec is None else spec.placements[0]
 
 
-def _strategy_rules(dt: Any, op: Any, fx_node: torch.fx.Node, n: int) -> Optional[list[tuple[list, list]]]:
+def _strategy_rules(dt: Any, op: Any, call: _Call, n: int) -> Optional[list[tuple[list, list]]]:
     """An op strategy function: one rule per OpSpec it returns."""
-    schema, tensors = _schema(dt, op, fx_node, n, as_strategy=True)
+    schema, tensors = _schema(dt, op, call, n, as_strategy=True)
     strategy = dt.prop.op_strategy_funcs[op](schema)
     if not isinstance(strategy, dt.OpStrategy):  # a TupleStrategy (foreach, List[Tensor] outputs): not used
         return None
@@ -380,13 +374,13 @@ def _strategy_rules(dt: Any, op: Any, fx_node: torch.fx.Node, n: int) -> Optiona
     return out
 
 
-def _decomp_rules(dt: Any, op: Any, fx_node: torch.fx.Node, n: int,
+def _decomp_rules(dt: Any, op: Any, call: _Call, n: int,
                   tensors: list[torch.Tensor]) -> Optional[list[tuple[list, list]]]:
     """A decomposition traced once per combination of candidate input placements, as DTensor's
     DecompShardingStrategy does (on its size-1 mesh: divisibility is checked afterwards)."""
     if math.prod(t.ndim + 2 for t in tensors) > MAX_DECOMP_COMBINATIONS:
         return None
-    schema, _ = _schema(dt, op, fx_node, n, as_strategy=False)
+    schema, _ = _schema(dt, op, call, n, as_strategy=False)
     decomp = dt.prop.decomp_strategy
     decomp.ensure_schema_info(op)
     fake_mesh = decomp._get_fake_mesh("cpu")

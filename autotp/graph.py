@@ -68,12 +68,94 @@ class TensorInfo:
 
 
 @dataclass(frozen=True)
+class TensorArg:
+    """A tensor argument of an op: the ``index``-th entry of ``OpNode.inputs``."""
+
+    index: int
+
+    def __repr__(self) -> str:
+        return f"%{self.index}"
+
+
+@dataclass(frozen=True)
+class SizeArg:
+    """A size argument computed from a dynamic dim: its expression and its example value."""
+
+    expression: str
+    hint: int
+
+    def __repr__(self) -> str:
+        return f"{self.expression}={self.hint}"
+
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class OpArgs:
+    """An op's arguments as typed data, named by the op's schema, defaults filled in.
+
+    Values are Python scalars, strings, ``None``, tuples (lists become tuples), torch dtypes and
+    devices, :class:`TensorArg` for a tensor (``List[Tensor]``: a tuple of them) and
+    :class:`SizeArg` for a symbolic size. Equal arguments compare and hash equal, which is what
+    layer tying and the strategy caches key on.
+
+    >>> a = OpArgs(("self", "dim0", "dim1"), (TensorArg(0), 0, -1))
+    >>> a["dim1"], a.get("dim2", 5), a
+    (-1, 5, (self=%0, dim0=0, dim1=-1))
+    """
+
+    names: tuple[str, ...] = ()
+    values: tuple[Any, ...] = ()
+
+    def __getitem__(self, name: str) -> Any:
+        try:
+            return self.values[self.names.index(name)]
+        except ValueError:
+            raise KeyError(f"no argument {name!r}; the op has {list(self.names)}") from None
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.values[self.names.index(name)] if name in self.names else default
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names
+
+    def items(self) -> tuple[tuple[str, Any], ...]:
+        return tuple(zip(self.names, self.values))
+
+    def int(self, name: str, ndim: int | None = None, default: Any = _MISSING) -> int:
+        """An integer argument (a SizeArg reads as its example value); with ``ndim``, a dim index
+        made non-negative."""
+        value = self.get(name, default) if default is not _MISSING else self[name]
+        value = value.hint if isinstance(value, SizeArg) else value
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"argument {name!r} is {value!r}, not an int")
+        return value + ndim if ndim is not None and value < 0 else value
+
+    def ints(self, name: str, ndim: int | None = None) -> tuple[int, ...] | None:
+        """A list-of-int argument (None stays None); with ``ndim``, dims made non-negative."""
+        value = self[name]
+        if value is None:
+            return None
+        items = (value,) if isinstance(value, int) else tuple(value)
+        hints = tuple(v.hint if isinstance(v, SizeArg) else v for v in items)
+        return tuple(v + ndim if ndim is not None and v < 0 else v for v in hints)
+
+    def is_tensor(self, name: str) -> bool:
+        return isinstance(self.get(name), TensorArg)
+
+    def __repr__(self) -> str:
+        return "(" + ", ".join(f"{k}={v!r}" for k, v in self.items()) + ")"
+
+
+@dataclass(frozen=True)
 class OpNode:
     """One node of the graph.
 
     ``inputs`` names the tensor-producing node behind each tensor argument, one entry per
     occurrence (``mul(h, h)`` lists ``h`` twice), positional then keyword arguments;
-    ``input_infos`` gives their tensors. ``outputs`` holds one
+    ``input_infos`` gives their tensors; ``args`` holds every argument by its schema name, tensors
+    as :class:`TensorArg` indices into ``inputs``. ``outputs`` holds one
     :class:`TensorInfo` per tensor the op returns (usually one). ``flops`` is the forward FLOP
     count as ``torch.utils.flop_counter`` counts it; ``bytes_read``/``bytes_written`` are zero
     for ops that only create views.
@@ -94,7 +176,7 @@ class OpNode:
     param_fqn: str | None = None
     requires_grad: bool = False
     is_view: bool = False
-    args_repr: str = ""
+    args: OpArgs = OpArgs()
 
     @property
     def output(self) -> TensorInfo:

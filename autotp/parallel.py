@@ -23,7 +23,7 @@ from torch import nn
 
 from cost_models import optimizer_spec
 
-from autotp.capture import CaptureError, capture
+from autotp.capture import capture
 from autotp.mesh import MeshSpec
 from autotp.meta import unfillable_state
 from autotp.plan import Plan, PlanError
@@ -159,10 +159,7 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
         # trace may keep ops, such as full-range slices, that a static one drops)
         dynamic_dims = None if plan.dynamic_dims else False
     t0 = time.perf_counter()
-    try:
-        graph = capture(model, example_inputs, dynamic_dims)
-    except CaptureError as err:
-        raise ValueError(f"the example inputs do not fit the model:\n{err}") from err
+    graph = capture(model, example_inputs, dynamic_dims)  # a CaptureError says what failed, as it is
     unfillable = unfillable_state(model, graph.exported.constants)
     if unfillable:
         raise ValueError(f"the model is on the meta device, and nothing could give these their values: "

@@ -20,6 +20,7 @@ from typing import Any, Mapping, Optional
 
 from cost_models import HardwareProfile, OptimizerSpec
 
+from autotp import ops
 from autotp.dynamic import Divisibility, DynamicDim
 from autotp.graph import OpGraph, PARAMETER
 from autotp.mesh import MeshSpec
@@ -30,8 +31,6 @@ __all__ = ["Plan", "PredictedTime", "MemoryPerDevice", "SolveStats", "ModuleChoi
 
 SCHEMA = "autotp.plan/1"
 _TIMING_FIELDS = ("capture_s", "strategies_s", "solve_s")
-_WEIGHT_INPUT = {"aten.linear.default": 1, "aten.embedding.default": 0, "aten.mm.default": 1,
-                 "aten.matmul.default": 1, "aten.addmm.default": 2}
 
 
 class PlanError(ValueError):
@@ -282,7 +281,7 @@ def module_choices(graph: OpGraph, chosen: Mapping[str, Strategy]) -> tuple[Modu
         stored = chosen[node.inputs[params[0]]].output  # the weight as it is stored
         node, params = _through_transpose(graph, node, params)
         strat = chosen[node.name]
-        k_w = _WEIGHT_INPUT.get(node.target)
+        k_w = ops.WEIGHT_INPUT.get(node.target)
         acts = [k for k in range(len(node.inputs)) if k not in params]
         act_in = strat.inputs[acts[0]] if acts else None
         if k_w is not None and k_w in params:
@@ -307,16 +306,15 @@ def module_choices(graph: OpGraph, chosen: Mapping[str, Strategy]) -> tuple[Modu
     return tuple(out.values())
 
 
-_TRANSPOSES = {"aten.t.default", "aten.numpy_T.default", "aten.transpose.int"}
 
 
 def _through_transpose(graph: OpGraph, node, params: list[int]):
     """A 2-D weight read through a transpose by a matmul: that matmul, reading it as its weight."""
-    if node.target not in _TRANSPOSES or node.output.ndim != 2:
+    if node.target not in ops.TRANSPOSE or node.output.ndim != 2:
         return node, params
     for name in graph.consumers(node.name):
         consumer = graph[name]
-        k_w = _WEIGHT_INPUT.get(consumer.target)
+        k_w = ops.WEIGHT_INPUT.get(consumer.target)
         if k_w is not None and k_w < len(consumer.inputs) and consumer.inputs[k_w] == node.name:
             return consumer, [k_w]
     return node, params

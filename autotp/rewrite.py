@@ -23,6 +23,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from autotp import ops
+from autotp.capture import map_tensor_arguments
 from autotp.collectives import GradAllReduce, MaskedEmbedding, RedistributeStep, to_local
 from autotp.dropout import ShardedDropout
 from autotp.dynamic import requirements
@@ -37,8 +39,6 @@ from autotp.redistribute import conversion_steps, fused_axes
 __all__ = ["build_parallel_module", "local_shard", "has_active_dropout"]
 
 aten = torch.ops.aten
-_DROPOUT_OPS = (aten.dropout.default, aten.native_dropout.default)
-_SHAPE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
 
 
 def local_shard(full: torch.Tensor, placements: tuple[Placement, ...], coordinate: list[int],
@@ -190,10 +190,6 @@ class _Builder:
 
     # -- graph ---------------------------------------------------------------------------------
 
-    def is_tensor(self, a: torch.fx.Node) -> bool:
-        name = self.g.alias_placeholders.get(a.name, a.name)
-        return name in self.g
-
     def build(self) -> torch.fx.GraphModule:
         self.register_state()
         sig = self.ep.graph_signature
@@ -297,22 +293,19 @@ class _Builder:
                                               value_key=node.name)
             return
 
-        position = iter(range(len(op.inputs)))  # tensor arguments in OpNode.inputs order
+        def tensor(k: int, a: torch.fx.Node) -> Any:  # the k-th tensor argument: OpNode.inputs[k]
+            src = op.inputs[k]
+            assert src == alias.get(a.name, a.name), (node.name, src, a.name)
+            return self.read(src, strat.inputs[k], self.grad_axes.get((node.name, k), ()))
 
-        def mapped(a: Any) -> Any:
-            if isinstance(a, torch.fx.Node) and a.name in self.sizes:
-                return self.sizes[a.name]
+        def other(a: Any) -> Any:
             if isinstance(a, torch.fx.Node):
-                if not self.is_tensor(a):
-                    raise NotImplementedError(f"node {node.name} reads {a.name}, which is not a tensor")
-                k = next(position)
-                src = op.inputs[k]
-                assert src == alias.get(a.name, a.name), (node.name, src, a.name)
-                return self.read(src, strat.inputs[k], self.grad_axes.get((node.name, k), ()))
+                if a.name in self.sizes:
+                    return self.sizes[a.name]
+                raise NotImplementedError(f"node {node.name} reads {a.name}, which is not a tensor")
             return a
 
-        args = torch.fx.node.map_aggregate(node.args, mapped)
-        kwargs = torch.fx.node.map_aggregate(node.kwargs, mapped)
+        args, kwargs = map_tensor_arguments(node, tensor, other)
         if _writes_first_argument(node.target) and args and isinstance(args[0], torch.fx.Node):
             src = op.inputs[0]
             if args[0] is not self.local[src]:
@@ -326,15 +319,18 @@ class _Builder:
 
         args, kwargs = torch.fx.node.map_aggregate(args, on_device), torch.fx.node.map_aggregate(kwargs, on_device)
         target = node.target
-        if target in _SHAPE_ARG_OPS:
+        if str(target) in ops.SHAPE_ARGUMENT:
             args = (args[0], self.local_sizes(args[1], op, strat.output), *args[2:])
         elif target is aten.slice.Tensor:
-            dim = args[1] if len(args) > 1 else 0
-            dim = dim + op.input_infos[0].ndim if dim < 0 else dim
+            dim = op.args.int("dim", op.input_infos[0].ndim)
             q = strat.inputs[0]
             if q is not None and any(p.is_shard and p.dim == dim for p in q):
-                args = (args[0], args[1], 0, sys.maxsize, *args[4:])  # a full-range slice of a split dim
-        elif target in _DROPOUT_OPS and self.active_dropout(args):
+                # a slice of a split dim runs to the end of each piece: all of it, or every step-th
+                # element from a start before the first step (autotp.rules.views.strided_slice)
+                step = op.args.get("step", 1)
+                start = (op.args.get("start") or 0) if step != 1 else 0
+                args = (args[0], dim, start, sys.maxsize, step)
+        elif str(target) in ops.DROPOUT and self.active_dropout(args):
             shard_key = tuple(self.coordinate[a] for a, p in enumerate(self.read_placements(op, 0)) if p.is_shard)
             module = ShardedDropout(args[1], self.seed, self.n_dropouts, shard_key)
             self.n_dropouts += 1
@@ -438,7 +434,7 @@ def _is_size(node: torch.fx.Node) -> bool:
 def has_active_dropout(graph: OpGraph) -> bool:
     """Whether the graph drops anything at run time (then its ranks must agree on a seed)."""
     return graph.exported is not None and any(
-        n.op == "call_function" and n.target in _DROPOUT_OPS and _Builder.active_dropout(n.args)
+        n.op == "call_function" and str(n.target) in ops.DROPOUT and _Builder.active_dropout(n.args)
         for n in graph.exported.graph.nodes)
 
 

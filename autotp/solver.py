@@ -63,6 +63,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import pulp
 
+from autotp import ops
 from autotp.costing import INFEASIBLE_S, CostModel
 from autotp.graph import OpGraph
 from autotp.ilp import SolverError, solve_with_first_solver
@@ -548,8 +549,6 @@ class _Formulation:
 
 
 _R = Placement("R")
-_NOOP_TARGETS = {"aten.alias.default", "aten.detach.default", "aten.clone.default", "aten.contiguous.default",
-                 "aten.to.dtype", "aten.to.dtype_layout", "aten.to.device", "aten._to_copy.default"}
 
 
 def _is_follower(node) -> bool:
@@ -558,7 +557,7 @@ def _is_follower(node) -> bool:
         return False
     if node.is_view:
         return True
-    return node.target in _NOOP_TARGETS and node.input_infos[0] == node.output
+    return node.target in ops.NO_OP and node.input_infos[0] == node.output
 
 
 def _redistribution(p: tuple, requirement: tuple) -> tuple:

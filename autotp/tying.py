@@ -68,7 +68,7 @@ def _signature(graph: OpGraph, names: list[str]) -> tuple[tuple, list[str]]:
                 refs.append(("p", params.index(src), graph[src].output, graph[src].requires_grad))
             else:
                 refs.append(("e", graph[src].role))
-        entries.append((node.target, node.args_repr, node.input_infos, node.outputs, node.requires_grad,
+        entries.append((node.target, node.args, node.input_infos, node.outputs, node.requires_grad,
                         tuple(refs)))
     return tuple(entries), params
 

@@ -166,14 +166,14 @@ def test_negative_dims_reach_the_registry_normalized():
     ``cumsum(x, -1)`` it keeps ``S(1)``, which is wrong. The adapter asks with dim 1."""
     x = torch.randn(4, 8)
     g = autotp.capture(Scans(), (x,))
-    offered = {(n.target, n.args_repr): _strs(g, n, (2,)) for n in g.ops()}
+    offered = {(n.target, n.args["dim"]): _strs(g, n, (2,)) for n in g.ops()}
     assert offered == {  # a scan keeps every dim but its own split
-        ("aten.cumsum.default", "%,-1"): ["(R) -> R", "(S(0)) -> S(0)"],
-        ("aten.cumprod.default", "%,1"): ["(R) -> R", "(S(0)) -> S(0)"],
-        ("aten.cumsum.default", "%,0"): ["(R) -> R", "(S(1)) -> S(1)"],
+        ("aten.cumsum.default", -1): ["(R) -> R", "(S(0)) -> S(0)"],
+        ("aten.cumprod.default", 1): ["(R) -> R", "(S(0)) -> S(0)"],
+        ("aten.cumsum.default", 0): ["(R) -> R", "(S(1)) -> S(1)"],
     }
     assert _check_every_strategy(g, _full_values(g, (x,)), (2,)) == 6
-    scan = next(n for n in g.ops() if n.args_repr == "%,-1")
+    scan = next(n for n in g.ops() if n.args["dim"] == -1)
     with pytest.raises(AssertionError):  # and the check sees why S(1) through cumsum(x, -1) is wrong
         _check_strategy(g, _fx(g, scan), scan, Strategy.parse("(S(1)) -> S(1)"), _full_values(g, (x,)), (2,))
 

@@ -225,13 +225,14 @@ def test_other_non_mesh_is_a_type_error(mesh):
     ("too_many_inputs", "positional"),
     ("float_token_ids", "float32"),
 ])
-def test_inputs_that_do_not_fit_are_a_value_error(one_rank, case, fragment):
-    _assert_refused(one_rank[case], "ValueError", "example inputs do not fit", fragment)
+def test_inputs_that_do_not_fit_are_a_capture_error_pointing_at_them(one_rank, case, fragment):
+    """The capture's own error, not reworded: what failed, then the hint to check the inputs."""
+    _assert_refused(one_rank[case], "CaptureError", "autotp could not capture", "check the example inputs", fragment)
 
 
 @pytest.mark.parametrize("case", ["wrong_dtype_float64", "wrong_dtype_int64"])
-def test_input_dtype_that_does_not_fit_is_a_value_error(one_rank, case):
-    _assert_refused(one_rank[case], "ValueError", "example inputs do not fit")
+def test_input_dtype_that_does_not_fit_is_a_capture_error(one_rank, case):
+    _assert_refused(one_rank[case], "CaptureError", "example inputs")
 
 
 # -------------------------------------------------------------------- a plan for something else

@@ -75,7 +75,7 @@ def _full_values(graph: autotp.OpGraph, inputs: tuple) -> dict[str, object]:
 
 def _summands(t: torch.Tensor, n: int, gen: torch.Generator) -> list[torch.Tensor]:
     """n random tensors that add up to ``t`` (a partial-sum placement)."""
-    if t.dtype.is_floating_point:
+    if t.dtype.is_floating_point or t.dtype.is_complex:
         parts = [torch.randn(t.shape, generator=gen, dtype=t.dtype) for _ in range(n - 1)]
     else:
         parts = [torch.randint(-5, 5, t.shape, generator=gen).to(t.dtype) for _ in range(n - 1)]
@@ -96,7 +96,7 @@ def _local(full: torch.Tensor, placements, coord, mesh, seed: int) -> torch.Tens
 
 def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
-    if a.dtype.is_floating_point:
+    if a.dtype.is_floating_point or a.dtype.is_complex:
         scale = 1.0 + float(b.abs().max()) if b.numel() else 1.0
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * scale, msg=lambda m: f"{what}: {m}")
     else:
@@ -151,8 +151,10 @@ def _run_local(graph, fx_node: torch.fx.Node, op, strategy: Strategy, values: di
         dim = args[1] if len(args) > 1 else 0
         dim = dim + op.input_infos[0].ndim if dim < 0 else dim
         q = strategy.inputs[0]
-        if any(p.is_shard and p.dim == dim for p in q):  # only a full-range slice may keep the dim split
-            args = [args[0], dim, 0, sys.maxsize, *args[4:]]
+        if any(p.is_shard and p.dim == dim for p in q):  # a full-range or x[r::step] slice may keep the dim split
+            step = args[4] if len(args) > 4 else 1
+            start = (args[2] or 0) if step != 1 and len(args) > 2 else 0
+            args = [args[0], dim, start, sys.maxsize, step]
     elif target is aten.embedding.default:
         w = strategy.inputs[0]
         row_axes = [a for a, p in enumerate(w) if p.is_shard and p.dim == 0]
@@ -238,6 +240,54 @@ def ops_graph():
     inputs = (torch.randint(0, 32, (4, 8)), torch.randn(4, 8, 64))
     graph = _capture(model, inputs)
     return graph, _full_values(graph, inputs)
+
+
+class RotaryOps(nn.Module):
+    """Rotary embeddings as GPT-J (strided slices and stack) and Meta's Llama (complex numbers) write
+    them, and an attention mask built with where(mask, x, -inf)."""
+
+    def forward(self, q, freqs, mask):  # q (2, 4, 8, 16): batch, heads, tokens, head dim; freqs (8, 8)
+        even, odd = q[..., 0::2], q[..., 1::2]  # (2, 4, 8, 8)
+        cos, sin = freqs.cos(), freqs.sin()
+        gptj = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+        pairs = torch.view_as_complex(q.float().reshape(2, 4, 8, 8, 2))
+        meta = torch.view_as_real(pairs * torch.polar(torch.ones_like(freqs), freqs)).flatten(3)
+        scores = torch.where(mask, gptj @ meta.transpose(-1, -2), float("-inf"))  # where.ScalarOther
+        return scores.softmax(-1), torch.stack([q, gptj], dim=1)
+
+
+@pytest.fixture(scope="module")
+def rotary_graph():
+    gen = torch.Generator().manual_seed(0)
+    inputs = (torch.randn(2, 4, 8, 16, generator=gen), torch.randn(8, 8, generator=gen),
+              torch.ones(8, 8, dtype=torch.bool).tril())
+    graph = _capture(RotaryOps(), inputs)
+    return graph, _full_values(graph, inputs)
+
+
+@pytest.mark.parametrize("target", ["aten.stack.default", "aten.slice.Tensor", "aten.view_as_complex.default",
+                                    "aten.view_as_real.default", "aten.where.ScalarOther", "aten.polar.default"])
+@pytest.mark.parametrize("mesh", [(2,), (2, 2)])
+def test_rotary_ops_keep_heads_split_and_are_exact(rotary_graph, target, mesh):
+    """Each op keeps the batch and heads split (what the GPT-J and Llama rotaries need to stay local);
+    every strategy of each is exact on local pieces."""
+    g, values = rotary_graph
+    nodes = [n for n in g.ops() if n.target == target]
+    assert nodes, f"{target} no longer appears in the export"
+    for node in nodes:
+        outs = {str(s.output) for s in node_strategies(g, node, (2,))}
+        if node.output.ndim == 4 and node.output.shape[:2] == (2, 4):
+            assert {"(S(0),)", "(S(1),)"} <= outs, (node.name, outs)
+    assert _check_every_strategy(g, values, mesh, {target}) > 0
+
+
+def test_a_strided_slice_keeps_its_own_dim_split_when_the_step_divides_each_piece(rotary_graph):
+    g, values = rotary_graph
+    odd = next(n for n in g.ops() if n.target == "aten.slice.Tensor" and n.args.get("start") == 1)
+    assert "(S(3)) -> S(3)" in _strs(g, odd, (2,))  # 16 -> pieces of 8, each [1::2]: 4 of the 8 outputs
+    assert "(S(3)) -> S(3)" in _strs(g, odd, (8,))  # pieces of 2, each [1::2]: one output each
+    assert "(S(3)) -> S(3)" not in _strs(g, odd, (16,))  # 8 outputs do not split in 16
+    assert _check_every_strategy(g, values, (8,), {"aten.slice.Tensor"}) > 0
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,169 @@
+"""Typed op arguments, the op families and the user's own rules.
+
+A custom op autotp does not know (an expert matmul, as MoE code writes with a grouped matmul)
+runs replicated with a warning naming it; once the user registers a rule, the planner splits its
+weights and the parallel model computes what one process does. ``check_rule`` catches a rule
+that is not exact.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import autotp
+from autotp.graph import OpArgs, SizeArg, TensorArg
+from autotp.placement import P, R, S
+from autotp.rules.check import RuleNotExact, check_rule
+from exactness import assert_step_matches_one_process
+
+OP = "autotp_test.expert_mm.default"
+
+
+@torch.library.custom_op("autotp_test::expert_mm", mutates_args=())
+def expert_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """(E, T, D) @ (E, D, F) -> (E, T, F): one matmul per expert."""
+    return torch.bmm(x, w)
+
+
+@expert_mm.register_fake
+def _(x, w):
+    return x.new_empty(x.shape[0], x.shape[1], w.shape[2])
+
+
+def _backward(ctx, grad):
+    x, w = ctx.saved_tensors
+    return expert_mm(grad, w.transpose(1, 2)), expert_mm(x.transpose(1, 2), grad)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+expert_mm.register_autograd(_backward, setup_context=_setup)
+
+# the rule an expert writes for it: split the experts, the output features, or the contraction
+EXPERT_RULE = [((S(0), S(0)), S(0)), ((R, S(2)), S(2)), ((S(2), S(1)), P)]
+
+
+class Experts(nn.Module):
+    """Every token through every expert's MLP, summed (a dense MoE, to keep the test small)."""
+
+    def __init__(self, experts: int = 4, dim: int = 16, hidden: int = 32) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.up = nn.Parameter(torch.randn(experts, dim, hidden, generator=gen) / dim**0.5)
+        self.down = nn.Parameter(torch.randn(experts, hidden, dim, generator=gen) / hidden**0.5)
+
+    def forward(self, x):  # (B, T, D)
+        b, t, d = x.shape
+        xe = x.reshape(1, b * t, d).expand(self.up.shape[0], b * t, d)
+        h = expert_mm(F.gelu(expert_mm(xe, self.up)), self.down)
+        return h.sum(0).reshape(b, t, d) + x
+
+
+@pytest.fixture()
+def expert_rule():
+    autotp.register_rule(torch.ops.autotp_test.expert_mm.default, EXPERT_RULE)
+    yield
+    autotp.unregister_rule(OP)
+
+
+def _plan(graph):
+    from autotp.planner import plan_graph
+
+    try:
+        return plan_graph(graph, (2,), "cpu-gloo", "train", 1.0, recompute=False)
+    except autotp.MemoryBudgetError as err:
+        return plan_graph(graph, (2,), "cpu-gloo", "train", int(err.minimum_bytes * 1.02) + 1, recompute=False)
+
+
+def test_op_arguments_are_typed_and_named_by_the_schema():
+    class M(nn.Module):
+        def forward(self, x):
+            return x.transpose(0, -1).sum([0], keepdim=True).softmax(-1)
+
+    g = autotp.capture(M(), (torch.randn(2, 3, 4),))
+    args = {n.target: n.args for n in g.ops()}
+    assert args["aten.transpose.int"] == OpArgs(("self", "dim0", "dim1"), (TensorArg(0), 0, -1))
+    assert args["aten.sum.dim_IntList"]["dim"] == (0,) and args["aten.sum.dim_IntList"]["keepdim"] is True
+    assert args["aten.sum.dim_IntList"].get("dtype", "absent") is None  # defaults filled in
+    assert args["aten.softmax.int"].int("dim", 3) == 2
+    with pytest.raises(KeyError, match="no argument 'dims'"):
+        args["aten.transpose.int"]["dims"]
+
+
+def test_symbolic_sizes_are_size_arguments():
+    class M(nn.Module):
+        def forward(self, x):
+            return x.reshape(x.shape[0] * x.shape[1], -1)
+
+    g = autotp.capture(M(), (torch.randn(4, 6, 8),), dynamic_dims=None)
+    view = next(n for n in g.ops() if n.target in ("aten.view.default", "aten.reshape.default"))
+    size = (view.args.get("size") or view.args.get("shape"))[0]
+    assert isinstance(size, SizeArg) and size.hint == 24 and "s" in size.expression
+
+
+def test_a_registered_rule_is_checked_exact_on_data(expert_rule):
+    x, w = torch.randn(4, 6, 8), torch.randn(4, 8, 10)
+    assert [str(s) for s in check_rule(torch.ops.autotp_test.expert_mm.default, (x, w))] == [
+        "(R, R) -> R", "(S(0), S(0)) -> S(0)", "(R, S(2)) -> S(2)", "(S(2), S(1)) -> P"]
+
+
+def test_a_wrong_rule_is_caught_by_the_check():
+    # the contraction leaves a sum on each rank: neither a split nor a whole value
+    autotp.register_rule(OP, [((S(0), S(0)), S(0)), ((S(2), S(1)), S(2)), ((S(2), S(1)), R)])
+    try:
+        with pytest.raises(RuleNotExact, match=r"(?s)2 of 4 strategies .*\(S\(2\), S\(1\)\) -> S\(2\): .*shape"
+                                               r".*\(S\(2\), S\(1\)\) -> R: .*different value"):
+            check_rule(torch.ops.autotp_test.expert_mm.default, (torch.randn(4, 6, 8), torch.randn(4, 8, 10)))
+    finally:
+        autotp.unregister_rule(OP)
+
+
+def test_without_a_rule_the_op_runs_replicated_with_a_warning(caplog):
+    model = Experts()
+    graph = autotp.capture(model, (torch.randn(2, 4, 16),))
+    with caplog.at_level(logging.WARNING, logger="autotp.strategies"):
+        plan = _plan(graph)
+    assert any(OP in r.getMessage() and "runs replicated" in r.getMessage() for r in caplog.records)
+    assert all(plan.strategy(n.name).inputs == ((R,), (R,)) for n in graph.ops() if n.target == OP)
+
+
+def test_with_a_rule_the_experts_are_split_and_exact(expert_rule):
+    model = Experts()
+    x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(1))
+    graph = autotp.capture(model, (x,))
+    plan = _plan(graph)
+    assert {"up", "down"} <= {k for k, v in plan.parameter_placements.items() if "S" in v}
+    assert_step_matches_one_process(graph, plan, model, x)
+
+
+@pytest.mark.parametrize("op, rule, message", [
+    (torch.ops.autotp_test.expert_mm, EXPERT_RULE, "overload packet; pass one overload"),
+    ("expert_mm", EXPERT_RULE, "expected an op overload name"),
+    (3, EXPERT_RULE, "expected a torch op overload"),
+    (OP, [((S(0),), "Q")], "expected a pair"),
+])
+def test_bad_registrations_say_what_was_expected(op, rule, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        autotp.register_rule(op, rule)
+
+
+@pytest.mark.parametrize("rule, message", [
+    ([((S(0),), S(0))], "gave 1 input placements"),
+    ([((S(3), S(0)), S(0))], "splits dim 3 of input 0"),
+])
+def test_a_rule_that_does_not_fit_the_node_is_refused_at_planning(rule, message):
+    autotp.register_rule(OP, rule)
+    try:
+        graph = autotp.capture(Experts(), (torch.randn(2, 4, 16),))
+        with pytest.raises(ValueError, match=message):
+            _plan(graph)
+    finally:
+        autotp.unregister_rule(OP)
+    assert OP not in autotp.rules.registered_rules()
