@@ -48,7 +48,7 @@ from cost_models import (HardwareProfile, OptimizerSpec, collective_time_s, comp
 from autotp.graph import PARAMETER, OpNode, TensorInfo, dtype_bytes
 from autotp.mesh import MeshSpec
 from autotp.placement import Placement, Strategy, shard_divisor
-from autotp.redistribute import all_reduce_copies, conversion_steps, is_convertible, step_copies
+from autotp.redistribute import all_reduce_copies, conversion, is_convertible, step_copies
 
 __all__ = ["CostModel", "MemoryParts", "BACKWARD_FLOP_RATIO", "MODES"]
 
@@ -112,9 +112,10 @@ class CostModel:
     def _edge_uncached(self, info: TensorInfo, src: tuple, dst: tuple, grad_axes: tuple) -> tuple[float, float]:
         """Seconds of the redistribution's forward (collectives and copies) and of its backward."""
         forward_s = backward_s = 0.0
-        for step in conversion_steps(src, dst, self.mesh.shape, grad_axes if self.train else ()):
+        steps = conversion(info.shape, src, dst, self.mesh.shape, grad_axes if self.train else ())
+        for step in steps.steps:
             size = info.nbytes / step.divisor
-            copies_fwd, copies_bwd = step_copies(step, info.shape, self.mesh.shape[step.axis], info.nbytes)
+            copies_fwd, copies_bwd = step_copies(step, steps.shape, self.mesh.shape[step.axis], info.nbytes)
             forward_s += (self.collective_s(step.forward, step.axis, size) if step.forward else 0.0) + sum(
                 self.copy_s(b, info.dtype) for b in copies_fwd)
             backward_s += (self.collective_s(step.backward, step.axis, size) if step.backward else 0.0) + sum(

@@ -121,11 +121,22 @@ def _read(plan: list[tuple[str, Path, torch.Tensor]]) -> None:
                 # the DTensor's shard itself (to_local() may hand back a view, which set_ would not reach)
                 local = value._local_tensor if hasattr(value, "_local_tensor") else value
                 ranges = _ranges(value, meshes)
-                piece = f.get_slice(key)[tuple(slice(a, b) for a, b in ranges)] if ranges else f.get_tensor(key)
+                piece = _read_piece(f.get_slice(key), ranges) if ranges else f.get_tensor(key)
                 if piece.dtype == local.dtype and piece.is_contiguous() and piece.device == local.device:
                     local.set_(piece)  # the file's pages, mapped privately: no copy; a write copies its page
                     continue
                 local.copy_(piece)  # converts the dtype as it copies, with no full-size intermediate
+
+
+def _read_piece(sliced: Any, ranges: tuple) -> torch.Tensor:
+    """The piece ``ranges`` (per dim, its ranges: several where a blocked split cuts it) of a file's tensor."""
+    multi = [d for d, r in enumerate(ranges) if len(r) > 1]
+    if not multi:
+        return sliced[tuple(slice(a, b) for ((a, b),) in ranges)]
+    (d,) = multi  # a blocked split cuts one dim (autotp.strategies refuses a dim split twice)
+    parts = [sliced[tuple(slice(a, b) for ((a, b),) in ranges[:d]) + (slice(lo, hi),)
+                    + tuple(slice(a, b) for ((a, b),) in ranges[d + 1:])] for lo, hi in ranges[d]]
+    return torch.cat(parts, dim=d)
 
 
 def _ranges(value: Any, meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...]]]):
@@ -139,5 +150,6 @@ def _ranges(value: Any, meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...]
     if id(mesh) not in meshes:
         meshes[id(mesh)] = (tuple(mesh.get_coordinate()), tuple(mesh.mesh.shape))
     coordinate, shape = meshes[id(mesh)]
-    placements = tuple(Placement("S", p.dim) if p.is_shard() else Placement("R") for p in value.placements)
+    placements = tuple(Placement("S", p.dim, getattr(p, "split_factor", 1)) if hasattr(p, "dim") else Placement("R")
+                       for p in value.placements)  # Shard, and a blocked split's _StridedShard
     return local_ranges(tuple(value.shape), placements, coordinate, shape)

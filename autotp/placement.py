@@ -10,6 +10,8 @@ have and the placement of its output, and prints the way DTensor prints it:
 '(R, S(0)) -> S(1)'
 >>> str(Strategy(((S(0), R), (R, S(0))), (S(0), S(1))))
 '(S(0)R, RS(0)) -> S(0)S(1)'
+>>> Strategy.parse("(R, S(0)[3]) -> S(1)[3]").output[0].blocks
+3
 
 An input placement of ``None`` means the node reads only the input's dtype and device (for
 example ``new_ones``), so any placement will do and nothing moves.
@@ -27,16 +29,29 @@ __all__ = ["Placement", "R", "P", "S", "Placements", "Strategy", "format_placeme
 
 @dataclass(frozen=True, order=True)
 class Placement:
-    """How a tensor lives on one mesh axis: ``kind`` is "R", "S" or "P"; ``dim`` is set for "S"."""
+    """How a tensor lives on one mesh axis: ``kind`` is "R", "S" or "P"; ``dim`` is set for "S".
+
+    ``blocks`` > 1 makes a **blocked split** ``S(d)[k]``: dim ``d`` is ``k`` equal blocks (a fused
+    q|k|v or gate|up output) and each block is split evenly, so a rank holds its piece of every
+    block, in block order (DTensor's ``_StridedShard(d, split_factor=k)``). A later op that cuts the
+    dim into its blocks then finds each block's piece on the rank that needs it.
+    """
 
     kind: str
     dim: int = -1
+    blocks: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in ("R", "S", "P"):
             raise ValueError(f"placement kind must be 'R', 'S' or 'P', got {self.kind!r}")
         if (self.kind == "S") != (self.dim >= 0):
             raise ValueError(f"placement {self.kind} with dim {self.dim}: S needs a dim >= 0, R and P none")
+        if self.blocks < 1 or (self.blocks > 1 and self.kind != "S"):
+            raise ValueError(f"placement {self.kind} with {self.blocks} blocks: only S may be blocked (blocks >= 1)")
+
+    @property
+    def is_blocked(self) -> bool:
+        return self.blocks > 1
 
     @property
     def is_shard(self) -> bool:
@@ -51,7 +66,9 @@ class Placement:
         return self.kind == "P"
 
     def __str__(self) -> str:
-        return f"S({self.dim})" if self.kind == "S" else self.kind
+        if self.kind != "S":
+            return self.kind
+        return f"S({self.dim})[{self.blocks}]" if self.blocks > 1 else f"S({self.dim})"
 
     __repr__ = __str__
 
@@ -60,9 +77,9 @@ R = Placement("R")
 P = Placement("P")
 
 
-def S(dim: int) -> Placement:
-    """Shard along tensor dim ``dim``."""
-    return Placement("S", dim)
+def S(dim: int, blocks: int = 1) -> Placement:
+    """Shard along tensor dim ``dim`` (``blocks`` > 1: a blocked split, see :class:`Placement`)."""
+    return Placement("S", dim, blocks)
 
 
 Placements = tuple  # tuple[Placement, ...], one per mesh axis
@@ -88,8 +105,12 @@ def parse_placements(text: str) -> Optional[tuple[Placement, ...]]:
             i += 1
         elif c == "S":
             j = text.index(")", i)
-            out.append(S(int(text[i + 2 : j])))
+            dim, blocks = int(text[i + 2 : j]), 1
             i = j + 1
+            if text.startswith("[", i):
+                j = text.index("]", i)
+                blocks, i = int(text[i + 1 : j]), j + 1
+            out.append(S(dim, blocks))
         else:
             raise ValueError(f"cannot parse placements {text!r} at {text[i:]!r}")
     return tuple(out)
@@ -141,7 +162,8 @@ def local_shape(shape: Sequence[int], placements: Iterable[Placement], mesh_shap
     out = list(shape)
     for p, n in zip(placements, mesh_shape):
         if p.is_shard:
-            if out[p.dim] % n:
-                raise ValueError(f"dim {p.dim} of size {out[p.dim]} does not split evenly over {n} ranks")
+            if out[p.dim] % (n * p.blocks):
+                raise ValueError(f"dim {p.dim} of size {out[p.dim]} does not split evenly over {n} ranks"
+                                 + (f" in each of its {p.blocks} blocks" if p.is_blocked else ""))
             out[p.dim] //= n
     return tuple(out)

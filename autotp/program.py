@@ -18,7 +18,7 @@ from typing import Collection, Mapping, Optional
 from autotp.graph import OpGraph
 from autotp.mesh import MeshSpec
 from autotp.placement import Placement, R, Strategy
-from autotp.redistribute import all_reduce_copies, conversion_steps, fused_axes, step_copies
+from autotp.redistribute import all_reduce_copies, conversion, fused_axes, step_copies
 from autotp.units import format_bytes
 
 __all__ = ["Read", "Collective", "LocalCopy", "reads", "collectives", "local_copies", "program", "OUTPUT"]
@@ -121,7 +121,8 @@ def program(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, trai
         fused = fused_axes(p, r.placements, r.grad_axes)
         if (r.value, r.placements, fused) not in done_redistribute:
             done_redistribute.add((r.value, r.placements, fused))
-            for step in conversion_steps(p, r.placements, mesh.shape, fused):
+            steps = conversion(info.shape, p, r.placements, mesh.shape, fused)
+            for step in steps.steps:
                 size = info.nbytes / step.divisor
                 axis = mesh.axis_names[step.axis]
                 backward = train and src.requires_grad
@@ -132,7 +133,7 @@ def program(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, trai
                         rec.append(Collective(step.forward, "recompute", axis, size, r.producer))
                 if step.backward and backward:
                     bwd.append(Collective(step.backward, "backward", axis, size, r.producer))
-                copies_fwd, copies_bwd = step_copies(step, info.shape, mesh.shape[step.axis], info.nbytes)
+                copies_fwd, copies_bwd = step_copies(step, steps.shape, mesh.shape[step.axis], info.nbytes)
                 fwd_copies += [LocalCopy("forward", axis, b, info.dtype, r.producer) for b in copies_fwd]
                 if again:
                     rec_copies += [LocalCopy("recompute", axis, b, info.dtype, r.producer) for b in copies_fwd]

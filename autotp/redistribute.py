@@ -68,7 +68,8 @@ from typing import Optional, Sequence
 
 from autotp.placement import Placement
 
-__all__ = ["Step", "conversion_steps", "step_kinds", "is_convertible", "fused_axes", "step_copies",
+__all__ = ["Step", "Conversion", "conversion", "unblocked", "conversion_steps", "step_kinds", "is_convertible",
+           "fused_axes", "step_copies",
            "all_reduce_copies"]
 
 
@@ -111,7 +112,62 @@ def step_kinds(src: Placement, dst: Placement) -> tuple[Optional[str], Optional[
 
 
 def is_convertible(src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
-    return not any(s.is_shard and d.is_partial for s, d in zip(src, dst))
+    viewed = unblocked(src, dst)
+    return viewed is not None and not any(s.is_shard and d.is_partial for s, d in zip(viewed[1], viewed[2]))
+
+
+def unblocked(src: Sequence[Placement], dst: Sequence[Placement]
+              ) -> Optional[tuple[Optional[tuple[int, int]], tuple[Placement, ...], tuple[Placement, ...]]]:
+    """``(view, src, dst)``: a redistribution with a blocked split ``S(d)[k]`` as one of plain
+    placements of the tensor viewed with dim ``d`` as ``(k, block)``, where the blocked split is
+    ``S(d + 1)`` and later dims move up by one; ``view`` is ``(d, k)`` (None when nothing is blocked).
+    None when the two do not convert: blocks of two kinds, or one dim both blocked and plainly split.
+
+    >>> from autotp.placement import R, S
+    >>> unblocked((S(1, 3),), (R,))
+    ((1, 3), (S(2),), (R,))
+    >>> unblocked((S(1, 3),), (S(1),)) is None
+    True
+    """
+    blocked = {(p.dim, p.blocks) for p in (*src, *dst) if p.is_blocked}
+    if not blocked:
+        return None, tuple(src), tuple(dst)
+    if len(blocked) > 1:
+        return None
+    ((d, k),) = blocked
+    if any(p.is_shard and p.dim == d and not p.is_blocked for p in (*src, *dst)):
+        return None
+
+    def move(p: Placement) -> Placement:
+        return Placement("S", p.dim + 1) if p.is_shard and p.dim >= d else p
+
+    return (d, k), tuple(move(p) for p in src), tuple(move(p) for p in dst)
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """A redistribution as priced and run: ``steps`` on the tensor of ``shape``, which is the
+    tensor itself or, where ``view`` is ``(d, k)``, the tensor with dim ``d`` unflattened to
+    ``(k, -1)`` (flattened back after the steps)."""
+
+    view: Optional[tuple[int, int]]
+    shape: tuple[int, ...]
+    steps: tuple[Step, ...]
+
+
+def conversion(shape: Sequence[int], src: Sequence[Placement], dst: Sequence[Placement],
+               mesh_shape: Sequence[int], grad_axes: Sequence[int] = ()) -> Conversion:
+    """The steps of ``src -> dst`` for a tensor of ``shape``, blocked splits included."""
+    viewed = unblocked(src, dst)
+    if viewed is None:
+        raise ValueError(f"cannot redistribute {''.join(map(str, src))} -> {''.join(map(str, dst))}: "
+                         "blocks of two kinds, or a dim both blocked and split plainly")
+    view, src_v, dst_v = viewed
+    shape = tuple(shape)
+    if view is not None:
+        d, k = view
+        shape = shape[:d] + (k, shape[d] // k) + shape[d + 1:]
+    return Conversion(view, shape, tuple(conversion_steps(src_v, dst_v, mesh_shape, grad_axes)))
 
 
 def fused_axes(src: Sequence[Placement], dst: Sequence[Placement], grad_axes: Sequence[int]) -> tuple[int, ...]:
@@ -125,6 +181,8 @@ def conversion_steps(src: Sequence[Placement], dst: Sequence[Placement], mesh_sh
 
     ``grad_axes``: axes on which the readers return partial gradients (see the module docstring).
     """
+    if any(p.is_blocked for p in (*src, *dst)):
+        raise ValueError("blocked splits convert on a view of the tensor: use conversion(shape, src, dst, ...)")
     if not is_convertible(src, dst):
         raise ValueError(f"cannot redistribute {''.join(map(str, src))} -> {''.join(map(str, dst))}")
     current = list(src)

@@ -34,7 +34,8 @@ from autotp.placement import Placement, dim_pieces, local_shape
 from autotp.plan import Plan
 from autotp.program import reads
 from autotp.recompute import apply_recompute, recomputed_nodes
-from autotp.redistribute import conversion_steps, fused_axes
+from autotp.redistribute import conversion, fused_axes
+from autotp.rules.blocks import CUTS, cut_blocks, local_cut_arguments
 
 __all__ = ["build_parallel_module", "local_shard", "has_active_dropout"]
 
@@ -46,7 +47,9 @@ def local_shard(full: torch.Tensor, placements: tuple[Placement, ...], coordinat
     """This rank's piece of a full tensor."""
     out = full
     for p, c, n in zip(placements, coordinate, mesh_shape):
-        if p.is_shard:
+        if p.is_blocked:  # the rank's piece of each block, in block order
+            out = out.unflatten(p.dim, (p.blocks, -1)).chunk(n, dim=p.dim + 1)[c].flatten(p.dim, p.dim + 1)
+        elif p.is_shard:
             out = out.chunk(n, dim=p.dim)[c]
     out = out.contiguous()
     if out.untyped_storage().nbytes() > out.numel() * out.element_size():
@@ -55,25 +58,37 @@ def local_shard(full: torch.Tensor, placements: tuple[Placement, ...], coordinat
 
 
 def local_ranges(shape: tuple[int, ...], placements: tuple[Placement, ...], coordinate: list[int],
-                 mesh_shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    """``(start, stop)`` per dim of this rank's piece of a tensor of ``shape``: the rows
-    :func:`local_shard` keeps (axis 0 splits first, ``torch.chunk``'s sizes).
+                 mesh_shape: tuple[int, ...]) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per dim, the ``(start, stop)`` ranges of this rank's piece of a tensor of ``shape``, in order:
+    what :func:`local_shard` keeps (axis 0 splits first, ``torch.chunk``'s sizes). A dim has one
+    range, or one per block where a blocked split cuts it.
 
     >>> from autotp.placement import R, S
     >>> local_ranges((8, 6), (S(0), S(0)), [1, 0], (2, 2))  # rows 4..5 of 8, every column
-    ((4, 6), (0, 6))
+    (((4, 6),), ((0, 6),))
+    >>> local_ranges((12, 2), (S(0, 3),), [1], (2,))  # the second half of each block of 4 rows
+    (((2, 4), (6, 8), (10, 12)), ((0, 2),))
     """
-    ranges = [(0, n) for n in shape]
+    ranges = [((0, n),) for n in shape]
     for p, c, n in zip(placements, coordinate, mesh_shape):
-        if p.is_shard:
-            lo, hi = ranges[p.dim]
-            size = -(-(hi - lo) // n)  # torch.chunk: ceil
-            ranges[p.dim] = (min(lo + c * size, hi), min(lo + (c + 1) * size, hi))
+        if not p.is_shard:
+            continue
+        cut = []
+        for lo, hi in ranges[p.dim]:
+            width = (hi - lo) // p.blocks
+            for j in range(p.blocks):
+                b_lo, b_hi = lo + j * width, lo + (j + 1) * width if j < p.blocks - 1 else hi
+                size = -(-(b_hi - b_lo) // n)  # torch.chunk: ceil
+                cut.append((min(b_lo + c * size, b_hi), min(b_lo + (c + 1) * size, b_hi)))
+        ranges[p.dim] = tuple(cut)
     return tuple(ranges)
 
 
 def _dtensor_placements(placements: tuple[Placement, ...]) -> list:
-    return [Shard(p.dim) if p.is_shard else Replicate() for p in placements]
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return [_StridedShard(p.dim, split_factor=p.blocks) if p.is_blocked else Shard(p.dim) if p.is_shard
+            else Replicate() for p in placements]
 
 
 def _set(root: nn.Module, fqn: str, value: Any, kind: str, persistent: bool = True) -> None:
@@ -170,11 +185,17 @@ class _Builder:
         fused = fused_axes(p, q, grad_axes)
         key = (vkey, q, fused)
         if key not in self.read_cache:
-            for step in conversion_steps(p, q, self.mesh_shape, fused):
+            node = self.g[vkey] if vkey in self.g else self.g[producer]
+            steps = conversion(node.outputs[0].shape, p, q, self.mesh_shape, fused)
+            if steps.view is not None:  # a blocked split: the steps run on dim d seen as (blocks, block)
+                value = self.fx.call_function(torch.unflatten, (value, steps.view[0], (steps.view[1], -1)))
+            for step in steps.steps:
                 mod = RedistributeStep(step.src, step.dst, self.axis_names[step.axis], self.groups[step.axis],
                                        self.mesh_shape[step.axis], self.coordinate[step.axis],
                                        reduce_grad=step.backward == "reduce_scatter" and step.src.is_shard)
                 value = self.fx.call_module(self._add_module(mod, "redistribute"), (value,))
+            if steps.view is not None:
+                value = self.fx.call_function(torch.flatten, (value, steps.view[0], steps.view[0] + 1))
             self.read_cache[key] = value
         value = self.read_cache[key]
         reduce_axes = tuple(a for a in grad_axes if a not in fused)
@@ -319,7 +340,17 @@ class _Builder:
 
         args, kwargs = torch.fx.node.map_aggregate(args, on_device), torch.fx.node.map_aggregate(kwargs, on_device)
         target = node.target
-        if str(target) in ops.SHAPE_ARGUMENT:
+        cut = cut_blocks(op) if str(target) in CUTS or target is aten.slice.Tensor else None
+        blocked = [(a, p) for a, p in enumerate(strat.inputs[0] or ()) if p.is_blocked] if cut else []
+        if blocked and blocked[0][1].dim == cut[0]:
+            # a fused output cut into its blocks: each block's piece is here, cut the local sizes
+            a, p = blocked[0]
+            local = local_cut_arguments(op, p, self.mesh_shape[a])
+            if target is aten.slice.Tensor:
+                args = (args[0], p.dim, local["start"], local["end"], 1)
+            elif local:
+                args = (args[0], *local.values(), p.dim)
+        elif str(target) in ops.SHAPE_ARGUMENT:
             args = (args[0], self.local_sizes(args[1], op, strat.output), *args[2:])
         elif target is aten.slice.Tensor:
             dim = op.args.int("dim", op.input_infos[0].ndim)

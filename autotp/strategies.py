@@ -42,6 +42,7 @@ from autotp import ops
 from autotp.graph import PARAMETER, OpGraph, OpNode
 from autotp.placement import R, S, Strategy
 from autotp.rules import BUILTIN, user_choices
+from autotp.rules.blocks import CUTS, block_counts, blocked_variants, cut_choices, parameter_variants
 from autotp.rules.common import AxisChoice, divisible
 from autotp.rules.pointwise import pointwise_choices
 from autotp.rules.views import SPLITS, dim_map, split_choices, view_choices
@@ -84,15 +85,33 @@ def axis_choices(node: OpNode, n: int, warned: Optional[_Warned] = None,
 
     An op no own rule covers is looked up in DTensor's registry (which needs ``graph``, the
     node's OpGraph, for the exported fx node); if that has nothing either, it runs replicated.
+    With ``graph``, blocked splits are added where a cut downstream reads a dim in blocks
+    (:mod:`autotp.rules.blocks`).
     """
     if n == 1:  # an axis of one rank: splitting across it changes nothing and only adds steps
         return [(tuple(None if c is None else R for c in _factory_or_all(node)), R)]
+    registered = None if node.is_placeholder else user_choices(node, n)
+    if registered is not None:
+        return registered
+    choices = _choices(node, n, warned, graph)
+    if graph is None:
+        return choices
+    counts = block_counts(graph)
+    if node.is_placeholder:
+        return choices + parameter_variants(node, n, counts) if node.role == PARAMETER else choices
+    extra = [c for c in cut_choices(node, n) if c not in choices] if cut_blocks_at(node) else []
+    return choices + extra + blocked_variants(node, n, choices, counts)
+
+
+def cut_blocks_at(node: OpNode) -> bool:
+    return node.target in CUTS or node.target == "aten.slice.Tensor"
+
+
+def _choices(node: OpNode, n: int, warned: Optional[_Warned], graph: Optional[OpGraph]) -> list[AxisChoice]:
+    """The choices of autotp's own rules, else DTensor's registry, else the replicated one."""
     if node.is_placeholder:
         return _placeholder_choices(node, n)
     t = node.target
-    registered = user_choices(node, n)
-    if registered is not None:
-        return registered
     if t in ops.FACTORY:
         return _factory(node, n)
     rule = BUILTIN.get(t)
@@ -131,7 +150,8 @@ def _valid(node: OpNode, strategy: Strategy, mesh_shape: Sequence[int]) -> bool:
                     return False
                 seen.add(p.dim)
         for d in seen:
-            if info.shape[d] % math.prod(n for p, n in zip(placements, mesh_shape) if p.is_shard and p.dim == d):
+            if info.shape[d] % math.prod(n * p.blocks for p, n in zip(placements, mesh_shape)
+                                         if p.is_shard and p.dim == d):
                 return False
     return True
 

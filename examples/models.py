@@ -20,6 +20,7 @@ import functools
 import math
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -499,3 +500,16 @@ def hf_bert(batch: int = 2, seq: int = 16, n_layer: int = 2, hidden: int = 64, f
                           max_position_embeddings=max(seq, 512), attn_implementation="sdpa")
     return _hf_build(BertModel, config, vocab, batch, seq, device, dtype, seed,
                      add_pooling_layer=False)
+
+
+def output_tensor(out: Any) -> torch.Tensor:
+    """The tensor a model returns: itself, or a Hugging Face ModelOutput's logits / last_hidden_state."""
+    if isinstance(out, torch.Tensor):
+        return out
+    for name in ("logits", "last_hidden_state"):
+        value = getattr(out, name, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise TypeError(f"cannot find the output tensor in a {type(out).__name__}")

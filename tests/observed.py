@@ -20,8 +20,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from examples.models import output_tensor as tensor_of  # noqa: F401 - the tests read outputs through it
 
 # functional op name -> autotp kind; the kinds whose plan bytes are the op's input times the axis size
 _KINDS = {
@@ -86,16 +87,3 @@ def assert_as_planned(log: CollectiveLog, plan, phase: str) -> None:
         raise AssertionError(f"{phase}: the run and the plan differ.\n"
                              f"  ran, not planned: {dict(seen - want)}\n"
                              f"  planned, not run: {dict(want - seen)}")
-
-
-def tensor_of(out) -> torch.Tensor:
-    """The tensor a model returns: itself, or a HF ModelOutput's logits / last_hidden_state."""
-    if isinstance(out, torch.Tensor):
-        return out
-    for name in ("logits", "last_hidden_state"):
-        value = getattr(out, name, None)
-        if isinstance(value, torch.Tensor):
-            return value
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-        return out[0]
-    raise AssertionError(f"cannot find the output tensor in a {type(out).__name__}")

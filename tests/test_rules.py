@@ -12,63 +12,25 @@ import logging
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import autotp
 from autotp.graph import OpArgs, SizeArg, TensorArg
 from autotp.placement import P, R, S
 from autotp.rules.check import RuleNotExact, check_rule
+from examples.custom_op import Experts
 from exactness import assert_step_matches_one_process
 
-OP = "autotp_test.expert_mm.default"
-
-
-@torch.library.custom_op("autotp_test::expert_mm", mutates_args=())
-def expert_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """(E, T, D) @ (E, D, F) -> (E, T, F): one matmul per expert."""
-    return torch.bmm(x, w)
-
-
-@expert_mm.register_fake
-def _(x, w):
-    return x.new_empty(x.shape[0], x.shape[1], w.shape[2])
-
-
-def _backward(ctx, grad):
-    x, w = ctx.saved_tensors
-    return expert_mm(grad, w.transpose(1, 2)), expert_mm(x.transpose(1, 2), grad)
-
-
-def _setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-expert_mm.register_autograd(_backward, setup_context=_setup)
+OP = "demo.expert_mm.default"  # examples/custom_op.py defines the op and the model
+OP_FN = torch.ops.demo.expert_mm.default
 
 # the rule an expert writes for it: split the experts, the output features, or the contraction
 EXPERT_RULE = [((S(0), S(0)), S(0)), ((R, S(2)), S(2)), ((S(2), S(1)), P)]
 
 
-class Experts(nn.Module):
-    """Every token through every expert's MLP, summed (a dense MoE, to keep the test small)."""
-
-    def __init__(self, experts: int = 4, dim: int = 16, hidden: int = 32) -> None:
-        super().__init__()
-        gen = torch.Generator().manual_seed(0)
-        self.up = nn.Parameter(torch.randn(experts, dim, hidden, generator=gen) / dim**0.5)
-        self.down = nn.Parameter(torch.randn(experts, hidden, dim, generator=gen) / hidden**0.5)
-
-    def forward(self, x):  # (B, T, D)
-        b, t, d = x.shape
-        xe = x.reshape(1, b * t, d).expand(self.up.shape[0], b * t, d)
-        h = expert_mm(F.gelu(expert_mm(xe, self.up)), self.down)
-        return h.sum(0).reshape(b, t, d) + x
-
-
 @pytest.fixture()
 def expert_rule():
-    autotp.register_rule(torch.ops.autotp_test.expert_mm.default, EXPERT_RULE)
+    autotp.register_rule(OP_FN, EXPERT_RULE)
     yield
     autotp.unregister_rule(OP)
 
@@ -110,7 +72,7 @@ def test_symbolic_sizes_are_size_arguments():
 
 def test_a_registered_rule_is_checked_exact_on_data(expert_rule):
     x, w = torch.randn(4, 6, 8), torch.randn(4, 8, 10)
-    assert [str(s) for s in check_rule(torch.ops.autotp_test.expert_mm.default, (x, w))] == [
+    assert [str(s) for s in check_rule(OP_FN, (x, w))] == [
         "(R, R) -> R", "(S(0), S(0)) -> S(0)", "(R, S(2)) -> S(2)", "(S(2), S(1)) -> P"]
 
 
@@ -120,14 +82,14 @@ def test_a_wrong_rule_is_caught_by_the_check():
     try:
         with pytest.raises(RuleNotExact, match=r"(?s)2 of 4 strategies .*\(S\(2\), S\(1\)\) -> S\(2\): .*shape"
                                                r".*\(S\(2\), S\(1\)\) -> R: .*different value"):
-            check_rule(torch.ops.autotp_test.expert_mm.default, (torch.randn(4, 6, 8), torch.randn(4, 8, 10)))
+            check_rule(OP_FN, (torch.randn(4, 6, 8), torch.randn(4, 8, 10)))
     finally:
         autotp.unregister_rule(OP)
 
 
 def test_without_a_rule_the_op_runs_replicated_with_a_warning(caplog):
     model = Experts()
-    graph = autotp.capture(model, (torch.randn(2, 4, 16),))
+    graph = autotp.capture(model, (torch.randn(2, 4, 32),))
     with caplog.at_level(logging.WARNING, logger="autotp.strategies"):
         plan = _plan(graph)
     assert any(OP in r.getMessage() and "runs replicated" in r.getMessage() for r in caplog.records)
@@ -136,7 +98,7 @@ def test_without_a_rule_the_op_runs_replicated_with_a_warning(caplog):
 
 def test_with_a_rule_the_experts_are_split_and_exact(expert_rule):
     model = Experts()
-    x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(1))
     graph = autotp.capture(model, (x,))
     plan = _plan(graph)
     assert {"up", "down"} <= {k for k, v in plan.parameter_placements.items() if "S" in v}
@@ -144,7 +106,7 @@ def test_with_a_rule_the_experts_are_split_and_exact(expert_rule):
 
 
 @pytest.mark.parametrize("op, rule, message", [
-    (torch.ops.autotp_test.expert_mm, EXPERT_RULE, "overload packet; pass one overload"),
+    (torch.ops.demo.expert_mm, EXPERT_RULE, "overload packet; pass one overload"),
     ("expert_mm", EXPERT_RULE, "expected an op overload name"),
     (3, EXPERT_RULE, "expected a torch op overload"),
     (OP, [((S(0),), "Q")], "expected a pair"),
@@ -161,9 +123,21 @@ def test_bad_registrations_say_what_was_expected(op, rule, message):
 def test_a_rule_that_does_not_fit_the_node_is_refused_at_planning(rule, message):
     autotp.register_rule(OP, rule)
     try:
-        graph = autotp.capture(Experts(), (torch.randn(2, 4, 16),))
+        graph = autotp.capture(Experts(), (torch.randn(2, 4, 32),))
         with pytest.raises(ValueError, match=message):
             _plan(graph)
     finally:
         autotp.unregister_rule(OP)
     assert OP not in autotp.rules.registered_rules()
+
+
+def test_the_custom_op_example_runs(capsys):
+    from examples import custom_op
+
+    try:
+        custom_op.main()
+    finally:
+        autotp.unregister_rule("demo.expert_mm.default")
+    printed = capsys.readouterr().out
+    assert "exact on local pieces: (R, R) -> R, (S(0), S(0)) -> S(0)" in printed
+    assert "largest difference from one process on 2 ranks" in printed

@@ -86,7 +86,9 @@ def _local(full: torch.Tensor, placements, coord, mesh, seed: int) -> torch.Tens
     """Rank ``coord``'s piece of ``full``: axes applied in order (as DTensor does)."""
     out = full
     for a, (p, c, n) in enumerate(zip(placements, coord, mesh)):
-        if p.is_shard:
+        if p.is_blocked:
+            out = out.unflatten(p.dim, (p.blocks, -1)).chunk(n, dim=p.dim + 1)[c].flatten(p.dim, p.dim + 1)
+        elif p.is_shard:
             out = out.chunk(n, dim=p.dim)[c]
         elif p.is_partial:
             gen = torch.Generator().manual_seed(seed * 31 + a)
@@ -112,7 +114,10 @@ def _assemble(pieces: dict[tuple, torch.Tensor], placements, mesh, what: str) ->
         for key in rest:
             group = [current[key[:a] + (c,) + key[a:]] for c in range(mesh[a])]
             p = placements[a]
-            if p.is_shard:
+            if p.is_blocked:  # each rank holds its piece of every block: put each block together
+                blocks = [g.unflatten(p.dim, (p.blocks, -1)) for g in group]
+                merged[key] = torch.cat(blocks, dim=p.dim + 1).flatten(p.dim, p.dim + 1)
+            elif p.is_shard:
                 merged[key] = torch.cat(group, dim=p.dim)
             elif p.is_partial:
                 merged[key] = sum(group[1:], group[0])
@@ -145,7 +150,18 @@ def _run_local(graph, fx_node: torch.fx.Node, op, strategy: Strategy, values: di
     args = list(torch.fx.node.map_aggregate(fx_node.args, mapped))
     kwargs = dict(torch.fx.node.map_aggregate(fx_node.kwargs, mapped))
     target = fx_node.target
-    if target in _SHAPE_ARG_OPS:
+    q0 = strategy.inputs[0] if strategy.inputs else None
+    blocked = [(mesh[a], p) for a, p in enumerate(q0 or ()) if p.is_blocked]
+    ndim = op.input_infos[0].ndim if op.input_infos else 0
+    if blocked and target in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
+        (n, p), = blocked  # a cut of a fused output into its blocks: local sizes are 1/n of each block
+        if (args[2] if len(args) > 2 else 0) % ndim == p.dim and target is not aten.chunk.default:
+            args[1] = args[1] // n if target is aten.split.Tensor else [x // n for x in args[1]]
+    elif blocked and target is aten.slice.Tensor and args[1] % ndim == blocked[0][1].dim:
+        (n, p), = blocked
+        size = op.input_infos[0].shape[p.dim]
+        args = [args[0], p.dim, (args[2] or 0) // n, min(args[3], size) // n, 1]
+    elif target in _SHAPE_ARG_OPS:
         args[1] = list(local_shape(op.output.shape, strategy.output, mesh))
     elif target is aten.slice.Tensor:
         dim = args[1] if len(args) > 1 else 0

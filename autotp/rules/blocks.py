@@ -1,0 +1,181 @@
+"""Blocked splits: where a fused projection's output is cut into its parts, split each part.
+
+A fused q|k|v (or gate|up) projection computes one tensor whose last dim is ``k`` equal blocks,
+and a later op cuts it into them (``split``, ``chunk``, ``split_with_sizes``, or a slice per
+block). A plain column split hands rank 0 the first ``1/n`` of the dim, which mixes the blocks,
+so the cut needs a gather. A **blocked split** ``S(d)[k]`` hands each rank its piece of every
+block instead; the cut then finds each block's piece on its rank, and the projection's weight is
+split the same way (Megatron's interleaved layout).
+
+:func:`block_counts` finds, from the graph alone, which dims of which tensors such a cut reads
+(the seeds) and follows them back through the ops that carry a split dim unchanged (views that
+keep the dim's size, elementwise ops, the output features of linear / addmm / matmul / grouped
+matmul, to their weight and bias). :func:`blocked_variants` adds to an op's choices the blocked
+twin of each choice that splits such a dim; :func:`cut_choices` gives the cutting ops their
+choice: a blocked input, a plain split out.
+
+>>> import torch, autotp
+>>> class Fused(torch.nn.Module):
+...     def __init__(self):
+...         super().__init__()
+...         self.qkv = torch.nn.Linear(8, 24)
+...     def forward(self, x):
+...         q, k, v = self.qkv(x).split(8, dim=-1)
+...         return q * k + v
+>>> g = autotp.capture(Fused(), (torch.randn(2, 8),))
+>>> sorted((name, dim, k) for (name, dim), ks in block_counts(g).items() for k in ks)
+[('linear', 1, 3), ('p_qkv_bias', 0, 3), ('p_qkv_weight', 0, 3)]
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Mapping, Optional
+
+from autotp import ops
+from autotp.graph import OpGraph, OpNode
+from autotp.placement import Placement, S
+from autotp.rules.common import AxisChoice, divisible
+
+# Ops that cut a dim into pieces, one output each.
+CUTS = frozenset({"aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default"})
+# Ops whose output dim is the same dim of these inputs (position of the input -> its dim), by op:
+# the output features of a matmul-like op come from its weight (and bias).
+_FEATURES = {
+    "aten.linear.default": lambda node, d: {1: 0, 2: 0} if d == node.output.ndim - 1 else {},
+    "aten.addmm.default": lambda node, d: {0: node.input_infos[0].ndim - 1, 2: 1} if d == 1 else {},
+    "aten.mm.default": lambda node, d: {1: 1} if d == 1 else {},
+    "aten.matmul.default": lambda node, d: {1: node.input_infos[1].ndim - 1} if d == node.output.ndim - 1 else {},
+    "aten._grouped_mm.default": lambda node, d: {1: 2} if d == node.output.ndim - 1 else {},
+    "transformers.grouped_mm_fallback.default": lambda node, d: {1: 2} if d == node.output.ndim - 1 else {},
+}
+
+
+def cut_blocks(node: OpNode) -> Optional[tuple[int, int]]:
+    """``(dim, k)`` when ``node`` cuts dim ``dim`` of its first input into ``k`` >= 2 equal blocks."""
+    x = node.input_infos[0]
+    if node.target in CUTS:
+        d = node.args.int("dim", x.ndim)
+        size = x.shape[d]
+        if node.target == "aten.chunk.default":
+            k = node.args.int("chunks")
+            return (d, k) if k >= 2 and size % k == 0 else None
+        if node.target == "aten.split.Tensor":
+            piece = node.args.int("split_size")
+            return (d, size // piece) if piece and size % piece == 0 and size // piece >= 2 else None
+        sizes = node.args.ints("split_sizes")
+        return (d, len(sizes)) if len(sizes) >= 2 and len(set(sizes)) == 1 else None
+    if node.target == "aten.slice.Tensor" and node.args.get("step", 1) == 1:
+        d = node.args.int("dim", x.ndim)
+        start, end = node.args.get("start") or 0, node.args.get("end")
+        if not isinstance(start, int) or not isinstance(end, int) or start < 0:
+            return None
+        size, width = x.shape[d], min(end, x.shape[d]) - start
+        if 0 < width < size and size % width == 0 and start % width == 0:
+            return d, size // width
+    return None
+
+
+def _sources(node: OpNode, d: int, mapping: Optional[dict[int, int]]) -> dict[int, int]:
+    """input position -> its dim that carries output dim ``d`` unchanged through ``node``."""
+    if node.target in _FEATURES:  # (a linear without bias has no third input)
+        return {k: e for k, e in _FEATURES[node.target](node, d).items() if k < len(node.inputs)}
+    if node.target in ops.POINTWISE:
+        out = node.output
+        found = {}
+        for k, info in enumerate(node.input_infos):
+            e = d - (out.ndim - info.ndim)
+            if e >= 0 and info.shape[e] == out.shape[d]:
+                found[k] = e
+        return found
+    if mapping is not None and d in mapping and node.input_infos[0].shape[mapping[d]] == node.output.shape[d]:
+        return {0: mapping[d]}
+    return {}
+
+
+_CACHE: "weakref.WeakKeyDictionary[OpGraph, dict]" = weakref.WeakKeyDictionary()
+
+
+def block_counts(graph: OpGraph) -> Mapping[tuple[str, int], frozenset[int]]:
+    """``(node, dim) -> block counts`` for the dims a blocked split could carry to a cut."""
+    if graph in _CACHE:
+        return _CACHE[graph]
+    from autotp.rules.views import dim_map
+
+    counts: dict[tuple[str, int], set[int]] = {}
+    for node in reversed(graph.nodes):
+        if node.is_placeholder or not node.inputs:
+            continue
+        if len(node.outputs) == 1 or node.target in CUTS:
+            cut = cut_blocks(node) if node.target in CUTS or node.target == "aten.slice.Tensor" else None
+            dims = graph.symbolic.get(node.inputs[0])
+            if cut is not None and not (dims and dims[0][cut[0]] is not None):  # blocks of static dims only
+                counts.setdefault((node.inputs[0], cut[0]), set()).add(cut[1])
+        if len(node.outputs) != 1:
+            continue
+        mapping = dim_map(node, graph.symbolic) if node.target not in ops.POINTWISE else None
+        for d in range(node.output.ndim):
+            ks = counts.get((node.name, d))
+            if not ks:
+                continue
+            for k_in, e in _sources(node, d, mapping).items():
+                counts.setdefault((node.inputs[k_in], e), set()).update(ks)
+    result = {key: frozenset(ks) for key, ks in counts.items()}
+    _CACHE[graph] = result
+    return result
+
+
+def blocked_variants(node: OpNode, n: int, choices: list[AxisChoice],
+                     counts: Mapping[tuple[str, int], frozenset[int]]) -> list[AxisChoice]:
+    """The blocked twin of each choice that splits an output dim a cut downstream reads in blocks:
+    the output ``S(d)[k]``, and each input split on a dim of the same size blocked alike (an op
+    exact on contiguous pieces of the dim is exact on a piece of every block: it maps the dim's
+    positions one to one)."""
+    out = []
+    for ins, placement in choices:
+        if not placement.is_shard or placement.is_blocked:
+            continue
+        size = node.outputs[0].shape[placement.dim]
+        for k in sorted(counts.get((node.name, placement.dim), ())):
+            if size % (k * n) or not all(
+                    p is None or not p.is_shard or info.shape[p.dim] == size
+                    for p, info in zip(ins, node.input_infos)):
+                continue
+            twin = (tuple(S(p.dim, k) if p is not None and p.is_shard else p for p in ins), S(placement.dim, k))
+            if twin not in choices and twin not in out:
+                out.append(twin)
+    return out
+
+
+def parameter_variants(node: OpNode, n: int, counts: Mapping[tuple[str, int], frozenset[int]]) -> list[AxisChoice]:
+    """A parameter stored with a blocked split of a dim a cut reads in blocks."""
+    shape = node.output.shape
+    return [((), S(d, k)) for d in range(len(shape)) for k in sorted(counts.get((node.name, d), ()))
+            if shape[d] % (k * n) == 0]
+
+
+def cut_choices(node: OpNode, n: int) -> list[AxisChoice]:
+    """A cut of a blocked dim into its blocks: each block's piece is on its rank, a plain split."""
+    cut = cut_blocks(node)
+    if cut is None:
+        return []
+    d, k = cut
+    x = node.input_infos[0]
+    if not divisible(x.shape[d] // k, n):
+        return []
+    extra = (None,) * (len(node.inputs) - 1)
+    return [((S(d, k), *extra), S(d))]
+
+
+def local_cut_arguments(node: OpNode, blocked: Placement, n: int) -> dict[str, object]:
+    """The arguments a cut takes on the rank's pieces of a blocked input: sizes and bounds along
+    the cut dim divided by the ranks (``chunk`` keeps its count)."""
+    a = node.args
+    if node.target == "aten.split.Tensor":
+        return {"split_size": a.int("split_size") // n}
+    if node.target == "aten.split_with_sizes.default":
+        return {"split_sizes": [s // n for s in a.ints("split_sizes")]}
+    if node.target == "aten.slice.Tensor":
+        size = node.input_infos[0].shape[blocked.dim]
+        return {"start": (a.get("start") or 0) // n, "end": min(a.int("end"), size) // n}
+    return {}
