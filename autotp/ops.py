@@ -75,6 +75,7 @@ SCALAR_SCALE = frozenset({"aten.mul.Scalar", "aten.div.Scalar"})  # P * 2 -> P
 SHAPE_ARGUMENT = frozenset({"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
                             "aten.expand.default"})
 DROPOUT = frozenset({"aten.dropout.default", "aten.native_dropout.default"})
+MEAN = frozenset({"aten.mean.dim", "aten.mean.default"})
 
 # Ops that return their input unchanged (when the dtype does not change): followers of their input.
 NO_OP = frozenset({"aten.alias.default", "aten.detach.default", "aten.clone.default", "aten.contiguous.default",

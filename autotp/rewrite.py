@@ -13,6 +13,7 @@ example inputs it was built for (:mod:`autotp.guard`).
 
 from __future__ import annotations
 
+import math
 import operator
 import sys
 from typing import Any
@@ -350,6 +351,15 @@ class _Builder:
                 args = (args[0], p.dim, local["start"], local["end"], 1)
             elif local:
                 args = (args[0], *local.values(), p.dim)
+        elif str(target) in ops.MEAN and strat.output and any(p.is_partial for p in strat.output):
+            # a mean over a split dim: each rank's mean of its piece, divided by the pieces, sums to the mean
+            x = op.input_infos[0]
+            dims = set(op.args.ints("dim", x.ndim) or range(x.ndim)) if "dim" in op.args else set(range(x.ndim))
+            pieces = math.prod(n for p, n in zip(strat.inputs[0], self.mesh_shape) if p.is_shard and p.dim in dims)
+            if pieces > 1:
+                mean = self.fx.call_function(target, args, kwargs)
+                self.local[node.name] = self.fx.call_function(aten.div.Tensor, (mean, pieces))
+                return
         elif str(target) in ops.SHAPE_ARGUMENT:
             args = (args[0], self.local_sizes(args[1], op, strat.output), *args[2:])
         elif target is aten.slice.Tensor:

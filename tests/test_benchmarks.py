@@ -59,3 +59,14 @@ def test_device_now_prices_each_plan_as_the_planner_does_with_that_device():
                                  matmul_curve={k: tuple((f, r / 2) for f, r in c) for k, c in same.matmul_curve.items()})
     slower = fidelity.predicted_now_s(planned, profile, [same, halved], 1, 16)
     assert all(slower[name] > now[name] for name in planned)
+
+
+def test_a_zoo_row_plans_gpt2_at_real_width_megatron_quality_and_exact():
+    """benchmarks/zoo.py's row for GPT-2 XL widths: its fused c_attn split in blocks keeps every block
+    matrix split with at most 4 activation collectives per block, and the tiny model is exact."""
+    from benchmarks import zoo
+
+    row = zoo.run_arch(next(a for a in zoo.ARCHS if a.name == "gpt2"), exact=True)
+    assert row["status"] == "planned", row
+    assert row["megatron_weights"] and row["few_collectives"] and row["ratio_ok"], row
+    assert row["is_exact"], row

@@ -257,6 +257,8 @@ ONLY_OWN = {
     ("aten.embedding.default", "(S(0), R) -> P"),
     # mean is linear; DTensor's mean strategy replicates a pending sum before reducing
     ("aten.mean.dim", "(P) -> P"),
+    # a mean over a split dim: DTensor's Partial("avg") (filtered); autotp's rewrite divides by the pieces
+    ("aten.mean.dim", "(S(0)) -> P"), ("aten.mean.dim", "(S(1)) -> P"), ("aten.mean.dim", "(S(2)) -> P"),
 }
 # Own-rule ops the registry gives no answer for, with why.
 NO_ANSWER = {

@@ -141,3 +141,34 @@ def test_the_custom_op_example_runs(capsys):
     printed = capsys.readouterr().out
     assert "exact on local pieces: (R, R) -> R, (S(0), S(0)) -> S(0)" in printed
     assert "largest difference from one process on 2 ranks" in printed
+
+
+class FullWidthNorm(nn.Module):
+    """A norm over the whole projected width (OLMoE's q_norm): its mean reduces the split dim."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(32, 256)
+        self.out = nn.Linear(256, 32)
+
+    def forward(self, x):  # (B, T, 32)
+        h = self.proj(x)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.out(h)
+
+
+def test_a_mean_over_a_split_dim_is_a_partial_and_exact():
+    from autotp.planner import plan_graph
+
+    model, x = FullWidthNorm(), torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
+    graph = autotp.capture(model, (x,))
+    # Megatron's layout pinned: h is split by features; its mean is a partial sum of (B, T, 1) and
+    # not a gather of h
+    plan = plan_graph(graph, (2,), "h100-sxm", "train", pin={"proj.weight": "S(0)", "out.weight": "S(1)"},
+                      recompute=False)
+    (mean,) = [n for n in graph.ops() if n.target == "aten.mean.dim"]
+    assert str(plan.strategy(mean.name)) == "(S(2)) -> P", plan.strategy(mean.name)
+    h_bytes = 2 * 8 * 256 * 4
+    assert not [c for c in plan.collectives() if c.phase == "forward" and c.bytes >= h_bytes / 2]  # h stays split
+    assert_step_matches_one_process(graph, plan, model, x)

@@ -8,7 +8,9 @@ from autotp.rules.common import AxisChoice, divisible
 
 
 def reduction_choices(node: OpNode, n: int) -> list[AxisChoice]:
-    """sum / mean over dims: sharding a kept dim carries over; sum over a split dim is partial."""
+    """sum / mean over dims: sharding a kept dim carries over; a sum over a split dim is partial, and
+    so is a mean, once each rank divides its local mean by the pieces (the rewrite does: the ranks'
+    local means then sum to the mean; DTensor's ``Partial("avg")``)."""
     x = node.input_infos[0]
     dims = set(node.args.ints("dim", x.ndim) or ()) if "dim" in node.args else set()
     if not dims:  # no dim (or an empty list): every dim
@@ -20,7 +22,7 @@ def reduction_choices(node: OpNode, n: int) -> list[AxisChoice]:
         if not divisible(x.shape[d], n):
             continue
         if d in dims:
-            if node.target.startswith("aten.sum"):
+            if node.target.startswith("aten.sum") or node.output.is_float:
                 choices.append(((S(d),), P))
         else:
             choices.append(((S(d),), S(d if keepdim else kept.index(d))))
