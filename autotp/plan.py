@@ -278,7 +278,9 @@ def module_choices(graph: OpGraph, chosen: Mapping[str, Strategy]) -> tuple[Modu
         if not params or node.module_path in out:
             continue
         # ``x @ w.T`` (Falcon's linear): the style is what the matmul does with the transposed weight
-        stored = chosen[node.inputs[params[0]]].output  # the weight as it is stored
+        weight = ops.WEIGHT_INPUT.get(node.target)
+        weight = weight if weight in params else params[0]  # addmm's first parameter is its bias
+        stored = chosen[node.inputs[weight]].output  # the weight as it is stored
         node, params = _through_transpose(graph, node, params)
         strat = chosen[node.name]
         k_w = ops.WEIGHT_INPUT.get(node.target)

@@ -179,9 +179,13 @@ def test_blocked_models_are_exact_on_two_ranks(name):
             torch.testing.assert_close(value, original[k], rtol=0, atol=0)
 
 
-def test_a_blocked_plan_round_trips_through_json():
+def test_a_blocked_plan_round_trips_through_json_and_reports_its_blocks():
     plan = _tight_plan("gpt2")[3]
     assert any("[3]" in v for v in plan.parameter_placements.values())
+    # the report's weight column is the stored weight (a Conv1D's (in, out) matrix, not its bias)
+    c_attn = next(m for m in plan.modules if m.module.endswith("h.0.attn.c_attn"))
+    assert (c_attn.style, c_attn.weight) == ("colwise", plan.parameter_placements["m.transformer.h.0.attn.c_attn.weight"])
+    assert "S(1)[3]" in plan.report()
     again = autotp.Plan.from_json(plan.to_json())
     assert again.strategies == plan.strategies and again.parameter_placements == plan.parameter_placements
     assert Strategy.parse("(R, S(0)[3]) -> S(1)[3]").inputs[1] == (S(0, 3),)
