@@ -90,7 +90,8 @@ def _explain_export_failure(err: BaseException) -> str:
     if "unsupported" in low or "not supported" in low:
         hints.append("replace the unsupported construct named above, or move it out of forward()")
     if isinstance(err, TypeError) and any(w in low for w in ("positional argument", "keyword argument", "missing")) \
-            or any(w in low for w in ("size mismatch", "shape", "must match", "dtype", "scalar type", "] x [")):
+            or any(w in low for w in ("size mismatch", "cannot be multiplied", "must match the size", "scalar type",
+                                      "] x [")):
         hints.append("check the example inputs: they must be what model(*example_inputs) is called with "
                      "(how many, their shapes and dtypes)")
     if not hints:

@@ -26,7 +26,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from autotp.placement import dim_pieces
+from autotp.placement import dim_divisor
 
 __all__ = ["DynamicDim", "Divisibility", "export_spec", "requirements", "evaluate", "compiled", "size_hint",
            "size_expression", "in_input_terms"]
@@ -184,7 +184,7 @@ def requirements(symbolic: Mapping[str, tuple[tuple[Optional[str], ...], ...]], 
         for d in {p.dim for p in (placements or ()) if p.is_shard}:
             if d >= len(expressions) or expressions[d] is None:
                 continue
-            ranks = dim_pieces(placements, mesh_shape, d)
+            ranks = dim_divisor(placements, mesh_shape, d)
             old, where = found.get(expressions[d], (1, tensor))
             found[expressions[d]] = (math.lcm(old, ranks), where)
 

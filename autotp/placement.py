@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 __all__ = ["Placement", "R", "P", "S", "Placements", "Strategy", "format_placements", "parse_placements",
-           "local_shape", "shard_divisor", "dim_pieces"]
+           "local_shape", "shard_divisor", "dim_pieces", "dim_divisor"]
 
 
 @dataclass(frozen=True, order=True)
@@ -155,6 +155,12 @@ def shard_divisor(shape: Sequence[int], placements: Iterable[Placement], mesh_sh
 def dim_pieces(placements: Iterable[Placement], mesh_shape: Sequence[int], dim: int) -> int:
     """How many pieces dim ``dim`` is cut into (product of the sizes of the axes that split it)."""
     return math.prod(n for p, n in zip(placements, mesh_shape) if p.is_shard and p.dim == dim)
+
+
+def dim_divisor(placements: Iterable[Placement], mesh_shape: Sequence[int], dim: int) -> int:
+    """What the size of dim ``dim`` must be a multiple of for the placements to split it evenly: the
+    axes that split it, times the blocks of a blocked split (each block splits over its axes)."""
+    return math.prod(n * p.blocks for p, n in zip(placements, mesh_shape) if p.is_shard and p.dim == dim)
 
 
 def local_shape(shape: Sequence[int], placements: Iterable[Placement], mesh_shape: Sequence[int]) -> tuple[int, ...]:

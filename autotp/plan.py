@@ -24,7 +24,7 @@ from autotp import ops
 from autotp.dynamic import Divisibility, DynamicDim
 from autotp.graph import OpGraph, PARAMETER
 from autotp.mesh import MeshSpec
-from autotp.placement import Strategy, dim_pieces, format_placements
+from autotp.placement import Strategy, dim_divisor, format_placements
 from autotp.program import Collective
 
 __all__ = ["Plan", "PredictedTime", "MemoryPerDevice", "SolveStats", "ModuleChoice", "load_plan", "PlanError"]
@@ -249,7 +249,7 @@ class Plan:
     @staticmethod
     def _check_even(name: str, target: str, placements, shape, mesh: MeshSpec) -> None:
         for d in {p.dim for p in (placements or ()) if p.is_shard}:
-            ranks = dim_pieces(placements, mesh.shape, d)
+            ranks = dim_divisor(placements, mesh.shape, d)
             if d >= len(shape) or shape[d] % ranks:
                 size = shape[d] if d < len(shape) else "missing"
                 raise PlanError(

@@ -35,14 +35,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 from typing import Iterable, Optional, Sequence
 
 from autotp import ops
 from autotp.graph import PARAMETER, OpGraph, OpNode
-from autotp.placement import R, S, Strategy
+from autotp.placement import R, S, Strategy, dim_divisor
 from autotp.rules import BUILTIN, user_choices
-from autotp.rules.blocks import CUTS, block_counts, blocked_variants, cut_choices, parameter_variants
+from autotp.rules.blocks import CUTS, block_counts, blocked_variants, cut_blocks, cut_choices, parameter_variants
 from autotp.rules.common import AxisChoice, divisible
 from autotp.rules.pointwise import pointwise_choices
 from autotp.rules.views import SPLITS, dim_map, split_choices, view_choices
@@ -99,12 +98,15 @@ def axis_choices(node: OpNode, n: int, warned: Optional[_Warned] = None,
     counts = block_counts(graph)
     if node.is_placeholder:
         return choices + parameter_variants(node, n, counts) if node.role == PARAMETER else choices
-    extra = [c for c in cut_choices(node, n) if c not in choices] if cut_blocks_at(node) else []
+    extra = [c for c in cut_choices(node, n) if c not in choices] if _static_cut(node, graph) else []
     return choices + extra + blocked_variants(node, n, choices, counts)
 
 
-def cut_blocks_at(node: OpNode) -> bool:
-    return node.target in CUTS or node.target == "aten.slice.Tensor"
+def _static_cut(node: OpNode, graph: OpGraph) -> bool:
+    """A cut into blocks of a dim of static size (a dynamic dim's blocks change with its size)."""
+    cut = cut_blocks(node) if node.target in CUTS or node.target == "aten.slice.Tensor" else None
+    dims = graph.symbolic.get(node.inputs[0]) if cut is not None else None
+    return cut is not None and not (dims and dims[0][cut[0]] is not None)
 
 
 def _choices(node: OpNode, n: int, warned: Optional[_Warned], graph: Optional[OpGraph]) -> list[AxisChoice]:
@@ -150,8 +152,7 @@ def _valid(node: OpNode, strategy: Strategy, mesh_shape: Sequence[int]) -> bool:
                     return False
                 seen.add(p.dim)
         for d in seen:
-            if info.shape[d] % math.prod(n * p.blocks for p, n in zip(placements, mesh_shape)
-                                         if p.is_shard and p.dim == d):
+            if info.shape[d] % dim_divisor(placements, mesh_shape, d):
                 return False
     return True
 

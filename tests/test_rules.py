@@ -172,3 +172,21 @@ def test_a_mean_over_a_split_dim_is_a_partial_and_exact():
     h_bytes = 2 * 8 * 256 * 4
     assert not [c for c in plan.collectives() if c.phase == "forward" and c.bytes >= h_bytes / 2]  # h stays split
     assert_step_matches_one_process(graph, plan, model, x)
+
+
+def test_a_registered_rule_cannot_claim_a_blocked_split():
+    with pytest.raises(ValueError, match="blocked split"):
+        autotp.register_rule(OP, [(("S(0)[2]", R), "S(0)")])
+    assert OP not in autotp.rules.registered_rules()
+
+
+def test_check_rule_takes_low_precision_rounding_into_account():
+    """bfloat16 sums round at 3 digits: an exact rule is not refused for that, a wrong one still is."""
+    a, b = torch.randn(8, 64).bfloat16(), torch.randn(64, 8).bfloat16()
+    assert len(check_rule(torch.ops.aten.mm.default, (a, b))) >= 5
+    autotp.register_rule("aten.mm.default", [((S(1), S(0)), R)])  # the contraction is a sum, not whole
+    try:
+        with pytest.raises(RuleNotExact):
+            check_rule(torch.ops.aten.mm.default, (a, b))
+    finally:
+        autotp.unregister_rule("aten.mm.default")

@@ -74,10 +74,16 @@ def check_rule(op: Any, example_args: Sequence[Any], n: int = 2, seed: int = 0) 
     return strategies
 
 
+def _low_precision(t: torch.Tensor) -> bool:
+    return t.dtype in (torch.float16, torch.bfloat16)
+
+
 def _pieces(full: torch.Tensor, p: Placement, n: int, gen: torch.Generator) -> list[torch.Tensor]:
     if p.is_shard:
         return list(torch.chunk(full, n, dim=p.dim))
     if p.is_partial:
+        if _low_precision(full):  # random summands would lose most of the value's bits: equal shares
+            return [full / n] * n
         parts = [torch.randn(full.shape, generator=gen, dtype=full.dtype) for _ in range(n - 1)]
         return [full - sum(parts)] + parts if parts else [full]
     return [full] * n
@@ -108,4 +114,5 @@ def _check(op: Any, args: tuple, node: Any, strategy: Strategy, full: torch.Tens
     if got.shape != full.shape:
         raise RuntimeError(f"the pieces assemble to shape {list(got.shape)}, the op gives {list(full.shape)}")
     scale = full.abs().max().item() if full.is_floating_point() and full.numel() else 1.0
-    torch.testing.assert_close(got, full, rtol=1e-4, atol=1e-5 * max(scale, 1.0))
+    rtol, atol = (2e-2, 1e-2) if _low_precision(full) else (1e-4, 1e-5)  # sums in another order round
+    torch.testing.assert_close(got, full, rtol=rtol, atol=atol * max(scale, 1.0))
