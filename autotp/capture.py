@@ -479,6 +479,8 @@ def _plain(value: Any) -> Any:
         val = value.meta.get("val")
         if isinstance(val, (torch.SymInt, int)):
             return SizeArg(size_expression(val) or str(size_hint(val)), size_hint(val))
+        if isinstance(val, (torch.SymFloat, torch.SymBool)):  # by its expression, as a size (layers tie)
+            return SizeArg(str(val.node.expr), 0)
         return SizeArg(value.name, 0)
     if isinstance(value, torch.SymInt):
         return SizeArg(size_expression(value) or str(size_hint(value)), size_hint(value))

@@ -145,6 +145,8 @@ def _valid(node: OpNode, strategy: Strategy, mesh_shape: Sequence[int]) -> bool:
     for placements, info in tensors:
         if placements is None:
             continue
+        if sum(p.is_blocked for p in placements) > 1:  # one blocked dim per tensor (one view runs it)
+            return False
         seen: set[int] = set()
         for p in placements:
             if p.is_shard:
