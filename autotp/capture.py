@@ -292,6 +292,17 @@ _HIGHER_ORDER = {
 }
 
 
+def _returns_its_input(target: str, node: torch.fx.Node, inputs: list[TensorInfo], outs: tuple) -> bool:
+    """A cast to the dtype (and device) the tensor already has returns the tensor itself: no kernel,
+    no bytes (``x.to(x.dtype)``, which models write to be safe; ``copy=True`` copies)."""
+    if target not in ops.CASTS or len(inputs) != 1 or outs != (inputs[0],):
+        return False
+    val, src = node.meta.get("val"), node.args[0].meta.get("val") if node.args else None
+    if not isinstance(val, torch.Tensor) or not isinstance(src, torch.Tensor) or val.device != src.device:
+        return False
+    return not op_args(node).get("copy", False)
+
+
 def _check_higher_order_ops(exported: torch.export.ExportedProgram, model: torch.nn.Module) -> None:
     """autotp places ATen ops; a higher-order op holds a subgraph it cannot place: refuse it by name."""
     for node in exported.graph.nodes:
@@ -376,7 +387,7 @@ def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.
                     src = rename.get(a.name, a.name)
                     srcs.append(src)
                     src_infos.append(infos[src][0])
-            is_view = target in ops.VIEW
+            is_view = target in ops.VIEW or _returns_its_input(target, node, src_infos, outs)
             path, mtype, stack = _module_info(node)
             needs_grad = (any(grad.get(s, False) for s in srcs) and any(o.is_float for o in outs)
                           and target not in ops.NO_GRADIENT)

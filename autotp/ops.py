@@ -77,6 +77,9 @@ SHAPE_ARGUMENT = frozenset({"aten.view.default", "aten.reshape.default", "aten._
 DROPOUT = frozenset({"aten.dropout.default", "aten.native_dropout.default"})
 MEAN = frozenset({"aten.mean.dim", "aten.mean.default"})
 
+# Casts: the tensor itself when it already has the dtype (and device) asked for.
+CASTS = frozenset({"aten.to.dtype", "aten.to.dtype_layout", "aten.to.device"})
+
 # Ops that return their input unchanged (when the dtype does not change): followers of their input.
 NO_OP = frozenset({"aten.alias.default", "aten.detach.default", "aten.clone.default", "aten.contiguous.default",
                    "aten.to.dtype", "aten.to.dtype_layout", "aten.to.device", "aten._to_copy.default"})
