@@ -107,9 +107,11 @@ def test_fused_projections_are_split_in_blocks_at_real_width(name):
     # copy (twice the activation) rather than index the whole batch on every rank: one more
     most = 5 if name == "mixtral" else 4
     assert sorted(per_layer) == [0, 1] and max(per_layer.values()) <= most, (name, per_layer)
-    # every matrix of a block is split (norm weights and biases are vectors the plan may keep whole)
-    matrices = [p.fqn for p in graph.parameters if ".0." in p.fqn and p.info.ndim >= 2]
-    assert matrices and all(stored[k] != "R" for k in matrices), {k: stored[k] for k in matrices}
+    # every matrix of a block is split (norm weights and biases are vectors the plan may keep whole;
+    # so is a matrix under a thousandth of the block's weights, such as Mixtral's router, as Megatron does)
+    matrices = {p.fqn: p.info.numel for p in graph.parameters if ".0." in p.fqn and p.info.ndim >= 2}
+    large = [k for k, numel in matrices.items() if numel >= sum(matrices.values()) / 1000]
+    assert large and all(stored[k] != "R" for k in large), {k: stored[k] for k in matrices}
 
 
 def test_a_cut_into_blocks_is_what_finds_them():
