@@ -12,6 +12,7 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import autotp
@@ -190,3 +191,59 @@ def test_check_rule_takes_low_precision_rounding_into_account():
             check_rule(torch.ops.aten.mm.default, (a, b))
     finally:
         autotp.unregister_rule("aten.mm.default")
+
+
+class _RotaryBlock(nn.Module):
+    """A Llama-like block whose rotary is GPT-J's (strided slices, stack, flatten) or Meta's (complex)."""
+
+    def __init__(self, dim: int, heads: int, style: str) -> None:
+        super().__init__()
+        self.heads, self.style = heads, style
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.up, self.down = nn.Linear(dim, 2 * dim, bias=False), nn.Linear(2 * dim, dim, bias=False)
+
+    def rotate(self, x, angles):  # x (B, T, H, hd); angles (T, hd / 2)
+        if self.style == "complex":
+            pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+            turned = pairs * torch.polar(torch.ones_like(angles), angles)[:, None, :]
+            return torch.view_as_real(turned).flatten(3)
+        even, odd = x[..., 0::2], x[..., 1::2]
+        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+        return torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+
+    def forward(self, x, angles):  # (B, T, dim)
+        b, t, d = x.shape
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        q, k, v = (p(h).view(b, t, self.heads, -1) for p in (self.q, self.k, self.v))
+        q, k = self.rotate(q, angles), self.rotate(k, angles)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.o(y.transpose(1, 2).reshape(b, t, d))
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return x + self.down(F.silu(self.up(h)))
+
+
+class _RotaryModel(nn.Module):
+    def __init__(self, dim: int, heads: int, style: str, layers: int = 2) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_RotaryBlock(dim, heads, style) for _ in range(layers))
+
+    def forward(self, x, angles):
+        for layer in self.layers:
+            x = layer(x, angles)
+        return x
+
+
+@pytest.mark.parametrize("style", ["gptj", "complex"])
+def test_rotary_written_with_stack_or_complex_numbers_keeps_heads_split(style):
+    """At a real width on (8,), neither rotary costs a gather: a block forward has Megatron's
+    count of activation collectives (2 all-reduces, or 2 gathers and 2 reduce-scatters)."""
+    dim, heads, seq = 4096, 32, 2048
+    with torch.device("meta"):
+        model = _RotaryModel(dim, heads, style)
+        inputs = (torch.empty(1, seq, dim), torch.empty(seq, dim // heads // 2))
+    plan = autotp.plan(model, (8,), inputs, hardware="h100-sxm", mode="train")
+    # the whole forward: 4 per block; where a layer's last collective is counted (in it, or in the
+    # next one reading its output) depends on the layout, so the two layers are counted together
+    large = [c for c in plan.collectives() if c.phase == "forward" and c.bytes >= seq * dim * 4 / 2]
+    assert len(large) <= 4 * 2, [str(c) for c in large]
+    assert {plan.parameter_placements[f"layers.0.{m}.weight"] for m in "qkv"} == {"S(0)"}
