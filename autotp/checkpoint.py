@@ -60,12 +60,9 @@ def _placed(full: torch.Tensor, mesh, placements) -> torch.Tensor:
     """A DTensor of ``full`` with DTensor ``placements`` on ``mesh``: this rank's piece, cut locally."""
     from torch.distributed.tensor import DTensor
 
-    from autotp.placement import Placement
-    from autotp.rewrite import local_shard
+    from autotp.rewrite import from_dtensor, local_shard
 
-    ours = tuple(Placement("S", p.dim, getattr(p, "split_factor", 1)) if hasattr(p, "dim") else Placement("R")
-                 for p in placements)
-    local = local_shard(full, ours, mesh.get_coordinate(), tuple(mesh.mesh.shape))
+    local = local_shard(full, from_dtensor(placements), mesh.get_coordinate(), tuple(mesh.mesh.shape))
     return DTensor.from_local(local, mesh, placements, run_check=False)
 
 

@@ -31,8 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autotp.placement import Placement
-from autotp.rewrite import local_ranges
+from autotp.rewrite import from_dtensor, local_ranges
 
 __all__ = ["load_weights"]
 
@@ -150,6 +149,4 @@ def _ranges(value: Any, meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...]
     if id(mesh) not in meshes:
         meshes[id(mesh)] = (tuple(mesh.get_coordinate()), tuple(mesh.mesh.shape))
     coordinate, shape = meshes[id(mesh)]
-    placements = tuple(Placement("S", p.dim, getattr(p, "split_factor", 1)) if hasattr(p, "dim") else Placement("R")
-                       for p in value.placements)  # Shard, and a blocked split's _StridedShard
-    return local_ranges(tuple(value.shape), placements, coordinate, shape)
+    return local_ranges(tuple(value.shape), from_dtensor(value.placements), coordinate, shape)

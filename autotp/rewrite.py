@@ -36,7 +36,8 @@ from autotp.plan import Plan
 from autotp.program import reads
 from autotp.recompute import apply_recompute, recomputed_nodes
 from autotp.redistribute import conversion, fused_axes
-from autotp.rules.blocks import CUTS, cut_blocks, local_cut_arguments
+from autotp.rules.blocks import cut_blocks, local_cut_arguments
+from autotp.rules.reductions import reduced_dims
 
 __all__ = ["build_parallel_module", "local_shard", "has_active_dropout"]
 
@@ -90,6 +91,13 @@ def _dtensor_placements(placements: tuple[Placement, ...]) -> list:
 
     return [_StridedShard(p.dim, split_factor=p.blocks) if p.is_blocked else Shard(p.dim) if p.is_shard
             else Replicate() for p in placements]
+
+
+def from_dtensor(placements: Any) -> tuple[Placement, ...]:
+    """autotp's placements of a DTensor's: ``Shard``, a blocked split's ``_StridedShard``, or ``R``
+    (the inverse of the placements :func:`build_parallel_module` gives its DTensors)."""
+    return tuple(Placement("S", p.dim, getattr(p, "split_factor", 1)) if hasattr(p, "dim") else Placement("R")
+                 for p in placements)
 
 
 def _set(root: nn.Module, fqn: str, value: Any, kind: str, persistent: bool = True) -> None:
@@ -341,7 +349,7 @@ class _Builder:
 
         args, kwargs = torch.fx.node.map_aggregate(args, on_device), torch.fx.node.map_aggregate(kwargs, on_device)
         target = node.target
-        cut = cut_blocks(op) if str(target) in CUTS or target is aten.slice.Tensor else None
+        cut = cut_blocks(op)
         blocked = [(a, p) for a, p in enumerate(strat.inputs[0] or ()) if p.is_blocked] if cut else []
         if blocked and blocked[0][1].dim == cut[0]:
             # a fused output cut into its blocks: each block's piece is here, cut the local sizes
@@ -353,8 +361,7 @@ class _Builder:
                 args = (args[0], *local.values(), p.dim)
         elif str(target) in ops.MEAN and strat.output and any(p.is_partial for p in strat.output):
             # a mean over a split dim: each rank's mean of its piece, divided by the pieces, sums to the mean
-            x = op.input_infos[0]
-            dims = set(op.args.ints("dim", x.ndim) or range(x.ndim)) if "dim" in op.args else set(range(x.ndim))
+            dims = reduced_dims(op)
             pieces = math.prod(n for p, n in zip(strat.inputs[0], self.mesh_shape) if p.is_shard and p.dim in dims)
             if pieces > 1:
                 mean = self.fx.call_function(target, args, kwargs)

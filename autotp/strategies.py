@@ -41,7 +41,7 @@ from autotp import ops
 from autotp.graph import PARAMETER, OpGraph, OpNode
 from autotp.placement import R, S, Strategy, dim_divisor
 from autotp.rules import BUILTIN, user_choices
-from autotp.rules.blocks import CUTS, block_counts, blocked_variants, cut_blocks, cut_choices, parameter_variants
+from autotp.rules.blocks import block_counts, blocked_variants, cut_choices, parameter_variants, static_cut
 from autotp.rules.common import AxisChoice, divisible
 from autotp.rules.pointwise import pointwise_choices
 from autotp.rules.views import SPLITS, dim_map, split_choices, view_choices
@@ -98,15 +98,8 @@ def axis_choices(node: OpNode, n: int, warned: Optional[_Warned] = None,
     counts = block_counts(graph)
     if node.is_placeholder:
         return choices + parameter_variants(node, n, counts) if node.role == PARAMETER else choices
-    extra = [c for c in cut_choices(node, n) if c not in choices] if _static_cut(node, graph) else []
+    extra = [c for c in cut_choices(node, n) if c not in choices] if static_cut(node, graph) else []
     return choices + extra + blocked_variants(node, n, choices, counts)
-
-
-def _static_cut(node: OpNode, graph: OpGraph) -> bool:
-    """A cut into blocks of a dim of static size (a dynamic dim's blocks change with its size)."""
-    cut = cut_blocks(node) if node.target in CUTS or node.target == "aten.slice.Tensor" else None
-    dims = graph.symbolic.get(node.inputs[0]) if cut is not None else None
-    return cut is not None and not (dims and dims[0][cut[0]] is not None)
 
 
 def _choices(node: OpNode, n: int, warned: Optional[_Warned], graph: Optional[OpGraph]) -> list[AxisChoice]:

@@ -53,6 +53,8 @@ _FEATURES = {
 
 def cut_blocks(node: OpNode) -> Optional[tuple[int, int]]:
     """``(dim, k)`` when ``node`` cuts dim ``dim`` of its first input into ``k`` >= 2 equal blocks."""
+    if node.target not in CUTS and node.target != "aten.slice.Tensor" or not node.inputs:
+        return None
     x = node.input_infos[0]
     if node.target in CUTS:
         d = node.args.int("dim", x.ndim)
@@ -93,6 +95,13 @@ def _sources(node: OpNode, d: int, mapping: Optional[dict[int, int]]) -> dict[in
     return {}
 
 
+def static_cut(node: OpNode, graph: OpGraph) -> Optional[tuple[int, int]]:
+    """:func:`cut_blocks` of a dim of static size (a dynamic dim's blocks change with its size)."""
+    cut = cut_blocks(node)
+    dims = graph.symbolic.get(node.inputs[0]) if cut is not None else None
+    return None if cut is None or (dims and dims[0][cut[0]] is not None) else cut
+
+
 _CACHE: "weakref.WeakKeyDictionary[OpGraph, dict]" = weakref.WeakKeyDictionary()
 
 
@@ -107,9 +116,8 @@ def block_counts(graph: OpGraph) -> Mapping[tuple[str, int], frozenset[int]]:
         if node.is_placeholder or not node.inputs:
             continue
         if len(node.outputs) == 1 or node.target in CUTS:
-            cut = cut_blocks(node) if node.target in CUTS or node.target == "aten.slice.Tensor" else None
-            dims = graph.symbolic.get(node.inputs[0])
-            if cut is not None and not (dims and dims[0][cut[0]] is not None):  # blocks of static dims only
+            cut = static_cut(node, graph)
+            if cut is not None:
                 counts.setdefault((node.inputs[0], cut[0]), set()).add(cut[1])
         if len(node.outputs) != 1:
             continue

@@ -7,14 +7,19 @@ from autotp.placement import P, R, S
 from autotp.rules.common import AxisChoice, divisible
 
 
+def reduced_dims(node: OpNode) -> set[int]:
+    """The dims a sum or mean reduces: its ``dim`` argument, every dim when it has none or it is empty."""
+    ndim = node.input_infos[0].ndim
+    dims = set(node.args.ints("dim", ndim) or ()) if "dim" in node.args else set()
+    return dims or set(range(ndim))
+
+
 def reduction_choices(node: OpNode, n: int) -> list[AxisChoice]:
     """sum / mean over dims: sharding a kept dim carries over; a sum over a split dim is partial, and
     so is a mean, once each rank divides its local mean by the pieces (the rewrite does: the ranks'
     local means then sum to the mean; DTensor's ``Partial("avg")``)."""
     x = node.input_infos[0]
-    dims = set(node.args.ints("dim", x.ndim) or ()) if "dim" in node.args else set()
-    if not dims:  # no dim (or an empty list): every dim
-        dims = set(range(x.ndim))
+    dims = reduced_dims(node)
     keepdim = bool(node.args.get("keepdim", False))
     choices: list[AxisChoice] = [((R,), R), ((P,), P)]
     kept = [d for d in range(x.ndim) if d not in dims]
