@@ -47,6 +47,35 @@ def _slice(x: torch.Tensor, dim: int, n: int, rank: int) -> torch.Tensor:
     return x.chunk(n, dim=dim)[rank].contiguous()
 
 
+def _pad_to(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``x`` with zeros appended along ``dim`` up to ``size``."""
+    missing = size - x.shape[dim]
+    if missing == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+def _gather_uneven(x: torch.Tensor, dim: int, group: dist.ProcessGroup, sizes: tuple[int, ...]) -> torch.Tensor:
+    """Gather pieces of lengths ``sizes`` along ``dim``: each padded to the largest, then trimmed."""
+    top = max(sizes)
+    full = _gather(_pad_to(x, dim, top), dim, group)
+    return torch.cat([piece.narrow(dim, 0, n) for piece, n in zip(full.split(top, dim), sizes)], dim=dim)
+
+
+def _slice_uneven(x: torch.Tensor, dim: int, sizes: tuple[int, ...], rank: int) -> torch.Tensor:
+    return x.narrow(dim, sum(sizes[:rank]), sizes[rank]).contiguous()
+
+
+def _reduce_scatter_uneven(x: torch.Tensor, dim: int, group: dist.ProcessGroup, sizes: tuple[int, ...],
+                           rank: int) -> torch.Tensor:
+    """Sum over the ranks and keep piece ``rank`` of lengths ``sizes``: every piece padded to the largest."""
+    top = max(sizes)
+    padded = torch.cat([_pad_to(piece, dim, top) for piece in x.split(list(sizes), dim)], dim=dim)
+    return _reduce_scatter(padded, dim, group).narrow(dim, 0, sizes[rank])
+
+
 def _all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, n: int, group: dist.ProcessGroup) -> torch.Tensor:
     """Sharded on ``src_dim`` → sharded on ``dst_dim``."""
     pieces = torch.stack(x.chunk(n, dim=dst_dim), dim=0).contiguous()  # (n, *local chunk)
@@ -73,47 +102,63 @@ class _Step(torch.autograd.Function):
 
 
 class RedistributeStep(nn.Module):
-    """One axis of a redistribution ``src → dst`` on a mesh axis (see :mod:`autotp.redistribute`)."""
+    """One axis of a redistribution ``src → dst`` on a mesh axis (see :mod:`autotp.redistribute`).
+    ``sizes``: for an uneven split (``src`` or ``dst``), each rank's length along its dim."""
 
     def __init__(self, src: Placement, dst: Placement, axis_name: str, group: dist.ProcessGroup,
-                 n: int, rank: int, reduce_grad: bool = False) -> None:
+                 n: int, rank: int, reduce_grad: bool = False, sizes: tuple[int, ...] | None = None) -> None:
         super().__init__()
         self.src, self.dst, self.axis_name = src, dst, axis_name
         self.group, self.n, self.rank = group, n, rank
         self.reduce_grad = reduce_grad  # S -> R whose readers return partial gradients
+        self.sizes = tuple(sizes) if sizes is not None else None
+        if (src.is_uneven or dst.is_uneven) and (self.sizes is None or len(self.sizes) != n):
+            raise ValueError(f"{src} -> {dst} over {n} ranks needs each rank's length along the dim, got {sizes}")
 
     def extra_repr(self) -> str:
         extra = ", backward reduce_scatter" if self.reduce_grad else ""
-        return f"{self.src} -> {self.dst} over {self.axis_name}{extra}"
+        pieces = f", pieces {list(self.sizes)}" if self.sizes else ""
+        return f"{self.src} -> {self.dst} over {self.axis_name}{extra}{pieces}"
+
+    def _gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return _gather(x, dim, self.group) if self.sizes is None else _gather_uneven(x, dim, self.group, self.sizes)
+
+    def _slice(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return _slice(x, dim, self.n, self.rank) if self.sizes is None else _slice_uneven(x, dim, self.sizes, self.rank)
+
+    def _reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        if self.sizes is None:
+            return _reduce_scatter(x, dim, self.group)
+        return _reduce_scatter_uneven(x, dim, self.group, self.sizes, self.rank)
 
     def run_forward(self, x: torch.Tensor) -> torch.Tensor:
         s, d = self.src, self.dst
         if s.is_replicate and d.is_shard:
-            return _slice(x, d.dim, self.n, self.rank)
+            return self._slice(x, d.dim)
         if s.is_replicate and d.is_partial:
             return x.clone() if self.rank == 0 else torch.zeros_like(x)
         if s.is_shard and d.is_replicate:
-            return _gather(x, s.dim, self.group)
+            return self._gather(x, s.dim)
         if s.is_shard and d.is_shard:
             return _all_to_all(x, s.dim, d.dim, self.n, self.group)
         if s.is_partial and d.is_replicate:
             return _all_reduce(x, self.group)
         if s.is_partial and d.is_shard:
-            return _reduce_scatter(x, d.dim, self.group)
+            return self._reduce_scatter(x, d.dim)
         raise ValueError(f"cannot redistribute {s} -> {d}")
 
     def run_backward(self, g: torch.Tensor) -> torch.Tensor:
         s, d = self.src, self.dst
         if s.is_replicate and d.is_shard:
-            return _gather(g, d.dim, self.group)
+            return self._gather(g, d.dim)
         if s.is_shard and d.is_replicate:
             if self.reduce_grad:
-                return _reduce_scatter(g, s.dim, self.group)
-            return _slice(g, s.dim, self.n, self.rank)
+                return self._reduce_scatter(g, s.dim)
+            return self._slice(g, s.dim)
         if s.is_shard and d.is_shard:
             return _all_to_all(g, d.dim, s.dim, self.n, self.group)
         if s.is_partial and d.is_shard:
-            return _gather(g, d.dim, self.group)
+            return self._gather(g, d.dim)
         return g  # R -> P and P -> R: the gradient is the same on every rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

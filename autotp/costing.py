@@ -47,7 +47,7 @@ from cost_models import (HardwareProfile, OptimizerSpec, collective_time_s, comp
 
 from autotp.graph import PARAMETER, OpNode, TensorInfo, dtype_bytes
 from autotp.mesh import MeshSpec
-from autotp.placement import Placement, Strategy, shard_divisor
+from autotp.placement import Placement, Strategy, axis_divisor, shard_divisor
 from autotp.redistribute import all_reduce_copies, conversion, is_convertible, step_copies
 
 __all__ = ["CostModel", "MemoryParts", "BACKWARD_FLOP_RATIO", "MODES"]
@@ -115,6 +115,10 @@ class CostModel:
         steps = conversion(info.shape, src, dst, self.mesh.shape, grad_axes if self.train else ())
         for step in steps.steps:
             size = info.nbytes / step.divisor
+            uneven = next((p for p in (step.src, step.dst) if p.is_uneven), None)
+            if uneven is not None:  # the collective runs on pieces padded to the largest
+                n = self.mesh.shape[step.axis]
+                size *= n / axis_divisor(steps.shape[uneven.dim], uneven, n)
             copies_fwd, copies_bwd = step_copies(step, steps.shape, self.mesh.shape[step.axis], info.nbytes)
             forward_s += (self.collective_s(step.forward, step.axis, size) if step.forward else 0.0) + sum(
                 self.copy_s(b, info.dtype) for b in copies_fwd)
@@ -177,10 +181,10 @@ class CostModel:
     def _forward(self, node: OpNode, strategy: Strategy) -> tuple[float, float, list, float, str]:
         # the work splits over an axis only where some tensor is cut in pieces on it: an op on
         # partials (P) does the whole work on every rank
-        work_divisor = 1
+        work_divisor = 1.0
         for a, n in enumerate(self.mesh.shape):
             if strategy.split_on(a):
-                work_divisor *= n
+                work_divisor *= _work_divisor(node, strategy, a, n)
         flops = node.flops / work_divisor
         in_bytes = [(self.local_bytes(i, p), i.is_float) for i, p in zip(node.input_infos, strategy.inputs)]
         out_bytes = sum(self.local_bytes(o, strategy.output) for o in node.outputs)
@@ -213,3 +217,14 @@ class CostModel:
         if self.train and node.requires_grad and not node.is_placeholder and not node.is_view:
             return MemoryParts(activations_bytes=sum(self.local_bytes(o, strategy.output) for o in node.outputs))
         return MemoryParts()
+
+
+def _work_divisor(node: OpNode, strategy: Strategy, axis: int, n: int) -> float:
+    """How many times less work the slowest rank does on ``axis``: ``n``, or for an uneven split the
+    full size over its largest piece (every tensor a choice splits unevenly is cut in the same units)."""
+    tensors = zip((*strategy.inputs, strategy.output), (*node.input_infos, node.outputs[0]))
+    for placements, info in tensors:
+        if placements is not None and placements[axis].is_uneven:
+            p = placements[axis]
+            return axis_divisor(info.shape[p.dim], p, n)
+    return float(n)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autotp.rewrite import from_dtensor, local_ranges
+from autotp.rewrite import local_ranges, placements_of
 
 __all__ = ["load_weights"]
 
@@ -149,4 +149,4 @@ def _ranges(value: Any, meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...]
     if id(mesh) not in meshes:
         meshes[id(mesh)] = (tuple(mesh.get_coordinate()), tuple(mesh.mesh.shape))
     coordinate, shape = meshes[id(mesh)]
-    return local_ranges(tuple(value.shape), from_dtensor(value.placements), coordinate, shape)
+    return local_ranges(tuple(value.shape), placements_of(value), coordinate, shape)

@@ -1,7 +1,8 @@
 """Placements and strategies: the declaration of a sharding, separate from the code that applies it.
 
 A **placement** says how one tensor lives on one mesh **axis**: ``R`` (replicated), ``S(d)``
-(split along tensor **dim** ``d``) or ``P`` (each rank holds a partial sum). A tensor on an N-axis
+(split along tensor **dim** ``d``; blocked ``S(d)[k]`` and uneven ``S(d)~g`` below) or ``P`` (each
+rank holds a partial sum). A tensor on an N-axis
 mesh has one placement per axis. A **strategy** of a node lists the placements its inputs must
 have and the placement of its output, and prints the way DTensor prints it:
 
@@ -12,6 +13,8 @@ have and the placement of its output, and prints the way DTensor prints it:
 '(S(0)R, RS(0)) -> S(0)S(1)'
 >>> Strategy.parse("(R, S(0)[3]) -> S(1)[3]").output[0].blocks
 3
+>>> Strategy.parse("(S(2)~64) -> S(2)~1").inputs[0][0].grain
+64
 
 An input placement of ``None`` means the node reads only the input's dtype and device (for
 example ``new_ones``), so any placement will do and nothing moves.
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 __all__ = ["Placement", "R", "P", "S", "Placements", "Strategy", "format_placements", "parse_placements",
-           "local_shape", "shard_divisor", "dim_pieces", "dim_divisor"]
+           "local_shape", "shard_divisor", "dim_pieces", "dim_divisor", "piece_sizes", "piece_range", "axis_divisor"]
 
 
 @dataclass(frozen=True, order=True)
@@ -35,11 +38,18 @@ class Placement:
     q|k|v or gate|up output) and each block is split evenly, so a rank holds its piece of every
     block, in block order (DTensor's ``_StridedShard(d, split_factor=k)``). A later op that cuts the
     dim into its blocks then finds each block's piece on the rank that needs it.
+
+    ``grain`` > 0 makes an **uneven split** ``S(d)~g``: dim ``d`` is ``u = size / g`` units of ``g``
+    elements (a head of ``g`` features, or ``g = 1``), ``u`` not a multiple of the ranks, and the
+    units are dealt out as ``torch.chunk`` deals them: ``ceil(u / n)`` to each rank in order, the
+    last ranks fewer (or none). With ``g = 1`` this is DTensor's uneven ``Shard(d)``. The slowest
+    rank holds ``ceil(u / n)`` units, and that is what the cost model prices (:func:`shard_divisor`).
     """
 
     kind: str
     dim: int = -1
     blocks: int = 1
+    grain: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in ("R", "S", "P"):
@@ -48,6 +58,12 @@ class Placement:
             raise ValueError(f"placement {self.kind} with dim {self.dim}: S needs a dim >= 0, R and P none")
         if self.blocks < 1 or (self.blocks > 1 and self.kind != "S"):
             raise ValueError(f"placement {self.kind} with {self.blocks} blocks: only S may be blocked (blocks >= 1)")
+        if self.grain < 0 or (self.grain and self.kind != "S"):
+            raise ValueError(f"placement {self.kind} with grain {self.grain}: only S may be uneven (grain >= 1)")
+
+    @property
+    def is_uneven(self) -> bool:
+        return self.grain > 0
 
     @property
     def is_blocked(self) -> bool:
@@ -68,7 +84,8 @@ class Placement:
     def __str__(self) -> str:
         if self.kind != "S":
             return self.kind
-        return f"S({self.dim})[{self.blocks}]" if self.blocks > 1 else f"S({self.dim})"
+        text = f"S({self.dim})[{self.blocks}]" if self.blocks > 1 else f"S({self.dim})"
+        return f"{text}~{self.grain}" if self.grain else text
 
     __repr__ = __str__
 
@@ -77,9 +94,10 @@ R = Placement("R")
 P = Placement("P")
 
 
-def S(dim: int, blocks: int = 1) -> Placement:
-    """Shard along tensor dim ``dim`` (``blocks`` > 1: a blocked split, see :class:`Placement`)."""
-    return Placement("S", dim, blocks)
+def S(dim: int, blocks: int = 1, grain: int = 0) -> Placement:
+    """Shard along tensor dim ``dim`` (``blocks`` > 1: a blocked split; ``grain`` > 0: an uneven
+    split in units of ``grain`` elements; see :class:`Placement`)."""
+    return Placement("S", dim, blocks, grain)
 
 
 Placements = tuple  # tuple[Placement, ...], one per mesh axis
@@ -105,12 +123,17 @@ def parse_placements(text: str) -> Optional[tuple[Placement, ...]]:
             i += 1
         elif c == "S":
             j = text.index(")", i)
-            dim, blocks = int(text[i + 2 : j]), 1
+            dim, blocks, grain = int(text[i + 2 : j]), 1, 0
             i = j + 1
             if text.startswith("[", i):
                 j = text.index("]", i)
                 blocks, i = int(text[i + 1 : j]), j + 1
-            out.append(S(dim, blocks))
+            if text.startswith("~", i):
+                j = i + 1
+                while j < len(text) and text[j].isdigit():
+                    j += 1
+                grain, i = int(text[i + 1 : j]), j
+            out.append(S(dim, blocks, grain))
         else:
             raise ValueError(f"cannot parse placements {text!r} at {text[i:]!r}")
     return tuple(out)
@@ -147,9 +170,42 @@ class Strategy:
         return any(p is not None and p[axis].is_shard for p in (*self.inputs, self.output))
 
 
-def shard_divisor(shape: Sequence[int], placements: Iterable[Placement], mesh_shape: Sequence[int]) -> int:
-    """How many pieces the tensor is cut into (product of axis sizes over the sharded axes)."""
-    return math.prod(n for p, n in zip(placements, mesh_shape) if p.is_shard)
+def piece_sizes(size: int, p: Placement, n: int) -> tuple[int, ...]:
+    """The length of each rank's piece of a dim of ``size`` that ``p`` splits over ``n`` ranks
+    (``torch.chunk``'s sizes; in units of the grain for an uneven split; of each block for a
+    blocked split: a rank holds that much of every block).
+
+    >>> piece_sizes(8, S(0), 4)
+    (2, 2, 2, 2)
+    >>> piece_sizes(36 * 2, S(0, grain=2), 8)  # 36 heads of 2 over 8 ranks: 5 heads each, 1 on the last
+    (10, 10, 10, 10, 10, 10, 10, 2)
+    """
+    grain = p.grain or 1
+    units = size // p.blocks // grain
+    per = -(-units // n)
+    return tuple(max(0, min(per, units - c * per)) * grain for c in range(n))
+
+
+def piece_range(size: int, p: Placement, n: int, c: int) -> tuple[int, int]:
+    """``(start, stop)`` of rank ``c``'s piece of a dim of ``size`` that ``p`` splits over ``n`` ranks."""
+    sizes = piece_sizes(size, p, n)
+    start = sum(sizes[:c])
+    return start, start + sizes[c]
+
+
+def axis_divisor(size: int, p: Placement, n: int) -> float:
+    """How many times smaller than ``size`` the largest piece is: ``n`` for an even split, less for an
+    uneven one (36 heads over 8 ranks: the largest piece is 5 heads, 36 / 5 = 7.2)."""
+    if not p.is_uneven:
+        return float(n)
+    return size / p.blocks / max(piece_sizes(size, p, n))
+
+
+def shard_divisor(shape: Sequence[int], placements: Iterable[Placement], mesh_shape: Sequence[int]) -> float:
+    """How many pieces the tensor is cut into (product of axis sizes over the sharded axes); for an
+    uneven split, the full size over the largest piece's (what the slowest rank holds)."""
+    return math.prod(axis_divisor(shape[p.dim], p, n) if p.is_uneven else n
+                     for p, n in zip(placements, mesh_shape) if p.is_shard)
 
 
 def dim_pieces(placements: Iterable[Placement], mesh_shape: Sequence[int], dim: int) -> int:
@@ -159,15 +215,23 @@ def dim_pieces(placements: Iterable[Placement], mesh_shape: Sequence[int], dim: 
 
 def dim_divisor(placements: Iterable[Placement], mesh_shape: Sequence[int], dim: int) -> int:
     """What the size of dim ``dim`` must be a multiple of for the placements to split it evenly: the
-    axes that split it, times the blocks of a blocked split (each block splits over its axes)."""
-    return math.prod(n * p.blocks for p, n in zip(placements, mesh_shape) if p.is_shard and p.dim == dim)
+    axes that split it, times the blocks of a blocked split (each block splits over its axes); an
+    uneven split needs whole units: its grain."""
+    return math.prod((p.grain * p.blocks if p.is_uneven else n * p.blocks) for p, n in zip(placements, mesh_shape)
+                     if p.is_shard and p.dim == dim)
 
 
-def local_shape(shape: Sequence[int], placements: Iterable[Placement], mesh_shape: Sequence[int]) -> tuple[int, ...]:
-    """The shape each rank holds: sharded dims divided by the sizes of the axes that split them."""
+def local_shape(shape: Sequence[int], placements: Iterable[Placement], mesh_shape: Sequence[int],
+                coordinate: Optional[Sequence[int]] = None) -> tuple[int, ...]:
+    """The shape each rank holds: sharded dims divided by the sizes of the axes that split them. An
+    uneven split's piece depends on the rank: give its ``coordinate`` on the mesh."""
     out = list(shape)
-    for p, n in zip(placements, mesh_shape):
-        if p.is_shard:
+    for a, (p, n) in enumerate(zip(placements, mesh_shape)):
+        if p.is_uneven:
+            if coordinate is None:
+                raise ValueError(f"{p} splits dim {p.dim} unevenly: the local shape depends on the rank's coordinate")
+            out[p.dim] = piece_sizes(out[p.dim], p, n)[coordinate[a]] * p.blocks
+        elif p.is_shard:
             if out[p.dim] % (n * p.blocks):
                 raise ValueError(f"dim {p.dim} of size {out[p.dim]} does not split evenly over {n} ranks"
                                  + (f" in each of its {p.blocks} blocks" if p.is_blocked else ""))

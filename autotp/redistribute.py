@@ -15,6 +15,10 @@ P → S(d)    reduce_scatter      all_gather
 S(d) → P    not allowed
 ==========  ==================  =====================================================
 
+An uneven split ``S(d)~g`` (:mod:`autotp.rules.uneven`) takes part only in the slice, the gather
+and the reduce_scatter: the runtime pads each piece to the largest before the collective and
+trims after it, and the cost model prices the padded size.
+
 Steps that shrink or keep the tensor run first, gathers last, so collectives move as few bytes as
 the two placements allow, but in an order every intermediate layout is valid: a dim split on two
 axes is split by the outer axis (lower index) first, then each piece by the inner one (DTensor's
@@ -112,6 +116,12 @@ def step_kinds(src: Placement, dst: Placement) -> tuple[Optional[str], Optional[
 
 
 def is_convertible(src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
+    """Whether ``src`` redistributes to ``dst``: not ``S -> P``, and an uneven split ``S(d)~g`` only
+    gathered (padded to its largest piece), sliced from a whole tensor or reduce-scattered from a
+    partial sum, never moved to another split."""
+    for s, d in zip(src, dst):
+        if s != d and ((s.is_uneven and not d.is_replicate) or (d.is_uneven and s.is_shard)):
+            return False
     viewed = unblocked(src, dst)
     return viewed is not None and not any(s.is_shard and d.is_partial for s, d in zip(viewed[1], viewed[2]))
 
@@ -139,7 +149,7 @@ def unblocked(src: Sequence[Placement], dst: Sequence[Placement]
         return None
 
     def move(p: Placement) -> Placement:
-        return Placement("S", p.dim + 1) if p.is_shard and p.dim >= d else p
+        return Placement("S", p.dim + 1, 1, p.grain) if p.is_shard and p.dim >= d else p
 
     return (d, k), tuple(move(p) for p in src), tuple(move(p) for p in dst)
 
@@ -159,9 +169,10 @@ def conversion(shape: Sequence[int], src: Sequence[Placement], dst: Sequence[Pla
                mesh_shape: Sequence[int], grad_axes: Sequence[int] = ()) -> Conversion:
     """The steps of ``src -> dst`` for a tensor of ``shape``, blocked splits included."""
     viewed = unblocked(src, dst)
-    if viewed is None:
+    if viewed is None or not is_convertible(src, dst):
         raise ValueError(f"cannot redistribute {''.join(map(str, src))} -> {''.join(map(str, dst))}: "
-                         "blocks of two kinds, or a dim both blocked and split plainly")
+                         "blocks of two kinds, a dim both blocked and split plainly, or an uneven split "
+                         "moved to another split")
     view, src_v, dst_v = viewed
     shape = tuple(shape)
     if view is not None:

@@ -31,7 +31,7 @@ from autotp.dropout import ShardedDropout
 from autotp.dynamic import requirements
 from autotp.graph import OpGraph
 from autotp.guard import InputGuard, InputSpec
-from autotp.placement import Placement, dim_pieces, local_shape
+from autotp.placement import Placement, dim_pieces, local_shape, piece_range, piece_sizes
 from autotp.plan import Plan
 from autotp.program import reads
 from autotp.recompute import apply_recompute, recomputed_nodes
@@ -39,7 +39,7 @@ from autotp.redistribute import conversion, fused_axes
 from autotp.rules.blocks import cut_blocks, local_cut_arguments
 from autotp.rules.reductions import reduced_dims
 
-__all__ = ["build_parallel_module", "local_shard", "has_active_dropout"]
+__all__ = ["build_parallel_module", "local_shard", "local_ranges", "placements_of", "has_active_dropout"]
 
 aten = torch.ops.aten
 
@@ -49,8 +49,14 @@ def local_shard(full: torch.Tensor, placements: tuple[Placement, ...], coordinat
     """This rank's piece of a full tensor."""
     out = full
     for p, c, n in zip(placements, coordinate, mesh_shape):
-        if p.is_blocked:  # the rank's piece of each block, in block order
+        if p.is_blocked and p.is_uneven:  # the rank's whole units of each block
+            start, stop = piece_range(out.shape[p.dim], p, n, c)
+            out = out.unflatten(p.dim, (p.blocks, -1)).narrow(p.dim + 1, start, stop - start).flatten(p.dim, p.dim + 1)
+        elif p.is_blocked:  # the rank's piece of each block, in block order
             out = out.unflatten(p.dim, (p.blocks, -1)).chunk(n, dim=p.dim + 1)[c].flatten(p.dim, p.dim + 1)
+        elif p.is_uneven:  # whole units, torch.chunk's count of them (some ranks may hold none)
+            start, stop = piece_range(out.shape[p.dim], p, n, c)
+            out = out.narrow(p.dim, start, stop - start)
         elif p.is_shard:
             out = out.chunk(n, dim=p.dim)[c]
     out = out.contiguous()
@@ -70,6 +76,8 @@ def local_ranges(shape: tuple[int, ...], placements: tuple[Placement, ...], coor
     (((4, 6),), ((0, 6),))
     >>> local_ranges((12, 2), (S(0, 3),), [1], (2,))  # the second half of each block of 4 rows
     (((2, 4), (6, 8), (10, 12)), ((0, 2),))
+    >>> local_ranges((10, 2), (S(0, grain=2),), [1], (2,))  # 5 units of 2 rows: 3 on rank 0, 2 here
+    (((6, 10),), ((0, 2),))
     """
     ranges = [((0, n),) for n in shape]
     for p, c, n in zip(placements, coordinate, mesh_shape):
@@ -80,6 +88,10 @@ def local_ranges(shape: tuple[int, ...], placements: tuple[Placement, ...], coor
             width = (hi - lo) // p.blocks
             for j in range(p.blocks):
                 b_lo, b_hi = lo + j * width, lo + (j + 1) * width if j < p.blocks - 1 else hi
+                if p.is_uneven:  # whole units
+                    start, stop = piece_range(b_hi - b_lo, Placement("S", p.dim, 1, p.grain), n, c)
+                    cut.append((b_lo + start, b_lo + stop))
+                    continue
                 size = -(-(b_hi - b_lo) // n)  # torch.chunk: ceil
                 cut.append((min(b_lo + c * size, b_hi), min(b_lo + (c + 1) * size, b_hi)))
         ranges[p.dim] = tuple(cut)
@@ -93,11 +105,33 @@ def _dtensor_placements(placements: tuple[Placement, ...]) -> list:
             else Replicate() for p in placements]
 
 
+def placements_of(value: Any) -> tuple[Placement, ...]:
+    """autotp's placements of a parameter of a module from :func:`build_parallel_module` (or of any
+    DTensor): the rewrite records them on the parameter, where an uneven split's grain is kept (for
+    ``DTensor`` a split of whole heads is a ``Shard`` whose pieces it cannot size)."""
+    own = getattr(value, "_autotp_placements", None)
+    return own if own is not None else from_dtensor(value.placements)
+
+
 def from_dtensor(placements: Any) -> tuple[Placement, ...]:
     """autotp's placements of a DTensor's: ``Shard``, a blocked split's ``_StridedShard``, or ``R``
     (the inverse of the placements :func:`build_parallel_module` gives its DTensors)."""
     return tuple(Placement("S", p.dim, getattr(p, "split_factor", 1)) if hasattr(p, "dim") else Placement("R")
                  for p in placements)
+
+
+def _dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...], shape: Any) -> DTensor:
+    """The DTensor of this rank's piece ``local`` of a tensor of ``shape``. An uneven split's pieces are
+    not the ones DTensor would cut: the global shape is given, and the stride DTensor derives from the
+    local piece (autograd copies a gradient whose stride differs from its parameter's into a buffer
+    DTensor sizes evenly, which fails)."""
+    dplacements = _dtensor_placements(placements)
+    if not any(p.is_uneven for p in placements):
+        return DTensor.from_local(local, mesh, dplacements, run_check=False)
+    from torch.distributed.tensor._utils import compute_global_tensor_info
+
+    _, stride = compute_global_tensor_info(local, mesh, dplacements)
+    return DTensor.from_local(local, mesh, dplacements, run_check=False, shape=tuple(shape), stride=tuple(stride))
 
 
 def _set(root: nn.Module, fqn: str, value: Any, kind: str, persistent: bool = True) -> None:
@@ -151,12 +185,13 @@ class _Builder:
             full = params[p.fqn].detach()
             placements = self.plan.strategy(p.node).output
             if full.is_meta:
-                local = torch.empty(local_shape(full.shape, placements, self.mesh_shape), dtype=full.dtype,
-                                    device=device)
+                local = torch.empty(local_shape(full.shape, placements, self.mesh_shape, self.coordinate),
+                                    dtype=full.dtype, device=device)
             else:
                 local = local_shard(full, placements, self.coordinate, self.mesh_shape)
-            dt = DTensor.from_local(local, self.mesh, _dtensor_placements(placements), run_check=False)
+            dt = _dtensor(local, self.mesh, placements, full.shape)
             param = nn.Parameter(dt, requires_grad=params[p.fqn].requires_grad)
+            param._autotp_placements = placements  # type: ignore[attr-defined]
             for name in (p.fqn, *p.aliases):
                 _set(self.root, name, param, "parameter")
         persistent = set(self.model.state_dict().keys())
@@ -199,9 +234,13 @@ class _Builder:
             if steps.view is not None:  # a blocked split: the steps run on dim d seen as (blocks, block)
                 value = self.fx.call_function(torch.unflatten, (value, steps.view[0], (steps.view[1], -1)))
             for step in steps.steps:
+                uneven = next((u for u in (step.src, step.dst) if u.is_uneven), None)
+                n = self.mesh_shape[step.axis]
+                sizes = piece_sizes(steps.shape[uneven.dim], uneven, n) if uneven is not None else None
                 mod = RedistributeStep(step.src, step.dst, self.axis_names[step.axis], self.groups[step.axis],
-                                       self.mesh_shape[step.axis], self.coordinate[step.axis],
-                                       reduce_grad=step.backward == "reduce_scatter" and step.src.is_shard)
+                                       n, self.coordinate[step.axis],
+                                       reduce_grad=step.backward == "reduce_scatter" and step.src.is_shard,
+                                       sizes=sizes)
                 value = self.fx.call_module(self._add_module(mod, "redistribute"), (value,))
             if steps.view is not None:
                 value = self.fx.call_function(torch.flatten, (value, steps.view[0], steps.view[0] + 1))
@@ -354,8 +393,14 @@ class _Builder:
         if blocked and blocked[0][1].dim == cut[0]:
             # a fused output cut into its blocks: each block's piece is here, cut the local sizes
             a, p = blocked[0]
-            local = local_cut_arguments(op, p, self.mesh_shape[a])
-            if target is aten.slice.Tensor:
+            piece = None
+            if p.is_uneven:  # this rank's length of each block
+                piece = local_shape(op.input_infos[0].shape, strat.inputs[0], self.mesh_shape,
+                                    self.coordinate)[p.dim] // p.blocks
+            local = local_cut_arguments(op, p, self.mesh_shape[a], piece)
+            if target is aten.split.Tensor and piece == 0:  # nothing here: split(0) would give one piece
+                target, args = aten.split_with_sizes.default, (args[0], [0] * p.blocks, p.dim)
+            elif target is aten.slice.Tensor:
                 args = (args[0], p.dim, local["start"], local["end"], 1)
             elif local:
                 args = (args[0], *local.values(), p.dim)
@@ -391,8 +436,8 @@ class _Builder:
             axes = [a for a, p in enumerate(w) if p.is_shard and p.dim == 0]
             if axes:
                 a = axes[0]
-                rows = op.input_infos[0].shape[0] // self.mesh_shape[a]
-                name = self._add_module(MaskedEmbedding(self.coordinate[a] * rows, rows), "masked_embedding")
+                start, stop = piece_range(op.input_infos[0].shape[0], w[a], self.mesh_shape[a], self.coordinate[a])
+                name = self._add_module(MaskedEmbedding(start, stop - start), "masked_embedding")
                 self.local[node.name] = self.fx.call_module(name, args, kwargs)
                 return
         self.local[node.name] = self.fx.call_function(target, args, kwargs)
@@ -436,7 +481,7 @@ class _Builder:
         """The shape argument of a ``view``/``expand`` for this rank's piece. With every size static,
         the piece's shape. Else static sizes become the piece's sizes; a size node (a dynamic dim) split
         over ``k`` pieces becomes its size ``// k``; ``-1`` (infer, or keep) stays."""
-        static = local_shape(op.output.shape, placements, self.mesh_shape)
+        static = local_shape(op.output.shape, placements, self.mesh_shape, self.coordinate)
         if op.name not in self.g.symbolic:
             return list(static)
         out = []

@@ -2,7 +2,8 @@
 
 Rules are written for one mesh axis of size ``n`` (:func:`axis_choices`) and combined over the axes of
 the mesh (:func:`node_strategies`): a strategy on a 2-axis mesh is one single-axis choice per axis,
-kept when every sharded dim splits evenly and no dim is split by two axes.
+kept when every sharded dim splits evenly (or, for an uneven split ``S(d)~g``, in whole units the
+ranks do not divide: :mod:`autotp.rules.uneven`) and no dim is split by two axes.
 
 Every rule here is one whose local execution is exact: running the op on each rank's shards (with
 shape arguments rewritten to local shapes, and the masked lookup for a row-split embedding) gives
@@ -44,6 +45,7 @@ from autotp.rules import BUILTIN, user_choices
 from autotp.rules.blocks import block_counts, blocked_variants, cut_choices, parameter_variants, static_cut
 from autotp.rules.common import AxisChoice, divisible
 from autotp.rules.pointwise import pointwise_choices
+from autotp.rules.uneven import unit_counts, uneven_choices
 from autotp.rules.views import SPLITS, dim_map, split_choices, view_choices
 
 log = logging.getLogger(__name__)
@@ -95,11 +97,24 @@ def axis_choices(node: OpNode, n: int, warned: Optional[_Warned] = None,
     choices = _choices(node, n, warned, graph)
     if graph is None:
         return choices
+    units = unit_counts(graph, n)
+    if units:
+        choices = choices + [c for c in uneven_choices(node, n, units, lambda: _choices(node, n, None, graph),
+                                                       lambda k, d: _static(graph, node, k, d)) if c not in choices]
     counts = block_counts(graph)
-    if node.is_placeholder:
-        return choices + parameter_variants(node, n, counts) if node.role == PARAMETER else choices
-    extra = [c for c in cut_choices(node, n) if c not in choices] if static_cut(node, graph) else []
-    return choices + extra + blocked_variants(node, n, choices, counts)
+    plain = [c for c in choices if not any(p is not None and p.is_uneven for p in (*c[0], c[1]))]
+
+    def blocked_choices() -> list[AxisChoice]:
+        if node.is_placeholder:
+            return parameter_variants(node, n, counts) if node.role == PARAMETER else []
+        extra = [c for c in cut_choices(node, n) if c not in plain] if static_cut(node, graph) else []
+        return extra + blocked_variants(node, n, plain, counts)
+
+    blocked = blocked_choices()
+    if units and counts:  # whole units of every block (25 heads of q, k and v over 8 ranks)
+        blocked += [c for c in uneven_choices(node, n, units, blocked_choices, lambda k, d: _static(graph, node, k, d))
+                    if c not in blocked and any(p is not None and p.is_blocked for p in (*c[0], c[1]))]
+    return choices + blocked
 
 
 def _choices(node: OpNode, n: int, warned: Optional[_Warned], graph: Optional[OpGraph]) -> list[AxisChoice]:
@@ -132,14 +147,27 @@ def _choices(node: OpNode, n: int, warned: Optional[_Warned], graph: Optional[Op
     return _replicated(node, n)
 
 
+def _static(graph: OpGraph, node: OpNode, k: int, d: int) -> bool:
+    """Whether dim ``d`` of ``node``'s ``k``-th tensor (its inputs in order, then its output) has a
+    static size."""
+    name = node.inputs[k] if k < len(node.inputs) else node.name
+    expressions = graph.symbolic.get(name)
+    return not expressions or expressions[0][d] is None
+
+
 def _valid(node: OpNode, strategy: Strategy, mesh_shape: Sequence[int]) -> bool:
-    """Every sharded dim splits evenly over the axes that split it, and no dim is split twice."""
+    """Every sharded dim splits evenly over the axes that split it (or, for an uneven split, into
+    whole units the ranks do not divide), and no dim is split twice."""
     tensors = list(zip(strategy.inputs, node.input_infos)) + [(strategy.output, o) for o in node.outputs[:1]]
     for placements, info in tensors:
         if placements is None:
             continue
         if sum(p.is_blocked for p in placements) > 1:  # one blocked dim per tensor (one view runs it)
             return False
+        for p, n in zip(placements, mesh_shape):
+            if p.is_uneven and (p.dim >= info.ndim or info.shape[p.dim] % (p.grain * p.blocks)
+                                or (info.shape[p.dim] // p.blocks // p.grain) % n == 0):
+                return False
         seen: set[int] = set()
         for p in placements:
             if p.is_shard:

@@ -125,9 +125,10 @@ def _parse_choice(name: str, raw: Any, node: Optional[OpNode]) -> AxisChoice:
     except (TypeError, ValueError) as err:
         raise ValueError(f"{where} gave {raw!r}; expected a pair (input placements, output placement) "
                          f"of R, P, S(d) or their names ({err})") from None
-    if any(p.is_blocked for p in (*inputs, output)):
-        raise ValueError(f"{where} gave {raw!r}: a blocked split S(d)[k] is autotp's own (it finds where a "
-                         "fused output is cut into blocks); give plain R, P and S(d)")
+    if any(p.is_blocked or p.is_uneven for p in (*inputs, output)):
+        raise ValueError(f"{where} gave {raw!r}: a blocked split S(d)[k] or an uneven split S(d)~g is "
+                         "autotp's own (it finds where a fused output is cut into blocks, and where heads do not "
+                         "divide); give plain R, P and S(d)")
     if node is None:
         return inputs, output
     if len(inputs) != len(node.inputs):

@@ -141,11 +141,12 @@ def blocked_variants(node: OpNode, n: int, choices: list[AxisChoice],
     positions one to one)."""
     out = []
     for ins, placement in choices:
-        if not placement.is_shard or placement.is_blocked:
+        if not placement.is_shard or placement.is_blocked or placement.is_uneven \
+                or any(p is not None and p.is_uneven for p in ins):
             continue
         size = node.outputs[0].shape[placement.dim]
         for k in sorted(counts.get((node.name, placement.dim), ())):
-            if size % (k * n) or not all(
+            if size % k or not divisible(size // k, n) or not all(
                     p is None or not p.is_shard or info.shape[p.dim] == size
                     for p, info in zip(ins, node.input_infos)):
                 continue
@@ -159,7 +160,7 @@ def parameter_variants(node: OpNode, n: int, counts: Mapping[tuple[str, int], fr
     """A parameter stored with a blocked split of a dim a cut reads in blocks."""
     shape = node.output.shape
     return [((), S(d, k)) for d in range(len(shape)) for k in sorted(counts.get((node.name, d), ()))
-            if shape[d] % (k * n) == 0]
+            if shape[d] % k == 0 and divisible(shape[d] // k, n)]
 
 
 def cut_choices(node: OpNode, n: int) -> list[AxisChoice]:
@@ -175,15 +176,19 @@ def cut_choices(node: OpNode, n: int) -> list[AxisChoice]:
     return [((S(d, k), *extra), S(d))]
 
 
-def local_cut_arguments(node: OpNode, blocked: Placement, n: int) -> dict[str, object]:
+def local_cut_arguments(node: OpNode, blocked: Placement, n: int, piece: Optional[int] = None) -> dict[str, object]:
     """The arguments a cut takes on the rank's pieces of a blocked input: sizes and bounds along
-    the cut dim divided by the ranks (``chunk`` keeps its count)."""
+    the cut dim divided by the ranks (``chunk`` keeps its count), or, for whole units of each
+    block (``S(d)[k]~g``), the rank's ``piece`` of a block."""
     a = node.args
+    size = node.input_infos[0].shape[blocked.dim]
+    block = size // blocked.blocks
+    piece = block // n if piece is None else piece
     if node.target == "aten.split.Tensor":
-        return {"split_size": a.int("split_size") // n}
+        return {"split_size": piece}
     if node.target == "aten.split_with_sizes.default":
-        return {"split_sizes": [s // n for s in a.ints("split_sizes")]}
+        return {"split_sizes": [piece] * len(a.ints("split_sizes"))}
     if node.target == "aten.slice.Tensor":
-        size = node.input_infos[0].shape[blocked.dim]
-        return {"start": (a.get("start") or 0) // n, "end": min(a.int("end"), size) // n}
+        start = (a.get("start") or 0) // block * piece
+        return {"start": start, "end": start + (min(a.int("end"), size) - (a.get("start") or 0)) // block * piece}
     return {}

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+import contextvars
+from typing import Iterator, Optional
 
 from autotp.graph import TensorInfo
 from autotp.placement import Placement, R, S
@@ -12,9 +14,26 @@ from autotp.placement import Placement, R, S
 AxisChoice = tuple[tuple[Optional[Placement], ...], Placement]
 
 
+_RELAXED = contextvars.ContextVar("autotp_relaxed_evenness", default=False)
+
+
 def divisible(size: int, n: int) -> bool:
-    """A dim of ``size`` splits evenly over ``n`` ranks, each getting at least one element."""
+    """A dim of ``size`` splits evenly over ``n`` ranks, each getting at least one element (within
+    :func:`relaxed`: any dim of two or more elements, which :mod:`autotp.rules.uneven` cuts in units)."""
+    if _RELAXED.get():
+        return size >= 2
     return size % n == 0 and size >= n
+
+
+@contextlib.contextmanager
+def relaxed() -> Iterator[None]:
+    """Within: :func:`divisible` accepts any size of two or more, so a rule lists the splits it would
+    make if the dims divided (for :func:`autotp.rules.uneven.uneven_choices` to cut in units)."""
+    token = _RELAXED.set(True)
+    try:
+        yield
+    finally:
+        _RELAXED.reset(token)
 
 
 def broadcast_in(in_info: TensorInfo, out_info: TensorInfo, out_dim: int) -> Placement:
