@@ -89,6 +89,24 @@ class ModuleChoice:
 
 
 @dataclass(frozen=True)
+class UnevenSplit:
+    """A parameter split into units the ranks do not divide (``S(d)~g``, :mod:`autotp.rules.uneven`)."""
+
+    parameter: str
+    shape: tuple[int, ...]
+    placement: str  # the axis's placement, e.g. "S(0)~128"
+    mesh_axis: str
+    units: tuple[int, ...]  # units of the grain each rank holds, in rank order
+
+    def describe(self) -> str:
+        grain = self.placement.split("~")[1]
+        total, n = sum(self.units), len(self.units)
+        return (f"{self.parameter} {list(self.shape)} {self.placement} over {self.mesh_axis}: {total} units of {grain}, "
+                f"{'/'.join(map(str, self.units))} per rank (the largest piece sets the time: "
+                f"{max(self.units)} where an even split would hold {total / n:.3g})")
+
+
+@dataclass(frozen=True)
 class NodeChoice:
     name: str
     target: str
@@ -116,6 +134,8 @@ class Plan:
     # the layers that recompute their activations in the backward (module paths), and the optimizer priced
     recompute: tuple[str, ...] = ()
     optimizer: OptimizerSpec = OptimizerSpec()
+    # parameters split unevenly (whole heads or rows the ranks do not divide), for the report
+    uneven: tuple[UnevenSplit, ...] = ()
     _strategies: Mapping[str, Strategy] = field(default=None, repr=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -177,6 +197,7 @@ class Plan:
             "divisibility": [asdict(d) for d in self.divisibility],
             "recompute": list(self.recompute),
             "optimizer": asdict(self.optimizer),
+            "uneven": [asdict(u) for u in self.uneven],
         }
 
     def to_json(self) -> str:
@@ -207,6 +228,8 @@ class Plan:
                 divisibility=tuple(Divisibility(**x) for x in d.get("divisibility", ())),
                 recompute=tuple(d.get("recompute", ())),
                 optimizer=_optimizer(d.get("optimizer", {})),
+                uneven=tuple(UnevenSplit(u["parameter"], tuple(u["shape"]), u["placement"], u["mesh_axis"],
+                                         tuple(u["units"])) for u in d.get("uneven", ())),
             )
         except (KeyError, TypeError, IndexError) as err:
             raise PlanError(f"plan file is missing or has a malformed field: {err}") from err

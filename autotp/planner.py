@@ -20,8 +20,8 @@ from autotp.costing import MODES, CostModel
 from autotp.dynamic import requirements
 from autotp.graph import OpGraph
 from autotp.mesh import MeshSpec
-from autotp.placement import Strategy, format_placements, parse_placements
-from autotp.plan import MemoryPerDevice, NodeChoice, Plan, PredictedTime, SolveStats, module_choices
+from autotp.placement import Strategy, format_placements, parse_placements, piece_sizes
+from autotp.plan import MemoryPerDevice, NodeChoice, Plan, PredictedTime, SolveStats, UnevenSplit, module_choices
 from autotp.program import Collective, LocalCopy, program
 from autotp.recompute import check_recompute, layer_chains, recompute_saved_bytes, recomputed_nodes
 from autotp.solver import solve
@@ -183,7 +183,20 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
         dynamic_dims=tuple(graph.dynamic),
         divisibility=requirements(graph.symbolic, graph.nodes, chosen, spec.shape),
         recompute=tuple(layer.path for layer in layers), optimizer=optimizer,
+        uneven=uneven_splits(graph, chosen, spec),
     )
+
+
+def uneven_splits(graph: OpGraph, chosen: Mapping[str, Strategy], spec: MeshSpec) -> tuple[UnevenSplit, ...]:
+    """The parameters the plan splits unevenly, with the units each rank holds."""
+    out = []
+    for param in graph.parameters:
+        for axis, p in enumerate(chosen[param.node].output):
+            if p.is_uneven:
+                pieces = piece_sizes(param.info.shape[p.dim], p, spec.shape[axis])
+                out.append(UnevenSplit(param.fqn, tuple(param.info.shape), str(p), spec.axis_names[axis],
+                                       tuple(size // p.grain for size in pieces)))
+    return tuple(out)
 
 
 def plan(model: torch.nn.Module, mesh: Any, example_inputs: Any, hardware: Any = None, mode: str = "train",

@@ -94,6 +94,9 @@ def _text(plan: "Plan") -> str:
     lines += ["", "Collectives per step"]
     rows = _collective_rows(plan)
     lines += _table(["phase", "kind", "axis", "count", "bytes"], rows) if rows else ["(none: every rank works alone)"]
+    if plan.uneven:
+        lines += ["", "Uneven splits (whole heads or rows the ranks do not divide)"]
+        lines += [f"  {u.describe()}" for u in plan.uneven]
     if plan.dynamic_dims:
         lines += ["", "Dynamic dims (sizes other than the example's run without planning again)"]
         lines += [f"  {line}" for line in dynamic_lines(plan)]
