@@ -398,22 +398,28 @@ def test_reductions(ops_graph):
 
 @pytest.mark.parametrize("mesh", [(3,), (5,), (3, 2), (2, 3)])
 def test_no_uneven_split(ops_graph, mesh):
-    """Mesh 3 on dim 64: no strategy splits that dim; generally every split dim divides evenly."""
+    """Mesh 3 on dim 64: no plain split cuts that dim; every plain split divides evenly, and an uneven
+    one (``S(d)~g``, autotp.rules.uneven) cuts whole units of its grain that the ranks do not divide."""
     g, _ = ops_graph
     for node in g.nodes:
         for s in node_strategies(g, node, mesh):
             for placements, info in _tensors(node, s):
                 if placements is None:
                     continue
-                for d in {p.dim for p in placements if p.is_shard}:
+                for p, n in zip(placements, mesh):
+                    if p.is_uneven:
+                        units = info.shape[p.dim] // p.grain
+                        assert info.shape[p.dim] % p.grain == 0 and units % n, f"{node.name} {s}: {info}"
+                for d in {p.dim for p in placements if p.is_shard and not p.is_uneven}:
                     ways = 1
                     for p, n in zip(placements, mesh):
                         if p.is_shard and p.dim == d:
                             ways *= n
                     assert info.shape[d] % ways == 0, f"{node.name} {s}: dim {d} of {info} over {ways}"
-    lin = _ops(g, "aten.linear.default")[0]  # weight (128, 64): neither dim splits over 3 or 5
+    lin = _ops(g, "aten.linear.default")[0]  # weight (128, 64): neither dim splits evenly over 3 or 5
     if mesh in ((3,), (5,)):
-        assert _strs(g, lin, mesh) == ["(R, R, R) -> R", "(P, R, P) -> P"]
+        even = [t for t in _strs(g, lin, mesh) if "~" not in t]
+        assert even == ["(R, R, R) -> R", "(P, R, P) -> P"]
 
 
 @pytest.mark.parametrize("mesh", [(2, 2), (2, 4), (4, 2)])
