@@ -48,7 +48,7 @@ from cost_models import (HardwareProfile, OptimizerSpec, collective_time_s, comp
 from autotp.graph import PARAMETER, OpNode, TensorInfo, dtype_bytes
 from autotp.mesh import MeshSpec
 from autotp.placement import Placement, Strategy, axis_divisor, shard_divisor
-from autotp.redistribute import all_reduce_copies, conversion, is_convertible, step_copies
+from autotp.redistribute import all_reduce_copies, conversion, is_convertible, step_bytes, step_copies
 
 __all__ = ["CostModel", "MemoryParts", "BACKWARD_FLOP_RATIO", "MODES"]
 
@@ -114,11 +114,7 @@ class CostModel:
         forward_s = backward_s = 0.0
         steps = conversion(info.shape, src, dst, self.mesh.shape, grad_axes if self.train else ())
         for step in steps.steps:
-            size = info.nbytes / step.divisor
-            uneven = next((p for p in (step.src, step.dst) if p.is_uneven), None)
-            if uneven is not None:  # the collective runs on pieces padded to the largest
-                n = self.mesh.shape[step.axis]
-                size *= n / axis_divisor(steps.shape[uneven.dim], uneven, n)
+            size = step_bytes(step, steps.shape, info.nbytes, self.mesh.shape)
             copies_fwd, copies_bwd = step_copies(step, steps.shape, self.mesh.shape[step.axis], info.nbytes)
             forward_s += (self.collective_s(step.forward, step.axis, size) if step.forward else 0.0) + sum(
                 self.copy_s(b, info.dtype) for b in copies_fwd)

@@ -18,7 +18,7 @@ from typing import Collection, Mapping, Optional
 from autotp.graph import OpGraph
 from autotp.mesh import MeshSpec
 from autotp.placement import Placement, R, Strategy
-from autotp.redistribute import all_reduce_copies, conversion, fused_axes, step_copies
+from autotp.redistribute import all_reduce_copies, conversion, fused_axes, step_bytes, step_copies
 from autotp.units import format_bytes
 
 __all__ = ["Read", "Collective", "LocalCopy", "reads", "collectives", "local_copies", "program", "OUTPUT"]
@@ -123,7 +123,7 @@ def program(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, trai
             done_redistribute.add((r.value, r.placements, fused))
             steps = conversion(info.shape, p, r.placements, mesh.shape, fused)
             for step in steps.steps:
-                size = info.nbytes / step.divisor
+                size = step_bytes(step, steps.shape, info.nbytes, mesh.shape)
                 axis = mesh.axis_names[step.axis]
                 backward = train and src.requires_grad
                 again = r.consumer in recomputed

@@ -70,10 +70,10 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from autotp.placement import Placement
+from autotp.placement import Placement, axis_divisor
 
 __all__ = ["Step", "Conversion", "conversion", "unblocked", "conversion_steps", "step_kinds", "is_convertible",
-           "fused_axes", "step_copies",
+           "fused_axes", "step_copies", "step_bytes",
            "all_reduce_copies"]
 
 
@@ -236,6 +236,18 @@ def conversion_steps(src: Sequence[Placement], dst: Sequence[Placement], mesh_sh
         pending.remove(ready)  # set: the outermost pending step waits on nothing and delays nothing
         step(ready, dst[ready])
     return steps
+
+
+def step_bytes(step: Step, shape: Sequence[int], nbytes: float, mesh_shape: Sequence[int]) -> float:
+    """Bytes of the collective of ``step`` on a tensor of ``nbytes`` (``shape``: the one the steps run
+    on, :attr:`Conversion.shape`): the tensor cut by the other axes, and for an uneven split, every
+    piece padded to the largest (what the runtime sends)."""
+    size = nbytes / step.divisor
+    uneven = next((p for p in (step.src, step.dst) if p.is_uneven), None)
+    if uneven is not None:
+        n = mesh_shape[step.axis]
+        size *= n / axis_divisor(shape[uneven.dim], uneven, n)
+    return size
 
 
 def all_reduce_copies(size_bytes: float) -> tuple[float, ...]:

@@ -130,8 +130,11 @@ def _rank(rank, world, case, graph, plan, models):
     with CollectiveLog(mesh) as bwd:
         (out - target).pow(2).mean().backward()
     assert_as_planned(bwd, plan, "backward")
-    return {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach()
-            for name, p in pm.named_parameters()}
+    from autotp.checkpoint import full_tensor
+    from autotp.rewrite import placements_of
+
+    # autotp's gather: DTensor's full_tensor() sizes an uneven split of whole heads by elements
+    return {name: full_tensor(p.grad, placements_of(p)).detach() for name, p in pm.named_parameters()}
 
 
 def _gradients(model: nn.Module, inputs: tuple, seed: int) -> dict[str, torch.Tensor]:
