@@ -17,7 +17,7 @@ from typing import Collection, Mapping, Optional
 
 from autotp.graph import OpGraph
 from autotp.mesh import MeshSpec
-from autotp.placement import Placement, R, Strategy
+from autotp.placement import Placement, R, Strategy, shard_divisor
 from autotp.redistribute import all_reduce_copies, conversion, fused_axes, step_bytes, step_copies
 from autotp.units import format_bytes
 
@@ -144,11 +144,9 @@ def program(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, trai
         if reduce_axes and key not in done_reduce:
             done_reduce.add(key)
             for a in reduce_axes:
-                divisor = 1
-                for b, (pl, n) in enumerate(zip(r.placements, mesh.shape)):
-                    if b != a and pl.is_shard:
-                        divisor *= n
-                size = info.nbytes / divisor
+                # the largest piece the other axes leave (autotp.costing.CostModel.grad_reduce_s)
+                size = info.nbytes / shard_divisor(info.shape, [pl for b, pl in enumerate(r.placements) if b != a],
+                                                   [n for b, n in enumerate(mesh.shape) if b != a])
                 bwd.append(Collective("all_reduce", "backward", mesh.axis_names[a], size, r.producer))
                 bwd_copies += [LocalCopy("backward", mesh.axis_names[a], b, info.dtype, r.producer)
                                for b in all_reduce_copies(size)]

@@ -80,14 +80,15 @@ __all__ = ["Step", "Conversion", "conversion", "unblocked", "conversion_steps", 
 @dataclass(frozen=True)
 class Step:
     """One axis of a redistribution; ``cuts`` are the dims the other axes cut the tensor along and
-    in how many pieces (``(dim, pieces)`` per other axis)."""
+    in how many pieces (``(dim, pieces)`` per other axis; for an uneven split, the full size over
+    its largest piece, which may be fractional: the largest piece is what the step moves)."""
 
     axis: int
     src: Placement
     dst: Placement
     forward: Optional[str]
     backward: Optional[str]
-    cuts: tuple[tuple[int, int], ...] = ()
+    cuts: tuple[tuple[int, float], ...] = ()
 
     @property
     def divisor(self) -> int:
@@ -178,7 +179,7 @@ def conversion(shape: Sequence[int], src: Sequence[Placement], dst: Sequence[Pla
     if view is not None:
         d, k = view
         shape = shape[:d] + (k, shape[d] // k) + shape[d + 1:]
-    return Conversion(view, shape, tuple(conversion_steps(src_v, dst_v, mesh_shape, grad_axes)))
+    return Conversion(view, shape, tuple(conversion_steps(src_v, dst_v, mesh_shape, grad_axes, shape)))
 
 
 def fused_axes(src: Sequence[Placement], dst: Sequence[Placement], grad_axes: Sequence[int]) -> tuple[int, ...]:
@@ -187,10 +188,11 @@ def fused_axes(src: Sequence[Placement], dst: Sequence[Placement], grad_axes: Se
 
 
 def conversion_steps(src: Sequence[Placement], dst: Sequence[Placement], mesh_shape: Sequence[int],
-                     grad_axes: Sequence[int] = ()) -> list[Step]:
+                     grad_axes: Sequence[int] = (), shape: Optional[Sequence[int]] = None) -> list[Step]:
     """The ordered steps that turn ``src`` into ``dst`` (only the axes that change).
 
     ``grad_axes``: axes on which the readers return partial gradients (see the module docstring).
+    ``shape``: the tensor's, needed where another axis splits it unevenly (:attr:`Step.cuts`).
     """
     if any(p.is_blocked for p in (*src, *dst)):
         raise ValueError("blocked splits convert on a view of the tensor: use conversion(shape, src, dst, ...)")
@@ -214,7 +216,8 @@ def conversion_steps(src: Sequence[Placement], dst: Sequence[Placement], mesh_sh
             bwd = "reduce_scatter"
         was = current[a]
         current[a] = target
-        cuts = tuple((p.dim, n) for b, (p, n) in enumerate(zip(current, mesh_shape)) if b != a and p.is_shard)
+        cuts = tuple((p.dim, _pieces(p, n, shape)) for b, (p, n) in enumerate(zip(current, mesh_shape))
+                     if b != a and p.is_shard)
         steps.append(Step(a, was, target, fwd, bwd, cuts))
 
     def blocks_another(a: int) -> bool:
@@ -236,6 +239,15 @@ def conversion_steps(src: Sequence[Placement], dst: Sequence[Placement], mesh_sh
         pending.remove(ready)  # set: the outermost pending step waits on nothing and delays nothing
         step(ready, dst[ready])
     return steps
+
+
+def _pieces(p: Placement, n: int, shape: Optional[Sequence[int]]) -> float:
+    """How many times smaller than the tensor the largest piece ``p`` cuts along its dim is."""
+    if not p.is_uneven:
+        return n
+    if shape is None:
+        raise ValueError(f"{p} splits unevenly: the steps need the tensor's shape")
+    return axis_divisor(shape[p.dim], p, n)
 
 
 def step_bytes(step: Step, shape: Sequence[int], nbytes: float, mesh_shape: Sequence[int]) -> float:
@@ -268,7 +280,7 @@ def step_copies(step: Step, shape: Sequence[int], n: int, nbytes: float) -> tupl
     shard = size / n
     local = list(shape)
     for dim, pieces in step.cuts:
-        local[dim] = max(1, local[dim] // pieces)
+        local[dim] = max(1, round(local[dim] / pieces))
 
     def moved(dim: int) -> bool:  # a copy is needed to bring ``dim`` to the front, or back
         return math.prod(local[:dim]) > 1

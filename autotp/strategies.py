@@ -180,12 +180,6 @@ def _valid(node: OpNode, strategy: Strategy, mesh_shape: Sequence[int]) -> bool:
     return True
 
 
-def combo_placements(s: Strategy):
-    """Every placement of a strategy, inputs and output, axis by axis."""
-    for placements in (*s.inputs, s.output):
-        yield from placements or ()
-
-
 def node_strategies(graph: OpGraph, node: OpNode, mesh_shape: Sequence[int],
                     warned: Optional[_Warned] = None) -> list[Strategy]:
     """All strategies of ``node`` on a mesh of ``mesh_shape``, in a fixed order."""
@@ -198,8 +192,6 @@ def node_strategies(graph: OpGraph, node: OpNode, mesh_shape: Sequence[int],
             for k in range(len(node.inputs))
         )
         s = Strategy(inputs, tuple(c[1] for c in combo))
-        if len(mesh_shape) > 1 and any(p is not None and p.is_uneven for p in (*combo_placements(s),)):
-            continue  # uneven splits on one-axis meshes only (see autotp.rules.uneven)
         if s not in seen and _valid(node, s, mesh_shape):
             seen.add(s)
             out.append(s)
