@@ -223,3 +223,21 @@ def test_uneven_heads_are_exact_on_three_gloo_processes():
         torch.testing.assert_close(out, ref.detach(), rtol=1e-4, atol=1e-5 * ref.abs().max().item())
         for name, p in model.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5 * p.grad.abs().max().item())
+
+
+def test_uneven_heads_on_a_two_axis_mesh_are_exact_and_run_as_planned():
+    """3 heads on a (2, 2) mesh: collectives over one axis move pieces whose size depends on the place
+    on the other; outputs and gradients still equal one process, and each collective that runs is one
+    the plan lists, at most as large (tests/test_properties.py's check)."""
+    from autotp.planner import plan_graph
+    from test_properties import Case, build, check
+
+    case = Case(blocks=("attention", "mlp"), dim=12, heads=3, head_dim=4, batch=1, seq=3, mesh=(2, 2), mode="train",
+                slack=0.02, seed=0)
+    model, inputs = build(case)
+    graph = autotp.capture(model, inputs)
+    with pytest.raises(autotp.MemoryBudgetError) as err:
+        plan_graph(graph, case.mesh, "cpu-gloo", case.mode, memory_budget=1)
+    plan = plan_graph(graph, case.mesh, "cpu-gloo", case.mode, memory_budget=err.value.minimum_bytes * 1.02)
+    assert any("~" in n.strategy for n in plan.nodes), [n.strategy for n in plan.nodes]
+    check(case)  # plans the same way again, runs on 4 threads, compares
