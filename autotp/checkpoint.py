@@ -78,11 +78,13 @@ def _dtensor_cannot_size(p) -> bool:
 
 
 def _placements(module: nn.Module) -> dict:
-    """autotp's placements of the module's parameters, by state dict name."""
+    """autotp's placements of the module's parameters, by state dict name (as the rewrite recorded
+    them on the module: they outlive ``module.to()``)."""
     from autotp.rewrite import placements_of
 
-    return {name: placements_of(value) for name, value in module.state_dict(keep_vars=True).items()
-            if hasattr(value, "placements")}
+    recorded = getattr(module, "autotp_placements", None) or {}
+    return {name: recorded.get(name) or placements_of(value)
+            for name, value in module.state_dict(keep_vars=True).items() if hasattr(value, "placements")}
 
 
 def _for_dcp(state: dict, own: dict) -> tuple[dict, dict]:
@@ -114,7 +116,7 @@ def _placed(full: torch.Tensor, mesh, placements, own=None) -> torch.Tensor:
 
     own = own if own is not None else from_dtensor(placements)
     local = local_shard(full, own, mesh.get_coordinate(), tuple(mesh.mesh.shape))
-    return _dtensor(local, mesh, own, full.shape)
+    return _dtensor(local, mesh, own, full.shape, sized=True)
 
 
 def full_state_dict(module: nn.Module, rank: Optional[int] = 0) -> dict[str, torch.Tensor]:

@@ -205,6 +205,9 @@ class MaskedEmbedding(nn.Module):
         return f"rows [{self.row_offset}, {self.row_offset + self.local_rows})"
 
     def forward(self, weight: torch.Tensor, indices: torch.Tensor, *args) -> torch.Tensor:
+        if self.local_rows == 0:  # an uneven split left this rank no rows: every lookup is zeros
+            zeros = weight.new_zeros((*indices.shape, weight.shape[-1]))
+            return zeros + weight.sum()  # keeps the (empty) weight in the graph: its gradient exists
         local = indices - self.row_offset
         outside = (local < 0) | (local >= self.local_rows)
         out = torch.ops.aten.embedding.default(weight, local.masked_fill(outside, 0), *args)

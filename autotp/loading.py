@@ -46,11 +46,13 @@ def load_weights(module: nn.Module, path: str | os.PathLike) -> None:
         from autotp import checkpoint
 
         return checkpoint.load(module, root)
+    from autotp.checkpoint import _placements
+
     files = _safetensors_files(root)
     targets = _targets(module)
     plan = _match(targets, files)
     with torch.no_grad():
-        _read(plan)
+        _read(plan, _placements(module))
 
 
 def _safetensors_files(root: Path) -> dict[str, Path]:
@@ -107,7 +109,8 @@ def _match(targets, files: dict[str, Path]) -> list[tuple[str, Path, torch.Tenso
     return out
 
 
-def _read(plan: list[tuple[str, Path, torch.Tensor]]) -> None:
+def _read(plan: list[tuple[str, Path, torch.Tensor]], placements: dict) -> None:
+    """Each entry's piece from its file; ``placements``: autotp's, by name (``checkpoint._placements``)."""
     from safetensors import safe_open
 
     by_file: dict[Path, list[tuple[str, torch.Tensor]]] = {}
@@ -119,7 +122,7 @@ def _read(plan: list[tuple[str, Path, torch.Tensor]]) -> None:
             for key, value in entries:
                 # the DTensor's shard itself (to_local() may hand back a view, which set_ would not reach)
                 local = value._local_tensor if hasattr(value, "_local_tensor") else value
-                ranges = _ranges(value, meshes)
+                ranges = _ranges(value, meshes, placements.get(key))
                 piece = _read_piece(f.get_slice(key), ranges) if ranges else f.get_tensor(key)
                 if piece.dtype == local.dtype and piece.is_contiguous() and piece.device == local.device:
                     local.set_(piece)  # the file's pages, mapped privately: no copy; a write copies its page
@@ -138,7 +141,7 @@ def _read_piece(sliced: Any, ranges: tuple) -> torch.Tensor:
     return torch.cat(parts, dim=d)
 
 
-def _ranges(value: Any, meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...]]]):
+def _ranges(value: Any, meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...]]], placements=None):
     """This rank's ``(start, stop)`` per dim of a DTensor, None for a plain tensor (read whole).
 
     ``meshes`` caches each mesh's (coordinate, shape): ``DeviceMesh.mesh`` rebuilds a tensor per call.
@@ -149,4 +152,5 @@ def _ranges(value: Any, meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...]
     if id(mesh) not in meshes:
         meshes[id(mesh)] = (tuple(mesh.get_coordinate()), tuple(mesh.mesh.shape))
     coordinate, shape = meshes[id(mesh)]
-    return local_ranges(tuple(value.shape), placements_of(value), coordinate, shape)
+    own = placements if placements is not None else placements_of(value)
+    return local_ranges(tuple(value.shape), own, coordinate, shape)

@@ -108,7 +108,8 @@ def _dtensor_placements(placements: tuple[Placement, ...]) -> list:
 def placements_of(value: Any) -> tuple[Placement, ...]:
     """autotp's placements of a parameter of a module from :func:`build_parallel_module` (or of any
     DTensor): the rewrite records them on the parameter, where an uneven split's grain is kept (for
-    ``DTensor`` a split of whole heads is a ``Shard`` whose pieces it cannot size)."""
+    ``DTensor`` a split of whole heads is a ``Shard`` whose pieces it cannot size). ``module.to()``
+    makes new parameters without them: the module's ``autotp_placements`` (by name) keeps them."""
     own = getattr(value, "_autotp_placements", None)
     return own if own is not None else from_dtensor(value.placements)
 
@@ -120,13 +121,14 @@ def from_dtensor(placements: Any) -> tuple[Placement, ...]:
                  for p in placements)
 
 
-def _dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...], shape: Any) -> DTensor:
-    """The DTensor of this rank's piece ``local`` of a tensor of ``shape``. An uneven split's pieces are
-    not the ones DTensor would cut: the global shape is given, and the stride DTensor derives from the
-    local piece (autograd copies a gradient whose stride differs from its parameter's into a buffer
-    DTensor sizes evenly, which fails)."""
+def _dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...], shape: Any,
+             sized: bool = False) -> DTensor:
+    """The DTensor of this rank's piece ``local`` of a tensor of ``shape``. Where the pieces may differ in
+    size (an uneven split; ``sized``: a plain split of a dim the ranks do not divide), the global shape
+    is given, with the stride DTensor derives from the local piece (autograd copies a gradient whose
+    stride differs from its parameter's into a buffer DTensor sizes evenly, which fails)."""
     dplacements = _dtensor_placements(placements)
-    if not any(p.is_uneven for p in placements):
+    if not sized and not any(p.is_uneven for p in placements):
         return DTensor.from_local(local, mesh, dplacements, run_check=False)
     from torch.distributed.tensor._utils import compute_global_tensor_info
 
@@ -171,6 +173,7 @@ class _Builder:
         self.recomputed = recomputed_nodes(graph, plan.recompute)  # node -> the recomputed layer it is in
         self.layer_of: dict[str, str] = {}  # fx node name -> the recomputed layer it runs in
         self.size_layer: dict[str, str] = {}  # exported size node -> the recomputed layer it is computed in
+        self.placements: dict[str, tuple[Placement, ...]] = {}  # parameter name -> autotp's placements
         self.grad_axes = {(r.consumer, r.index): r.grad_axes for r in reads(graph, plan.strategies, plan.mesh, train)}
 
     # -- state ---------------------------------------------------------------------------------
@@ -193,6 +196,7 @@ class _Builder:
             param = nn.Parameter(dt, requires_grad=params[p.fqn].requires_grad)
             param._autotp_placements = placements  # type: ignore[attr-defined]
             for name in (p.fqn, *p.aliases):
+                self.placements[name] = placements
                 _set(self.root, name, param, "parameter")
         persistent = set(self.model.state_dict().keys())
         buffers = dict(self.model.named_buffers())
@@ -328,6 +332,8 @@ class _Builder:
         if hasattr(gm, "autotp_input_guard"):
             gm.autotp_input_guard.recorded = getattr(unlifted, "_guards_fn", None)
         gm.recompile()
+        # by name on the module, where they outlive .to() and .half() (which make new parameters)
+        gm.autotp_placements = dict(self.placements)  # type: ignore[assignment]
         if self.layer_of:
             apply_recompute(gm, {n: self.layer_of[n.name] for n in gm.graph.nodes if n.name in self.layer_of})
         return gm
@@ -412,6 +418,10 @@ class _Builder:
                 mean = self.fx.call_function(target, args, kwargs)
                 self.local[node.name] = self.fx.call_function(aten.div.Tensor, (mean, pieces))
                 return
+        elif target is aten.squeeze.default:
+            # the dims of size 1 in the whole tensor: a rank's piece of a split dim may be 1 long too
+            ones = [d for d, size in enumerate(op.input_infos[0].shape) if size == 1]
+            target, args = aten.squeeze.dims, (args[0], ones)
         elif str(target) in ops.SHAPE_ARGUMENT:
             args = (args[0], self.local_sizes(args[1], op, strat.output), *args[2:])
         elif target is aten.slice.Tensor:

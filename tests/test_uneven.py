@@ -117,22 +117,53 @@ def _round_trip(rank, world, graph, plan, model, directory, safetensors_dir):
         for p in pm.parameters():
             p.to_local().zero_()
     autotp.load_weights(pm, safetensors_dir)
-    return from_dcp, checkpoint.full_state_dict(pm, rank=None)
+    from_file = checkpoint.full_state_dict(pm, rank=None)
+    pm.double()  # new parameters: the placements the module keeps by name still size the pieces
+    return from_dcp, from_file, checkpoint.full_state_dict(pm, rank=None)
 
 
-def test_uneven_shards_survive_a_checkpoint_and_load_from_safetensors(tmp_path):
+@pytest.mark.parametrize("world,heads", [(2, 3), (3, 5)])
+def test_uneven_shards_survive_a_checkpoint_and_load_from_safetensors(tmp_path, world, heads):
+    """(3, 5): 80 rows over 3 ranks, which DCP's plain split of them cuts 27/27/26."""
     from safetensors.torch import save_file
 
     torch.manual_seed(0)
-    model, x = Block(heads=3), torch.randn(2, 8, 48)
-    graph, plan = _loose_plan(model, x, 2)
+    model, x = Block(heads=heads), torch.randn(2, 8, heads * 16)
+    graph, plan = _loose_plan(model, x, world)
     assert any("~16" in v for v in plan.parameter_placements.values())
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "model.safetensors"))
     original = {k: v.clone() for k, v in model.state_dict().items()}  # replicated shards share the model's storage
-    for from_dcp, from_file in run_threads(_round_trip, 2, graph, plan, model, str(tmp_path / "dcp"), str(tmp_path)):
+    for from_dcp, from_file, converted in run_threads(_round_trip, world, graph, plan, model, str(tmp_path / "dcp"),
+                                                      str(tmp_path)):
         for k, v in original.items():
             torch.testing.assert_close(from_dcp[k], v, rtol=0, atol=0, msg=k)
             torch.testing.assert_close(from_file[k], v, rtol=0, atol=0)
+            torch.testing.assert_close(converted[k], v.double(), rtol=0, atol=0)
+
+
+class Squeezed(nn.Module):
+    """Attention whose output is squeezed with no dims: a rank holding one head must keep its head dim."""
+
+    def __init__(self, heads: int = 5, hd: int = 16) -> None:
+        super().__init__()
+        self.heads, self.qkv, self.o = heads, nn.Linear(heads * hd, 3 * heads * hd), nn.Linear(heads * hd, heads * hd)
+
+    def forward(self, x):  # (1, T, D)
+        t = x.shape[1]
+        q, k, v = (y.view(1, t, self.heads, -1).transpose(1, 2) for y in self.qkv(x).chunk(3, dim=-1))
+        a = nn.functional.scaled_dot_product_attention(q, k, v).squeeze()  # (H, T, hd)
+        return self.o(a.transpose(0, 1).reshape(t, -1))
+
+
+def test_a_squeeze_keeps_a_split_dim_a_rank_holds_one_unit_of():
+    from autotp.planner import plan_graph
+
+    torch.manual_seed(0)
+    model, x = Squeezed(), torch.randn(1, 8, 80)
+    graph = autotp.capture(model, (x,))
+    plan = plan_graph(graph, (3,), "cpu-gloo", "train", pin={"qkv.weight": "S(0)[3]~16", "o.weight": "S(1)~16"})
+    assert any(n.target == "aten.squeeze.default" and "~" in n.strategy for n in plan.nodes)
+    assert_step_matches_one_process(graph, plan, model, x, world=3)  # 2/2/1 heads
 
 
 def _gpt2_tiny(heads: int):
@@ -156,6 +187,8 @@ def test_a_fused_qkv_with_uneven_heads_splits_whole_heads_of_each_block(world):
     # Conv1D weights being (in, out)
     pin = {f"m.transformer.h.{i}.attn.{name}.weight": placement for i in range(2)
            for name, placement in (("c_attn", "S(1)[3]~8"), ("c_proj", "S(0)~8"))}
+    if world == 3:  # 96 rows in 2 units of 48 over 3 ranks: the last rank looks up in no rows at all
+        pin["m.transformer.wte.weight"] = "S(0)~48"
     plan = plan_graph(graph, (world,), "cpu-gloo", "train", pin=pin)
     attention = [n for n in graph.nodes if n.target == "aten.scaled_dot_product_attention.default"]
     assert attention and all(str(plan.strategy(n.name).output[0]) == "S(1)~1" for n in attention)
