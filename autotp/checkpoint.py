@@ -45,8 +45,8 @@ def full_tensor(value: torch.Tensor, placements=None) -> torch.Tensor:
     ranks do not divide (``S(d)~g`` with ``g`` > 1, :mod:`autotp.rules.uneven`) is a ``Shard(d)``
     there, whose pieces DTensor sizes by elements, not heads. This gathers by the placements the
     rewrite recorded (``placements``: autotp's, for a gradient pass its parameter's
-    :func:`autotp.rewrite.placements_of`)."""
-    from autotp.rewrite import placements_of
+    :func:`autotp.shards.placements_of`)."""
+    from autotp.shards import placements_of
 
     if not hasattr(value, "placements"):
         return value
@@ -80,7 +80,7 @@ def _dtensor_cannot_size(p) -> bool:
 def _placements(module: nn.Module) -> dict:
     """autotp's placements of the module's parameters, by state dict name (as the rewrite recorded
     them on the module: they outlive ``module.to()``)."""
-    from autotp.rewrite import placements_of
+    from autotp.shards import placements_of
 
     recorded = getattr(module, "autotp_placements", None) or {}
     return {name: recorded.get(name) or placements_of(value)
@@ -112,11 +112,11 @@ def _for_dcp(state: dict, own: dict) -> tuple[dict, dict]:
 def _placed(full: torch.Tensor, mesh, placements, own=None) -> torch.Tensor:
     """A DTensor of ``full`` with DTensor ``placements`` on ``mesh`` (autotp's ``own`` where they say
     more): this rank's piece, cut locally."""
-    from autotp.rewrite import _dtensor, from_dtensor, local_shard
+    from autotp.shards import as_dtensor, from_dtensor, local_shard
 
     own = own if own is not None else from_dtensor(placements)
     local = local_shard(full, own, mesh.get_coordinate(), tuple(mesh.mesh.shape))
-    return _dtensor(local, mesh, own, full.shape, sized=True)
+    return as_dtensor(local, mesh, own, full.shape, sized=True)
 
 
 def full_state_dict(module: nn.Module, rank: Optional[int] = 0) -> dict[str, torch.Tensor]:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autotp.rewrite import local_ranges, placements_of
+from autotp.shards import local_ranges, placements_of
 
 __all__ = ["load_weights"]
 

@@ -17,7 +17,7 @@ def _step(rank, world, graph, plan, model, x):
     out = pm(x)
     out.pow(2).sum().backward()
     from autotp.checkpoint import full_tensor
-    from autotp.rewrite import placements_of
+    from autotp.shards import placements_of
 
     return out.detach(), {n: full_tensor(p.grad, placements_of(p)) for n, p in pm.named_parameters()}
 

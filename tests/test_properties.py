@@ -131,7 +131,7 @@ def _rank(rank, world, case, graph, plan, models):
         (out - target).pow(2).mean().backward()
     assert_as_planned(bwd, plan, "backward")
     from autotp.checkpoint import full_tensor
-    from autotp.rewrite import placements_of
+    from autotp.shards import placements_of
 
     # autotp's gather: DTensor's full_tensor() sizes an uneven split of whole heads by elements
     return {name: full_tensor(p.grad, placements_of(p)).detach() for name, p in pm.named_parameters()}

@@ -3,7 +3,7 @@
 For every pair of placements ``src -> dst`` over R, P, S(0) and S(1) on both axes, four threaded
 ranks run the runtime's steps (:func:`autotp.redistribute.conversion_steps`, executed by
 :class:`autotp.collectives.RedistributeStep`) on their piece of a known tensor, and the result is
-compared with the piece ``dst`` names, cut from the full tensor by ``autotp.rewrite.local_shard``
+compared with the piece ``dst`` names, cut from the full tensor by ``autotp.shards.local_shard``
 (axis 0 splits first, then axis 1 splits each piece: DTensor's layout). A partial source holds the
 full value times a rank factor that sums to a known total; a partial result is judged by its sum
 over the ranks of its partial axes. The gradient fed back is the ``dst`` piece of a known
@@ -36,7 +36,7 @@ def _piece(full, placements, coordinate):
     """This rank's value under ``placements``: P axes hold ``(c + 1) * value`` (their sum over the
     axis is ``3 * value`` on a mesh axis of 2)."""
     from autotp.placement import Placement
-    from autotp.rewrite import local_shard
+    from autotp.shards import local_shard
 
     whole = [Placement("R") if p.is_partial else p for p in placements]
     out = local_shard(full, tuple(whole), coordinate, MESH)
@@ -112,7 +112,7 @@ def _simulate(src, dst, mesh, full):
 
     from autotp.placement import Placement
     from autotp.redistribute import conversion_steps
-    from autotp.rewrite import local_shard
+    from autotp.shards import local_shard
 
     coords = list(itertools.product(*(range(n) for n in mesh)))
     parts = math.prod(n for p, n in zip(src, mesh) if p.is_partial)
@@ -142,7 +142,7 @@ def test_every_redistribution_on_a_3d_mesh_lands_on_the_pieces_dst_names():
     splits a dim that a later axis splits."""
     from autotp.placement import Placement
     from autotp.redistribute import conversion_steps, is_convertible
-    from autotp.rewrite import local_shard
+    from autotp.shards import local_shard
 
     mesh = (2, 2, 2)
     full = torch.arange(8 * 8, dtype=torch.float64).reshape(8, 8)

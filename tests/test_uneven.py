@@ -17,7 +17,7 @@ from torch import nn
 
 import autotp
 from autotp.placement import S, Strategy, local_shape, piece_sizes
-from autotp.rewrite import local_ranges, local_shard
+from autotp.shards import local_ranges, local_shard
 from examples.ranks import run_threads
 from exactness import assert_step_matches_one_process
 
@@ -231,7 +231,7 @@ def _gloo_step(rank, world, plan_json, heads):
     from torch.distributed.device_mesh import init_device_mesh
 
     from autotp.checkpoint import full_tensor
-    from autotp.rewrite import placements_of
+    from autotp.shards import placements_of
 
     torch.manual_seed(0)
     model, x = Block(heads=heads), torch.randn(2, 8, heads * 16)
