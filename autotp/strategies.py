@@ -98,9 +98,13 @@ def axis_choices(node: OpNode, n: int, warned: Optional[_Warned] = None,
     if graph is None:
         return choices
     units = unit_counts(graph, n)
+
+    def static(k: int, d: int) -> bool:
+        return _static(graph, node, k, d)
+
     if units:
-        choices = choices + [c for c in uneven_choices(node, n, units, lambda: _choices(node, n, None, graph),
-                                                       lambda k, d: _static(graph, node, k, d)) if c not in choices]
+        choices = choices + [c for c in uneven_choices(node, n, units, lambda: _choices(node, n, None, graph), static)
+                             if c not in choices]
     counts = block_counts(graph)
     plain = [c for c in choices if not any(p is not None and p.is_uneven for p in (*c[0], c[1]))]
 
@@ -112,8 +116,7 @@ def axis_choices(node: OpNode, n: int, warned: Optional[_Warned] = None,
 
     blocked = blocked_choices()
     if units and counts:  # whole units of every block (25 heads of q, k and v over 8 ranks)
-        blocked += [c for c in uneven_choices(node, n, units, blocked_choices, lambda k, d: _static(graph, node, k, d))
-                    if c not in blocked and any(p is not None and p.is_blocked for p in (*c[0], c[1]))]
+        blocked += [c for c in uneven_choices(node, n, units, blocked_choices, static) if c not in blocked and any(p is not None and p.is_blocked for p in (*c[0], c[1]))]
     return choices + blocked
 
 

@@ -46,8 +46,6 @@ _VIEWS_WITHOUT_POSITIONS = frozenset({
     "aten.view_as_complex.default", "aten.view_as_real.default", "aten.slice.Tensor",
 })
 
-_CUTS = frozenset({"aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default", "aten.slice.Tensor"})
-
 _CACHE: "weakref.WeakKeyDictionary[OpGraph, dict[int, tuple[int, ...]]]" = weakref.WeakKeyDictionary()
 
 
@@ -81,7 +79,8 @@ def unit_counts(graph: OpGraph, n: int) -> tuple[int, ...]:
 
 
 def takes_uneven(node: OpNode) -> bool:
-    """Whether ``node``'s rule may be asked for uneven splits (see the module docstring)."""
+    """Whether ``node``'s rule may be asked for uneven splits (see the module docstring); the cuts
+    (split, chunk, a slice) are among them: a cut of blocked pieces into the blocks keeps whole units."""
     if node.is_placeholder:
         return node.role == PARAMETER
     t = node.target
@@ -99,7 +98,7 @@ def uneven_choices(node: OpNode, n: int, units: tuple[int, ...], rule: Callable[
     exact on whole units of every block as on even pieces of each.
     ``static(k, d)``: whether dim ``d`` of tensor ``k`` (the inputs in order, then the output) has a
     static size; an uneven split needs one (its pieces are fixed at build time)."""
-    if not units or not (takes_uneven(node) or node.target in _CUTS):
+    if not units or not takes_uneven(node):
         return []
     with relaxed():
         choices = rule()
