@@ -41,9 +41,10 @@ def load(module: nn.Module, path: str | os.PathLike) -> None:
 def full_tensor(value: torch.Tensor, placements=None) -> torch.Tensor:
     """The whole tensor of a parameter (or its gradient) of a parallel module, on every rank.
 
-    ``DTensor.full_tensor()`` is right for every placement but one: a split of whole heads that the
+    ``DTensor.full_tensor()`` is right for every placement but two: a split of whole heads that the
     ranks do not divide (``S(d)~g`` with ``g`` > 1, :mod:`autotp.rules.uneven`) is a ``Shard(d)``
-    there, whose pieces DTensor sizes by elements, not heads. This gathers by the placements the
+    there, whose pieces DTensor sizes by elements, not heads; and unequal blocks (``S(d)[s1,s2,...]``),
+    which DTensor has no placement for (a ``Shard(d)`` there). This gathers by the placements the
     rewrite recorded (``placements``: autotp's, for a gradient pass its parameter's
     :func:`autotp.shards.placements_of`)."""
     from autotp.shards import placements_of
@@ -54,7 +55,7 @@ def full_tensor(value: torch.Tensor, placements=None) -> torch.Tensor:
     if not any(_dtensor_cannot_size(p) for p in own):
         return value.full_tensor()
     from autotp.collectives import _gather_uneven
-    from autotp.placement import piece_sizes
+    from autotp.placement import block_permutation, piece_sizes
 
     mesh = value.device_mesh
     local = value.to_local()
@@ -63,7 +64,11 @@ def full_tensor(value: torch.Tensor, placements=None) -> torch.Tensor:
         if p.is_shard:
             n = mesh.size(axis)
             sizes = piece_sizes(value.shape[p.dim], p, n) if p.is_uneven else (local.shape[p.dim] // p.blocks,) * n
-            if p.is_blocked:  # every block's pieces gathered: on the tensor viewed as (blocks, block)
+            if p.is_unequal:  # gathered in the ranks' order (block_permutation), then put back in place
+                local = _gather_uneven(local, p.dim, mesh.get_group(axis), (local.shape[p.dim],) * n)
+                order = torch.tensor(block_permutation(p, n, local.shape[p.dim]), device=local.device)
+                local = local.index_select(p.dim, torch.argsort(order))
+            elif p.is_blocked:  # every block's pieces gathered: on the tensor viewed as (blocks, block)
                 local = local.unflatten(p.dim, (p.blocks, -1))
                 local = _gather_uneven(local, p.dim + 1, mesh.get_group(axis), sizes).flatten(p.dim, p.dim + 1)
             else:
@@ -74,7 +79,7 @@ def full_tensor(value: torch.Tensor, placements=None) -> torch.Tensor:
 def _dtensor_cannot_size(p) -> bool:
     """An uneven split whose pieces DTensor would size otherwise: whole units of more than one
     element, or units of each block (DTensor's uneven ``Shard`` cuts single elements)."""
-    return p.is_uneven and (p.grain > 1 or p.is_blocked)
+    return p.is_unequal or p.is_uneven and (p.grain > 1 or p.is_blocked)
 
 
 def _placements(module: nn.Module) -> dict:

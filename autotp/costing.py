@@ -48,7 +48,8 @@ from cost_models import (HardwareProfile, OptimizerSpec, collective_time_s, comp
 from autotp.graph import PARAMETER, OpNode, TensorInfo, dtype_bytes
 from autotp.mesh import MeshSpec
 from autotp.placement import Placement, Strategy, axis_divisor, shard_divisor
-from autotp.redistribute import all_reduce_copies, conversion, is_convertible, step_bytes, step_copies
+from autotp.redistribute import (all_reduce_copies, conversion, is_convertible, reorder_copies, step_bytes,
+                                 step_copies)
 
 __all__ = ["CostModel", "MemoryParts", "BACKWARD_FLOP_RATIO", "MODES"]
 
@@ -120,6 +121,9 @@ class CostModel:
                 self.copy_s(b, info.dtype) for b in copies_fwd)
             backward_s += (self.collective_s(step.backward, step.axis, size) if step.backward else 0.0) + sum(
                 self.copy_s(b, info.dtype) for b in copies_bwd)
+        for _, b in reorder_copies(steps, info.nbytes):
+            forward_s += self.copy_s(b, info.dtype)
+            backward_s += self.copy_s(b, info.dtype)
         return forward_s, backward_s
 
     def edge_forward_s(self, info: TensorInfo, src: Sequence[Placement], dst: Optional[Sequence[Placement]],

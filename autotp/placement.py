@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 __all__ = ["Placement", "R", "P", "S", "Placements", "Strategy", "format_placements", "parse_placements",
-           "local_shape", "shard_divisor", "dim_pieces", "dim_divisor", "piece_sizes", "piece_range", "axis_divisor"]
+           "local_shape", "shard_divisor", "dim_pieces", "dim_divisor", "piece_sizes", "piece_range", "axis_divisor",
+           "block_sizes", "block_permutation"]
 
 
 @dataclass(frozen=True, order=True)
@@ -38,6 +39,11 @@ class Placement:
     q|k|v or gate|up output) and each block is split evenly, so a rank holds its piece of every
     block, in block order (DTensor's ``_StridedShard(d, split_factor=k)``). A later op that cuts the
     dim into its blocks then finds each block's piece on the rank that needs it.
+
+    ``sizes`` (with ``blocks`` their count) makes the blocks unequal, ``S(d)[s1,s2,...]``: a fused
+    q|k|v with fewer k and v heads than q heads (grouped or multi-query attention). Each block is
+    split evenly, so a rank holds ``s_i / n`` of block ``i``, in block order: the whole dim seen in
+    the order of :func:`block_permutation` is split plainly. DTensor has no such placement.
 
     ``grain`` > 0 makes an **uneven split** ``S(d)~g``: dim ``d`` is ``u = size / g`` units of ``g``
     elements (a head of ``g`` features, or ``g = 1``), ``u`` not a multiple of the ranks, and the
@@ -50,6 +56,7 @@ class Placement:
     dim: int = -1
     blocks: int = 1
     grain: int = 0
+    sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in ("R", "S", "P"):
@@ -60,6 +67,10 @@ class Placement:
             raise ValueError(f"placement {self.kind} with {self.blocks} blocks: only S may be blocked (blocks >= 1)")
         if self.grain < 0 or (self.grain and self.kind != "S"):
             raise ValueError(f"placement {self.kind} with grain {self.grain}: only S may be uneven (grain >= 1)")
+        if self.sizes and (len(self.sizes) != self.blocks or self.grain or len(set(self.sizes)) == 1
+                           or min(self.sizes) < 1):
+            raise ValueError(f"placement S({self.dim}) with block sizes {list(self.sizes)}: unequal blocks are "
+                             f"two or more sizes >= 1 that differ, one per block ({self.blocks}), and not uneven")
 
     @property
     def is_uneven(self) -> bool:
@@ -68,6 +79,11 @@ class Placement:
     @property
     def is_blocked(self) -> bool:
         return self.blocks > 1
+
+    @property
+    def is_unequal(self) -> bool:
+        """A blocked split whose blocks differ in size (``S(d)[s1,s2,...]``)."""
+        return bool(self.sizes)
 
     @property
     def is_shard(self) -> bool:
@@ -84,7 +100,8 @@ class Placement:
     def __str__(self) -> str:
         if self.kind != "S":
             return self.kind
-        text = f"S({self.dim})[{self.blocks}]" if self.blocks > 1 else f"S({self.dim})"
+        blocks = ",".join(map(str, self.sizes)) if self.sizes else str(self.blocks)
+        text = f"S({self.dim})[{blocks}]" if self.blocks > 1 else f"S({self.dim})"
         return f"{text}~{self.grain}" if self.grain else text
 
     __repr__ = __str__
@@ -94,10 +111,38 @@ R = Placement("R")
 P = Placement("P")
 
 
-def S(dim: int, blocks: int = 1, grain: int = 0) -> Placement:
-    """Shard along tensor dim ``dim`` (``blocks`` > 1: a blocked split; ``grain`` > 0: an uneven
-    split in units of ``grain`` elements; see :class:`Placement`)."""
+def S(dim: int, blocks: "int | Sequence[int]" = 1, grain: int = 0) -> Placement:
+    """Shard along tensor dim ``dim`` (``blocks`` > 1: a blocked split, a tuple of sizes: one of
+    unequal blocks; ``grain`` > 0: an uneven split in units of ``grain`` elements; see
+    :class:`Placement`)."""
+    if not isinstance(blocks, int):
+        sizes = tuple(blocks)
+        if len(set(sizes)) == 1:
+            return Placement("S", dim, len(sizes), grain)
+        return Placement("S", dim, len(sizes), grain, sizes)
     return Placement("S", dim, blocks, grain)
+
+
+def block_sizes(p: Placement, size: int) -> tuple[int, ...]:
+    """The sizes of the blocks of a dim of ``size`` that ``p`` splits (one block if not blocked)."""
+    return p.sizes if p.sizes else (size // p.blocks,) * p.blocks
+
+
+def block_permutation(p: Placement, n: int, size: int) -> list[int]:
+    """Positions along the dim in the order the ranks hold them under ``p`` (a blocked split over
+    ``n`` ranks): rank 0's piece of each block, then rank 1's, ... A plain split of the dim taken in
+    this order gives each rank its piece.
+
+    >>> block_permutation(S(0, (4, 2)), 2, 6)
+    [0, 1, 4, 2, 3, 5]
+    """
+    starts, order = [0], []
+    for b in block_sizes(p, size)[:-1]:
+        starts.append(starts[-1] + b)
+    for c in range(n):
+        for start, b in zip(starts, block_sizes(p, size)):
+            order.extend(range(start + c * (b // n), start + (c + 1) * (b // n)))
+    return order
 
 
 Placements = tuple  # tuple[Placement, ...], one per mesh axis
@@ -127,7 +172,8 @@ def parse_placements(text: str) -> Optional[tuple[Placement, ...]]:
             i = j + 1
             if text.startswith("[", i):
                 j = text.index("]", i)
-                blocks, i = int(text[i + 1 : j]), j + 1
+                inside = [int(b) for b in text[i + 1 : j].split(",")]
+                blocks, i = (inside[0] if len(inside) == 1 else tuple(inside)), j + 1
             if text.startswith("~", i):
                 j = i + 1
                 while j < len(text) and text[j].isdigit():
@@ -153,7 +199,7 @@ class Strategy:
     def parse(cls, text: str) -> "Strategy":
         left, right = text.split(" -> ")
         inner = left.strip()[1:-1]
-        inputs = tuple(parse_placements(t.strip()) for t in inner.split(",")) if inner.strip() else ()
+        inputs = tuple(parse_placements(t.strip()) for t in _top_level(inner)) if inner.strip() else ()
         out = parse_placements(right.strip())
         assert out is not None
         return cls(inputs, out)
@@ -168,6 +214,17 @@ class Strategy:
         """True when some tensor of the strategy is cut in pieces (``S``) on ``axis``. Unlike
         :meth:`sharded_on`, a partial (``P``) does not count: it has its full shape on every rank."""
         return any(p is not None and p[axis].is_shard for p in (*self.inputs, self.output))
+
+
+def _top_level(text: str) -> list[str]:
+    """``text`` cut at the commas outside brackets (unequal blocks list their sizes with commas)."""
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(text):
+        depth += (c == "[") - (c == "]")
+        if c == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return parts + [text[start:]]
 
 
 def piece_sizes(size: int, p: Placement, n: int) -> tuple[int, ...]:
@@ -216,9 +273,10 @@ def dim_pieces(placements: Iterable[Placement], mesh_shape: Sequence[int], dim: 
 def dim_divisor(placements: Iterable[Placement], mesh_shape: Sequence[int], dim: int) -> int:
     """What the size of dim ``dim`` must be a multiple of for the placements to split it evenly: the
     axes that split it, times the blocks of a blocked split (each block splits over its axes); an
-    uneven split needs whole units: its grain."""
-    return math.prod((p.grain * p.blocks if p.is_uneven else n * p.blocks) for p, n in zip(placements, mesh_shape)
-                     if p.is_shard and p.dim == dim)
+    uneven split needs whole units: its grain. Unequal blocks need ``n`` here; that each block splits
+    evenly is :func:`local_shape`'s check (and the strategies')."""
+    return math.prod((p.grain * p.blocks if p.is_uneven else n if p.is_unequal else n * p.blocks)
+                     for p, n in zip(placements, mesh_shape) if p.is_shard and p.dim == dim)
 
 
 def local_shape(shape: Sequence[int], placements: Iterable[Placement], mesh_shape: Sequence[int],
@@ -231,6 +289,11 @@ def local_shape(shape: Sequence[int], placements: Iterable[Placement], mesh_shap
             if coordinate is None:
                 raise ValueError(f"{p} splits dim {p.dim} unevenly: the local shape depends on the rank's coordinate")
             out[p.dim] = piece_sizes(out[p.dim], p, n)[coordinate[a]] * p.blocks
+        elif p.is_unequal:
+            if sum(p.sizes) != out[p.dim] or any(b % n for b in p.sizes):
+                raise ValueError(f"dim {p.dim} of size {out[p.dim]} is not blocks {list(p.sizes)} that each split "
+                                 f"evenly over {n} ranks")
+            out[p.dim] //= n
         elif p.is_shard:
             if out[p.dim] % (n * p.blocks):
                 raise ValueError(f"dim {p.dim} of size {out[p.dim]} does not split evenly over {n} ranks"

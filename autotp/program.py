@@ -18,7 +18,7 @@ from typing import Collection, Mapping, Optional
 from autotp.graph import OpGraph
 from autotp.mesh import MeshSpec
 from autotp.placement import Placement, R, Strategy, shard_divisor
-from autotp.redistribute import all_reduce_copies, conversion, fused_axes, step_bytes, step_copies
+from autotp.redistribute import all_reduce_copies, conversion, fused_axes, reorder_copies, step_bytes, step_copies
 from autotp.units import format_bytes
 
 __all__ = ["Read", "Collective", "LocalCopy", "reads", "collectives", "local_copies", "program", "OUTPUT"]
@@ -116,7 +116,8 @@ def program(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, trai
         if r.placements is None:
             continue
         src = graph[r.producer]
-        info = src.outputs[0]
+        # what is read: the producer's output, or for a getitem the item (a cut's pieces may differ)
+        info = graph[r.consumer].input_infos[r.index] if r.consumer != OUTPUT else src.outputs[0]
         p = chosen[r.producer].output
         fused = fused_axes(p, r.placements, r.grad_axes)
         if (r.value, r.placements, fused) not in done_redistribute:
@@ -139,6 +140,13 @@ def program(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, trai
                     rec_copies += [LocalCopy("recompute", axis, b, info.dtype, r.producer) for b in copies_fwd]
                 if backward:
                     bwd_copies += [LocalCopy("backward", axis, b, info.dtype, r.producer) for b in copies_bwd]
+            for a, b in reorder_copies(steps, info.nbytes):  # unequal blocks put in the ranks' order or back
+                axis = mesh.axis_names[a]
+                fwd_copies.append(LocalCopy("forward", axis, b, info.dtype, r.producer))
+                if r.consumer in recomputed:
+                    rec_copies.append(LocalCopy("recompute", axis, b, info.dtype, r.producer))
+                if train and src.requires_grad:
+                    bwd_copies.append(LocalCopy("backward", axis, b, info.dtype, r.producer))
         reduce_axes = tuple(a for a in r.grad_axes if a not in fused)
         key = (r.value, r.placements, r.grad_axes)
         if reduce_axes and key not in done_reduce:

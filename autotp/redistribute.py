@@ -17,7 +17,10 @@ S(d) → P    not allowed
 
 An uneven split ``S(d)~g`` (:mod:`autotp.rules.uneven`) takes part only in the slice, the gather
 and the reduce_scatter: the runtime pads each piece to the largest before the collective and
-trims after it, and the cost model prices the padded size.
+trims after it, and the cost model prices the padded size. So do unequal blocks ``S(d)[s1,s2,...]``:
+they are a plain split of the tensor with dim ``d`` taken in the ranks' order
+(:func:`autotp.placement.block_permutation`), so the runtime reorders a whole (or partial) tensor
+into that order before the steps and a gathered one back after them (one local copy each).
 
 Steps that shrink or keep the tensor run first, gathers last, so collectives move as few bytes as
 the two placements allow, but in an order every intermediate layout is valid: a dim split on two
@@ -70,7 +73,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from autotp.placement import Placement, axis_divisor
+from autotp.placement import Placement, S, axis_divisor
 
 __all__ = ["Step", "Conversion", "conversion", "unblocked", "conversion_steps", "step_kinds", "is_convertible",
            "fused_axes", "step_copies", "step_bytes",
@@ -121,7 +124,8 @@ def is_convertible(src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
     gathered (padded to its largest piece), sliced from a whole tensor or reduce-scattered from a
     partial sum, never moved to another split."""
     for s, d in zip(src, dst):
-        if s != d and ((s.is_uneven and not d.is_replicate) or (d.is_uneven and s.is_shard)):
+        if s != d and (((s.is_uneven or s.is_unequal) and not d.is_replicate)
+                       or ((d.is_uneven or d.is_unequal) and s.is_shard)):
             return False
     viewed = unblocked(src, dst)
     return viewed is not None and not any(s.is_shard and d.is_partial for s, d in zip(viewed[1], viewed[2]))
@@ -140,7 +144,13 @@ def unblocked(src: Sequence[Placement], dst: Sequence[Placement]
     >>> unblocked((S(1, 3),), (S(1),)) is None
     True
     """
-    blocked = {(p.dim, p.blocks) for p in (*src, *dst) if p.is_blocked}
+    blocked = {(p.dim, p.blocks) for p in (*src, *dst) if p.is_blocked and not p.is_unequal}
+    unequal = {p for p in (*src, *dst) if p.is_unequal}
+    if unequal:  # a plain split of the tensor reordered (Conversion.reorder)
+        (u,) = unequal if len(unequal) == 1 and not blocked else (None,)
+        if u is None or any(p.is_shard and p.dim == u.dim and p != u for p in (*src, *dst)):
+            return None
+        return None, tuple(S(p.dim) if p == u else p for p in src), tuple(S(p.dim) if p == u else p for p in dst)
     if not blocked:
         return None, tuple(src), tuple(dst)
     if len(blocked) > 1:
@@ -164,6 +174,10 @@ class Conversion:
     view: Optional[tuple[int, int]]
     shape: tuple[int, ...]
     steps: tuple[Step, ...]
+    # unequal blocks (axis, placement): the whole tensor reordered into the ranks' order before the
+    # steps (from R or P), or the gathered one put back in place after them (to R)
+    reorder_before: Optional[tuple[int, Placement]] = None
+    reorder_after: Optional[tuple[int, Placement]] = None
 
 
 def conversion(shape: Sequence[int], src: Sequence[Placement], dst: Sequence[Placement],
@@ -179,7 +193,14 @@ def conversion(shape: Sequence[int], src: Sequence[Placement], dst: Sequence[Pla
     if view is not None:
         d, k = view
         shape = shape[:d] + (k, shape[d] // k) + shape[d + 1:]
-    return Conversion(view, shape, tuple(conversion_steps(src_v, dst_v, mesh_shape, grad_axes, shape)))
+    before = after = None
+    for a, (s, d) in enumerate(zip(src, dst)):
+        if s != d and d.is_unequal:
+            before = (a, d)
+        if s != d and s.is_unequal:
+            after = (a, s)
+    return Conversion(view, shape, tuple(conversion_steps(src_v, dst_v, mesh_shape, grad_axes, shape)),
+                      before, after)
 
 
 def fused_axes(src: Sequence[Placement], dst: Sequence[Placement], grad_axes: Sequence[int]) -> tuple[int, ...]:
@@ -260,6 +281,13 @@ def step_bytes(step: Step, shape: Sequence[int], nbytes: float, mesh_shape: Sequ
         n = mesh_shape[step.axis]
         size *= n / axis_divisor(shape[uneven.dim], uneven, n)
     return size
+
+
+def reorder_copies(conv: Conversion, nbytes: float) -> list[tuple[int, float]]:
+    """``(axis, bytes read plus written)`` of each reorder of unequal blocks ``conv`` runs (an
+    ``index_select`` of the tensor whole along the dim, in the forward; its backward, an ``index_add``,
+    moves as much). ``nbytes``: the tensor's, an upper bound where another axis cuts it."""
+    return [(axis, 2.0 * nbytes) for axis, _ in (r for r in (conv.reorder_before, conv.reorder_after) if r)]
 
 
 def all_reduce_copies(size_bytes: float) -> tuple[float, ...]:

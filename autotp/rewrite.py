@@ -30,7 +30,7 @@ from autotp.dropout import ShardedDropout
 from autotp.dynamic import requirements
 from autotp.graph import OpGraph
 from autotp.guard import InputGuard, InputSpec
-from autotp.placement import Placement, dim_pieces, local_shape, piece_range, piece_sizes
+from autotp.placement import Placement, block_permutation, dim_pieces, local_shape, piece_range, piece_sizes
 from autotp.plan import Plan
 from autotp.program import reads
 from autotp.recompute import apply_recompute, recomputed_nodes
@@ -145,6 +145,8 @@ class _Builder:
             steps = conversion(node.outputs[0].shape, p, q, self.mesh_shape, fused)
             if steps.view is not None:  # a blocked split: the steps run on dim d seen as (blocks, block)
                 value = self.fx.call_function(torch.unflatten, (value, steps.view[0], (steps.view[1], -1)))
+            if steps.reorder_before is not None:  # unequal blocks: dim d in the ranks' order, then split
+                value = self.reorder(value, *steps.reorder_before, node.outputs[0].shape, inverse=False)
             for step in steps.steps:
                 uneven = next((u for u in (step.src, step.dst) if u.is_uneven), None)
                 n = self.mesh_shape[step.axis]
@@ -156,6 +158,8 @@ class _Builder:
                 value = self.fx.call_module(self._add_module(mod, "redistribute"), (value,))
             if steps.view is not None:
                 value = self.fx.call_function(torch.flatten, (value, steps.view[0], steps.view[0] + 1))
+            if steps.reorder_after is not None:  # gathered in the ranks' order: put back in place
+                value = self.reorder(value, *steps.reorder_after, node.outputs[0].shape, inverse=True)
             self.read_cache[key] = value
         value = self.read_cache[key]
         reduce_axes = tuple(a for a in grad_axes if a not in fused)
@@ -168,6 +172,16 @@ class _Builder:
                 self.read_cache[gkey] = value
             value = self.read_cache[gkey]
         return value
+
+    def reorder(self, value: torch.fx.Node, axis: int, p: Placement, shape, inverse: bool) -> torch.fx.Node:
+        """``value`` with dim ``p.dim`` taken in the order the ranks of ``axis`` hold unequal blocks
+        (:func:`block_permutation`), or, ``inverse``, put back from it. A constant index, made here."""
+        order = torch.tensor(block_permutation(p, self.mesh_shape[axis], shape[p.dim]))
+        index = torch.argsort(order) if inverse else order
+        name = f"_autotp_order_{self.n_modules}"
+        self.n_modules += 1
+        self.root.register_buffer(name, index.to(torch.device(self.mesh.device_type)), persistent=False)
+        return self.fx.call_function(aten.index_select.default, (value, p.dim, self.fx.get_attr(name)))
 
     # -- graph ---------------------------------------------------------------------------------
 

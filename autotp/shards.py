@@ -25,7 +25,9 @@ def local_shard(full: torch.Tensor, placements: tuple[Placement, ...], coordinat
     """This rank's piece of a full tensor."""
     out = full
     for p, c, n in zip(placements, coordinate, mesh_shape):
-        if p.is_blocked and p.is_uneven:  # the rank's whole units of each block
+        if p.is_unequal:  # the rank's piece of each block, blocks of unequal sizes
+            out = torch.cat([b.chunk(n, dim=p.dim)[c] for b in out.split(list(p.sizes), dim=p.dim)], dim=p.dim)
+        elif p.is_blocked and p.is_uneven:  # the rank's whole units of each block
             start, stop = piece_range(out.shape[p.dim], p, n, c)
             out = out.unflatten(p.dim, (p.blocks, -1)).narrow(p.dim + 1, start, stop - start).flatten(p.dim, p.dim + 1)
         elif p.is_blocked:  # the rank's piece of each block, in block order
@@ -54,6 +56,8 @@ def local_ranges(shape: tuple[int, ...], placements: tuple[Placement, ...], coor
     (((2, 4), (6, 8), (10, 12)), ((0, 2),))
     >>> local_ranges((10, 2), (S(0, grain=2),), [1], (2,))  # 5 units of 2 rows: 3 on rank 0, 2 here
     (((6, 10),), ((0, 2),))
+    >>> local_ranges((8, 2), (S(0, (4, 2, 2)),), [1], (2,))  # blocks of 4, 2 and 2 rows
+    (((2, 4), (5, 6), (7, 8)), ((0, 2),))
     """
     ranges = [((0, n),) for n in shape]
     for p, c, n in zip(placements, coordinate, mesh_shape):
@@ -62,8 +66,9 @@ def local_ranges(shape: tuple[int, ...], placements: tuple[Placement, ...], coor
         cut = []
         for lo, hi in ranges[p.dim]:
             width = (hi - lo) // p.blocks
+            starts = [lo + sum(p.sizes[:j]) if p.is_unequal else lo + j * width for j in range(p.blocks)] + [hi]
             for j in range(p.blocks):
-                b_lo, b_hi = lo + j * width, lo + (j + 1) * width if j < p.blocks - 1 else hi
+                b_lo, b_hi = starts[j], starts[j + 1]
                 if p.is_uneven:  # whole units
                     start, stop = piece_range(b_hi - b_lo, Placement("S", p.dim, 1, p.grain), n, c)
                     cut.append((b_lo + start, b_lo + stop))
@@ -77,8 +82,9 @@ def local_ranges(shape: tuple[int, ...], placements: tuple[Placement, ...], coor
 def dtensor_placements(placements: tuple[Placement, ...]) -> list:
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    return [_StridedShard(p.dim, split_factor=p.blocks) if p.is_blocked else Shard(p.dim) if p.is_shard
-            else Replicate() for p in placements]
+    # unequal blocks have no DTensor placement: a Shard of the dim (autotp's own placements say more)
+    return [_StridedShard(p.dim, split_factor=p.blocks) if p.is_blocked and not p.is_unequal
+            else Shard(p.dim) if p.is_shard else Replicate() for p in placements]
 
 
 def placements_of(value: Any) -> tuple[Placement, ...]:

@@ -168,6 +168,9 @@ def _valid(node: OpNode, strategy: Strategy, mesh_shape: Sequence[int]) -> bool:
         if sum(p.is_blocked for p in placements) > 1:  # one blocked dim per tensor (one view runs it)
             return False
         for p, n in zip(placements, mesh_shape):
+            if p.is_unequal and (p.dim >= info.ndim or sum(p.sizes) != info.shape[p.dim]
+                                 or any(b % n for b in p.sizes)):
+                return False
             if p.is_uneven and (p.dim >= info.ndim or info.shape[p.dim] % (p.grain * p.blocks)
                                 or (info.shape[p.dim] // p.blocks // p.grain) % n == 0):
                 return False

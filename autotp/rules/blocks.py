@@ -30,7 +30,7 @@ choice: a blocked input, a plain split out.
 from __future__ import annotations
 
 import weakref
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Union
 
 from autotp import ops
 from autotp.graph import OpGraph, OpNode
@@ -51,8 +51,20 @@ _FEATURES = {
 }
 
 
-def cut_blocks(node: OpNode) -> Optional[tuple[int, int]]:
-    """``(dim, k)`` when ``node`` cuts dim ``dim`` of its first input into ``k`` >= 2 equal blocks."""
+Blocks = Union[int, tuple[int, ...]]  # k equal blocks, or the sizes of unequal ones
+
+
+def fits(blocks: Blocks, size: int, n: int) -> bool:
+    """Whether a dim of ``size`` is ``blocks`` that each split evenly over ``n`` ranks."""
+    if isinstance(blocks, tuple):
+        return sum(blocks) == size and all(b % n == 0 for b in blocks)
+    return size % blocks == 0 and divisible(size // blocks, n)
+
+
+def cut_blocks(node: OpNode) -> Optional[tuple[int, Blocks]]:
+    """``(dim, k)`` when ``node`` cuts dim ``dim`` of its first input into ``k`` >= 2 equal blocks;
+    ``(dim, sizes)`` when ``split_with_sizes`` cuts it into blocks of unequal ``sizes`` (a fused
+    q|k|v with fewer k and v heads than q heads)."""
     if node.target not in CUTS and node.target != "aten.slice.Tensor" or not node.inputs:
         return None
     x = node.input_infos[0]
@@ -65,8 +77,10 @@ def cut_blocks(node: OpNode) -> Optional[tuple[int, int]]:
         if node.target == "aten.split.Tensor":
             piece = node.args.int("split_size")
             return (d, size // piece) if piece and size % piece == 0 and size // piece >= 2 else None
-        sizes = node.args.ints("split_sizes")
-        return (d, len(sizes)) if len(sizes) >= 2 and len(set(sizes)) == 1 else None
+        sizes = tuple(node.args.ints("split_sizes"))
+        if len(sizes) < 2 or min(sizes) < 1 or sum(sizes) != size:
+            return None
+        return (d, len(sizes)) if len(set(sizes)) == 1 else (d, sizes)
     if node.target == "aten.slice.Tensor" and node.args.get("step", 1) == 1:
         d = node.args.int("dim", x.ndim)
         start, end = node.args.get("start") or 0, node.args.get("end")
@@ -95,7 +109,7 @@ def _sources(node: OpNode, d: int, mapping: Optional[dict[int, int]]) -> dict[in
     return {}
 
 
-def static_cut(node: OpNode, graph: OpGraph) -> Optional[tuple[int, int]]:
+def static_cut(node: OpNode, graph: OpGraph) -> Optional[tuple[int, Blocks]]:
     """:func:`cut_blocks` of a dim of static size (a dynamic dim's blocks change with its size)."""
     cut = cut_blocks(node)
     dims = graph.symbolic.get(node.inputs[0]) if cut is not None else None
@@ -105,13 +119,14 @@ def static_cut(node: OpNode, graph: OpGraph) -> Optional[tuple[int, int]]:
 _CACHE: "weakref.WeakKeyDictionary[OpGraph, dict]" = weakref.WeakKeyDictionary()
 
 
-def block_counts(graph: OpGraph) -> Mapping[tuple[str, int], frozenset[int]]:
-    """``(node, dim) -> block counts`` for the dims a blocked split could carry to a cut."""
+def block_counts(graph: OpGraph) -> Mapping[tuple[str, int], frozenset[Blocks]]:
+    """``(node, dim) -> block counts`` (or sizes of unequal blocks) for the dims a blocked split
+    could carry to a cut."""
     if graph in _CACHE:
         return _CACHE[graph]
     from autotp.rules.views import dim_map
 
-    counts: dict[tuple[str, int], set[int]] = {}
+    counts: dict[tuple[str, int], set[Blocks]] = {}
     for node in reversed(graph.nodes):
         if node.is_placeholder or not node.inputs:
             continue
@@ -145,8 +160,8 @@ def blocked_variants(node: OpNode, n: int, choices: list[AxisChoice],
                 or any(p is not None and p.is_uneven for p in ins):
             continue
         size = node.outputs[0].shape[placement.dim]
-        for k in sorted(counts.get((node.name, placement.dim), ())):
-            if size % k or not divisible(size // k, n) or not all(
+        for k in _ordered(counts.get((node.name, placement.dim), ())):
+            if not fits(k, size, n) or not all(
                     p is None or not p.is_shard or info.shape[p.dim] == size
                     for p, info in zip(ins, node.input_infos)):
                 continue
@@ -159,8 +174,13 @@ def blocked_variants(node: OpNode, n: int, choices: list[AxisChoice],
 def parameter_variants(node: OpNode, n: int, counts: Mapping[tuple[str, int], frozenset[int]]) -> list[AxisChoice]:
     """A parameter stored with a blocked split of a dim a cut reads in blocks."""
     shape = node.output.shape
-    return [((), S(d, k)) for d in range(len(shape)) for k in sorted(counts.get((node.name, d), ()))
-            if shape[d] % k == 0 and divisible(shape[d] // k, n)]
+    return [((), S(d, k)) for d in range(len(shape)) for k in _ordered(counts.get((node.name, d), ()))
+            if fits(k, shape[d], n)]
+
+
+def _ordered(blocks) -> list[Blocks]:
+    """Equal block counts in order, then unequal sizes in order (a fixed order of strategies)."""
+    return sorted(b for b in blocks if isinstance(b, int)) + sorted(b for b in blocks if isinstance(b, tuple))
 
 
 def cut_choices(node: OpNode, n: int) -> list[AxisChoice]:
@@ -170,7 +190,7 @@ def cut_choices(node: OpNode, n: int) -> list[AxisChoice]:
         return []
     d, k = cut
     x = node.input_infos[0]
-    if not divisible(x.shape[d] // k, n):
+    if not fits(k, x.shape[d], n):
         return []
     extra = (None,) * (len(node.inputs) - 1)
     return [((S(d, k), *extra), S(d))]
@@ -181,6 +201,8 @@ def local_cut_arguments(node: OpNode, blocked: Placement, n: int, piece: Optiona
     the cut dim divided by the ranks (``chunk`` keeps its count), or, for whole units of each
     block (``S(d)[k]~g``), the rank's ``piece`` of a block."""
     a = node.args
+    if blocked.is_unequal:  # split_with_sizes (the one cut into unequal blocks): each block's piece
+        return {"split_sizes": [b // n for b in blocked.sizes]}
     size = node.input_infos[0].shape[blocked.dim]
     block = size // blocked.blocks
     piece = block // n if piece is None else piece

@@ -106,7 +106,7 @@ def uneven_choices(node: OpNode, n: int, units: tuple[int, ...], rule: Callable[
     out: list[AxisChoice] = []
     for inputs, output in choices:
         placed = [(k, p) for k, p in enumerate((*inputs, output)) if p is not None and p.is_shard]
-        if not placed or any(p.is_uneven for _, p in placed):
+        if not placed or any(p.is_uneven or p.is_unequal for _, p in placed):
             continue
         if output.is_partial and node.target in ops.MEAN:
             continue  # each rank's mean would need its own share of the divisor
