@@ -9,7 +9,8 @@ checkpoint (written out below; nothing comes from the hub), on the meta device, 
 * ``block W sharded``: the weight matrices of one block that the plan shards / all of that block's
   weight matrices (parameters of 2 or more dims whose name has a layer index, from the 4-layer plan
   minus the 2-layer one, halved; for an encoder-decoder one encoder block plus one decoder block;
-  norm weights and biases are left out: Megatron keeps them whole too);
+  norm weights and biases are left out: Megatron keeps them whole too); where Megatron's layout
+  (below) keeps some of them whole too (Mixtral's ``(8, 4096)`` router), how many it splits;
 * ``fwd act coll/block``: forward collectives per block that move an activation-sized tensor (at
   least half of batch x seq x hidden x dtype bytes; a gather of a weight's stored shard does not
   count), from the same difference;
@@ -28,7 +29,8 @@ checkpoint (written out below; nothing comes from the hub), on the meta device, 
   ``(output - target).pow(2).mean()`` (a fixed random target) against one process, rtol 1e-4 and
   atol 1e-5 x the largest reference output (gradient); with how many parameters that plan shards.
 
-A row is Megatron-quality when every block weight matrix is sharded and a block has at most 4 forward
+A row is Megatron-quality when every block weight matrix that Megatron's layout splits is sharded
+(all of them, but for MoE routers and gates Megatron keeps whole) and a block has at most 4 forward
 activation collectives (an encoder-decoder's encoder + decoder block: 10, as Megatron's layout with
 sequence parallelism has). The goal is every row Megatron-quality and exact.
 
@@ -356,12 +358,13 @@ def megatron_pin(arch: Arch, model: torch.nn.Module) -> dict[str, str]:
 _LAYER_INDEX = re.compile(r"\.\d+\.")
 
 
-def block_weights(plan, graph) -> tuple[int, int]:
-    """(sharded, total) weight matrices (2 or more dims) that belong to a numbered layer: the weights
-    Megatron's layout splits (it keeps norm weights and the biases of rowwise layers whole)."""
+def block_weights(plan, graph) -> dict[str, str]:
+    """``{fqn: placement}`` of the weight matrices (2 or more dims) that belong to a numbered layer:
+    the weights Megatron's layout may split (it keeps norm weights and the biases of rowwise layers
+    whole)."""
     ndim = {p.fqn: p.info.ndim for p in graph.parameters}
-    block = [p for fqn, p in plan.parameter_placements.items() if _LAYER_INDEX.search(fqn) and ndim[fqn] >= 2]
-    return sum(p != "R" for p in block), len(block)
+    return {fqn: str(p) for fqn, p in plan.parameter_placements.items()
+            if _LAYER_INDEX.search(fqn) and ndim[fqn] >= 2}
 
 
 def activation_collectives(plan, graph, threshold_bytes: float) -> int:
@@ -396,9 +399,15 @@ def plan_real(arch: Arch, row: dict) -> None:
         plans[n] = plan_graph(graphs[n], MESH, HARDWARE, "train", capture_s=time.perf_counter() - t0)
         _progress(f"  {n} layers planned ({time.perf_counter() - t0:.1f} s)")
     row["status"] = "planned"
-    (s4, t4), (s2, t2) = block_weights(plans[4], graphs[4]), block_weights(plans[2], graphs[2])
+    blocks = {n: block_weights(plans[n], graphs[n]) for n in (2, 4)}
+    # the block matrices Megatron's layout splits (it keeps a router whole): autotp must split each
+    megatron = {n: {f for f in blocks[n] if megatron_pin(arch, models[n]).get(f, "R") != "R"} for n in (2, 4)}
+    split = {n: {f for f, p in blocks[n].items() if p != "R"} for n in (2, 4)}
+    s4, s2, t4, t2 = len(split[4]), len(split[2]), len(blocks[4]), len(blocks[2])
     row["block"] = f"{_per_block(s4, s2)}/{_per_block(t4, t2)}"
-    row["megatron_weights"] = (s4 - s2) == (t4 - t2) and t4 > t2
+    if _per_block(len(megatron[4]), len(megatron[2])) != _per_block(t4, t2):
+        row["block"] += f" (Megatron {_per_block(len(megatron[4]), len(megatron[2]))})"
+    row["megatron_weights"] = megatron[4] <= split[4] and t4 > t2
     batch, seq = next(iter(inputs.values())).shape
     threshold = 0.5 * batch * seq * hidden_size(models[4]) * (torch.finfo(DTYPE).bits // 8)
     a4 = activation_collectives(plans[4], graphs[4], threshold)
@@ -426,10 +435,14 @@ def _step(model: torch.nn.Module, inputs: dict) -> tuple[torch.Tensor, dict[str,
     out = output_tensor(model(**inputs))
     target = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
     (out.float() - target).pow(2).mean().backward()
+    from autotp.checkpoint import full_tensor
+    from autotp.shards import placements_of
+
     grads = {}
     for name, p in model.named_parameters():
         g = p.grad
-        grads[name] = g.full_tensor() if hasattr(g, "full_tensor") else g
+        # autotp's placements: DTensor sizes a split of whole heads, or unequal blocks, otherwise
+        grads[name] = full_tensor(g, placements_of(p)) if hasattr(g, "placements") else g
     return out.detach(), grads
 
 
@@ -535,7 +548,7 @@ def render(rows: list[dict], markdown: bool, exact: bool) -> str:
 def summary(rows: list[dict], exact: bool) -> str:
     megatron = sum(bool(r.get("megatron_weights") and r.get("few_collectives")) for r in rows)
     ratio = sum(bool(r.get("ratio_ok")) for r in rows)
-    text = (f"{len(rows)} architectures: {megatron} Megatron-quality (every block weight matrix sharded, "
+    text = (f"{len(rows)} architectures: {megatron} Megatron-quality (every block weight matrix Megatron splits sharded, "
             f"<= {DEFAULT_MAX_ACTIVATION_COLLECTIVES} forward activation collectives per block, "
             f"<= {MAX_ACTIVATION_COLLECTIVES['enc-dec']} per encoder + decoder block), "
             f"{ratio} with autotp/Megatron <= 1.0")
