@@ -35,7 +35,7 @@ from autotp.plan import Plan
 from autotp.program import reads
 from autotp.recompute import apply_recompute, recomputed_nodes
 from autotp.redistribute import conversion, fused_axes
-from autotp.rules.blocks import cut_blocks, local_cut_arguments
+from autotp.rules.blocks import cut_blocks, local_cut_arguments, slice_range
 from autotp.rules.reductions import reduced_dims
 from autotp.shards import as_dtensor, local_shard
 
@@ -317,8 +317,10 @@ class _Builder:
         args, kwargs = torch.fx.node.map_aggregate(args, on_device), torch.fx.node.map_aggregate(kwargs, on_device)
         target = node.target
         cut = cut_blocks(op)
-        blocked = [(a, p) for a, p in enumerate(strat.inputs[0] or ()) if p.is_blocked] if cut else []
-        if blocked and blocked[0][1].dim == cut[0]:
+        sliced = slice_range(op)
+        cut_dim = cut[0] if cut else sliced[0] if sliced else None
+        blocked = [(a, p) for a, p in enumerate(strat.inputs[0] or ()) if p.is_blocked] if cut_dim is not None else []
+        if blocked and blocked[0][1].dim == cut_dim and (cut is not None or blocked[0][1].is_unequal):
             # a fused output cut into its blocks: each block's piece is here, cut the local sizes
             a, p = blocked[0]
             piece = None

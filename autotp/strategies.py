@@ -42,7 +42,8 @@ from autotp import ops
 from autotp.graph import PARAMETER, OpGraph, OpNode
 from autotp.placement import R, S, Strategy, dim_divisor
 from autotp.rules import BUILTIN, user_choices
-from autotp.rules.blocks import block_counts, blocked_variants, cut_choices, parameter_variants, static_cut
+from autotp.rules.blocks import (block_counts, blocked_variants, cut_choices, parameter_variants, slice_range,
+                                 static_cut)
 from autotp.rules.common import AxisChoice, divisible
 from autotp.rules.pointwise import pointwise_choices
 from autotp.rules.uneven import unit_counts, uneven_choices
@@ -111,7 +112,8 @@ def axis_choices(node: OpNode, n: int, warned: Optional[_Warned] = None,
     def blocked_choices() -> list[AxisChoice]:
         if node.is_placeholder:
             return parameter_variants(node, n, counts) if node.role == PARAMETER else []
-        extra = [c for c in cut_choices(node, n) if c not in plain] if static_cut(node, graph) else []
+        static_dim = static_cut(node, graph) or slice_range(node) and _static(graph, node, 0, slice_range(node)[0])
+        extra = [c for c in cut_choices(node, n, counts) if c not in plain] if static_dim else []
         return extra + blocked_variants(node, n, plain, counts)
 
     blocked = blocked_choices()

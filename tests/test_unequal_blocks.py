@@ -1,8 +1,8 @@
 """Unequal blocks ``S(d)[s1,s2,...]``: a fused q|k|v whose k and v are narrower than q (multi-query or
-grouped-query attention, GPT-BigCode's ``c_attn`` cut with ``split((embed, kv, kv))``) is split so
-that each rank holds its piece of every block, found from the cut, planned at StarCoder's width with
-Megatron's count of activation collectives, exact on 2 ranks, and saved and loaded with its values
-unchanged.
+grouped-query attention: GPT-BigCode's ``c_attn`` cut with ``split((embed, kv, kv))``, Phi-3's
+``qkv_proj`` cut by three slices) is split so that each rank holds its piece of every block, found
+from the cut, planned at StarCoder's and Phi-3-medium's widths with Megatron's count of activation
+collectives, exact on 2 ranks, and saved and loaded with its values unchanged.
 """
 
 from __future__ import annotations
@@ -151,3 +151,38 @@ def test_gpt_bigcode_is_exact_on_two_ranks_and_its_weights_round_trip(tmp_path):
                 torch.testing.assert_close(values[k], want[k], rtol=0, atol=0)
             for k, value in values.items():
                 torch.testing.assert_close(value, want[k], rtol=0, atol=0)
+
+
+def _phi3(hidden=64, heads=4, kv=2, ffn=128, vocab=128, layers=2, device="cpu"):
+    config = transformers.Phi3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
+                                     num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                                     use_cache=False, pad_token_id=0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        return Logits(transformers.Phi3ForCausalLM(config))
+
+
+def test_slices_that_tile_a_fused_output_in_unequal_blocks_cut_it_locally():
+    """Phi-3 with grouped-query attention slices q, k and v out of qkv_proj's output: each slice takes
+    its block's piece on every rank, and the step is exact."""
+    model = _phi3()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    graph = autotp.capture(model, (ids,))
+    pin = {f"m.model.layers.{i}.self_attn.qkv_proj.weight": "S(0)[64,32,32]" for i in range(2)}
+    plan = plan_graph(graph, (2,), "cpu-gloo", "train", pin=pin)
+    cuts = [n for n in plan.nodes if n.target == "aten.slice.Tensor" and n.strategy == "(S(2)[64,32,32]) -> S(2)"]
+    assert len(cuts) == 6, [(n.name, n.strategy) for n in plan.nodes if n.target == "aten.slice.Tensor"]
+    assert_step_matches_one_process(graph, plan, model, ids)
+
+
+def test_phi3_medium_at_real_width_gets_megatrons_layout():
+    """Phi-3-medium (5120 wide, 40 q heads, 10 kv heads) on 8 ranks: qkv_proj split in its unequal
+    blocks, 4 activation collectives per block (a plain column split of qkv_proj needs a fifth)."""
+    model = _phi3(hidden=5120, heads=40, kv=10, ffn=17920, vocab=32064, layers=2, device="meta")
+    graph = autotp.capture(model, (torch.zeros(1, 2048, dtype=torch.long, device="meta"),))
+    plan = plan_graph(graph, (8,), "h100-sxm", "train")
+    stored = plan.parameter_placements
+    for i in range(2):
+        assert stored[f"m.model.layers.{i}.self_attn.qkv_proj.weight"] == "S(0)[5120,1280,1280]", stored
+    per_layer = _activation_collectives_per_layer(plan, graph, 5120)
+    assert sorted(per_layer) == [0, 1] and max(per_layer.values()) <= 4, per_layer

@@ -81,15 +81,55 @@ def cut_blocks(node: OpNode) -> Optional[tuple[int, Blocks]]:
         if len(sizes) < 2 or min(sizes) < 1 or sum(sizes) != size:
             return None
         return (d, len(sizes)) if len(set(sizes)) == 1 else (d, sizes)
-    if node.target == "aten.slice.Tensor" and node.args.get("step", 1) == 1:
-        d = node.args.int("dim", x.ndim)
-        start, end = node.args.get("start") or 0, node.args.get("end")
-        if not isinstance(start, int) or not isinstance(end, int) or start < 0:
-            return None
-        size, width = x.shape[d], min(end, x.shape[d]) - start
+    r = slice_range(node)
+    if r is not None:
+        d, start, stop = r
+        size, width = x.shape[d], stop - start
         if 0 < width < size and size % width == 0 and start % width == 0:
             return d, size // width
     return None
+
+
+def slice_range(node: OpNode) -> Optional[tuple[int, int, int]]:
+    """``(dim, start, stop)`` of a slice with step 1 and static bounds inside the dim, else None."""
+    if node.target != "aten.slice.Tensor" or node.args.get("step", 1) != 1 or not node.inputs:
+        return None
+    x = node.input_infos[0]
+    d = node.args.int("dim", x.ndim)
+    start, end = node.args.get("start") or 0, node.args.get("end")
+    if not isinstance(start, int) or not isinstance(end, int) or start < 0:
+        return None
+    return d, start, min(end, x.shape[d])
+
+
+def _slice_tiles(graph: OpGraph) -> dict[tuple[str, int], tuple[int, ...]]:
+    """``(tensor, dim) -> sizes`` where slices of the tensor cut the dim into unequal blocks that
+    tile it (Phi-3's ``qkv[..., :q]``, ``qkv[..., q:q + kv]``, ``qkv[..., q + kv:]``)."""
+    ranges: dict[tuple[str, int], set[tuple[int, int]]] = {}
+    for node in graph.nodes:
+        r = slice_range(node)
+        if r is not None:
+            ranges.setdefault((node.inputs[0], r[0]), set()).add(r[1:])
+    tiles = {}
+    for (name, d), found in ranges.items():
+        ordered = sorted(found)
+        size = graph[name].outputs[0].shape[d] if len(graph[name].outputs) == 1 else None
+        widths = tuple(b - a for a, b in ordered)
+        if (size is not None and len(ordered) >= 2 and ordered[0][0] == 0 and ordered[-1][1] == size
+                and all(a[1] == b[0] for a, b in zip(ordered, ordered[1:])) and len(set(widths)) > 1
+                and min(widths) > 0):
+            tiles[(name, d)] = widths
+    return tiles
+
+
+def slice_block(node: OpNode, sizes: tuple[int, ...]) -> Optional[int]:
+    """The block of unequal ``sizes`` that the slice ``node`` takes whole, if it takes one."""
+    r = slice_range(node)
+    if r is None:
+        return None
+    starts = [sum(sizes[:j]) for j in range(len(sizes))]
+    j = starts.index(r[1]) if r[1] in starts else None
+    return j if j is not None and r[2] == starts[j] + sizes[j] else None
 
 
 def _sources(node: OpNode, d: int, mapping: Optional[dict[int, int]]) -> dict[int, int]:
@@ -127,6 +167,10 @@ def block_counts(graph: OpGraph) -> Mapping[tuple[str, int], frozenset[Blocks]]:
     from autotp.rules.views import dim_map
 
     counts: dict[tuple[str, int], set[Blocks]] = {}
+    for (name, d), sizes in _slice_tiles(graph).items():
+        dims = graph.symbolic.get(name)
+        if not dims or dims[0][d] is None:  # a static dim
+            counts.setdefault((name, d), set()).add(sizes)
     for node in reversed(graph.nodes):
         if node.is_placeholder or not node.inputs:
             continue
@@ -183,17 +227,24 @@ def _ordered(blocks) -> list[Blocks]:
     return sorted(b for b in blocks if isinstance(b, int)) + sorted(b for b in blocks if isinstance(b, tuple))
 
 
-def cut_choices(node: OpNode, n: int) -> list[AxisChoice]:
-    """A cut of a blocked dim into its blocks: each block's piece is on its rank, a plain split."""
+def cut_choices(node: OpNode, n: int, counts: Optional[Mapping[tuple[str, int], frozenset[Blocks]]] = None
+                ) -> list[AxisChoice]:
+    """A cut of a blocked dim into its blocks: each block's piece is on its rank, a plain split.
+    With ``counts``, also a slice that takes one whole block of unequal ones (:func:`_slice_tiles`)."""
     cut = cut_blocks(node)
+    r = slice_range(node)
+    unequal = [((S(r[0], sizes), *(None,) * (len(node.inputs) - 1)), S(r[0]))
+               for sizes in _ordered((counts or {}).get((node.inputs[0], r[0]), ()) if r else ())
+               if isinstance(sizes, tuple) and slice_block(node, sizes) is not None
+               and fits(sizes, node.input_infos[0].shape[r[0]], n)]
     if cut is None:
-        return []
+        return unequal
     d, k = cut
     x = node.input_infos[0]
     if not fits(k, x.shape[d], n):
-        return []
+        return unequal
     extra = (None,) * (len(node.inputs) - 1)
-    return [((S(d, k), *extra), S(d))]
+    return [((S(d, k), *extra), S(d))] + unequal
 
 
 def local_cut_arguments(node: OpNode, blocked: Placement, n: int, piece: Optional[int] = None) -> dict[str, object]:
@@ -201,7 +252,11 @@ def local_cut_arguments(node: OpNode, blocked: Placement, n: int, piece: Optiona
     the cut dim divided by the ranks (``chunk`` keeps its count), or, for whole units of each
     block (``S(d)[k]~g``), the rank's ``piece`` of a block."""
     a = node.args
-    if blocked.is_unequal:  # split_with_sizes (the one cut into unequal blocks): each block's piece
+    if blocked.is_unequal:  # each block's piece: split_with_sizes of them all, or a slice of one
+        if node.target == "aten.slice.Tensor":
+            j = slice_block(node, blocked.sizes)
+            start = sum(b // n for b in blocked.sizes[:j])
+            return {"start": start, "end": start + blocked.sizes[j] // n}
         return {"split_sizes": [b // n for b in blocked.sizes]}
     size = node.input_infos[0].shape[blocked.dim]
     block = size // blocked.blocks
