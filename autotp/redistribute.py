@@ -136,7 +136,8 @@ def unblocked(src: Sequence[Placement], dst: Sequence[Placement]
     """``(view, src, dst)``: a redistribution with a blocked split ``S(d)[k]`` as one of plain
     placements of the tensor viewed with dim ``d`` as ``(k, block)``, where the blocked split is
     ``S(d + 1)`` and later dims move up by one; ``view`` is ``(d, k)`` (None when nothing is blocked).
-    None when the two do not convert: blocks of two kinds, or one dim both blocked and plainly split.
+    None when the two do not convert: blocks of two kinds, one dim both blocked and plainly split, or
+    unequal blocks moved to another axis.
 
     >>> from autotp.placement import R, S
     >>> unblocked((S(1, 3),), (R,))
@@ -149,6 +150,9 @@ def unblocked(src: Sequence[Placement], dst: Sequence[Placement]
     if unequal:  # a plain split of the tensor reordered (Conversion.reorder)
         (u,) = unequal if len(unequal) == 1 and not blocked else (None,)
         if u is None or any(p.is_shard and p.dim == u.dim and p != u for p in (*src, *dst)):
+            return None
+        held = [{a for a, p in enumerate(side) if p == u} for side in (src, dst)]
+        if all(held) and held[0] != held[1]:  # moved to another axis: each axis size has its own order
             return None
         return None, tuple(S(p.dim) if p == u else p for p in src), tuple(S(p.dim) if p == u else p for p in dst)
     if not blocked:
@@ -186,8 +190,8 @@ def conversion(shape: Sequence[int], src: Sequence[Placement], dst: Sequence[Pla
     viewed = unblocked(src, dst)
     if viewed is None or not is_convertible(src, dst):
         raise ValueError(f"cannot redistribute {''.join(map(str, src))} -> {''.join(map(str, dst))}: "
-                         "blocks of two kinds, a dim both blocked and split plainly, or an uneven split "
-                         "moved to another split")
+                         "blocks of two kinds, a dim both blocked and split plainly, an uneven split "
+                         "moved to another split, or unequal blocks moved to another mesh axis")
     view, src_v, dst_v = viewed
     shape = tuple(shape)
     if view is not None:

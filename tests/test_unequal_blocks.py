@@ -186,3 +186,17 @@ def test_phi3_medium_at_real_width_gets_megatrons_layout():
         assert stored[f"m.model.layers.{i}.self_attn.qkv_proj.weight"] == "S(0)[5120,1280,1280]", stored
     per_layer = _activation_collectives_per_layer(plan, graph, 5120)
     assert sorted(per_layer) == [0, 1] and max(per_layer.values()) <= 4, per_layer
+
+
+def test_unequal_blocks_do_not_move_to_another_mesh_axis():
+    """Each axis size orders the pieces its own way (block_permutation), so a move of unequal blocks
+    from one axis to another is no plain step: it is refused (and never priced), while a gather or a
+    slice on one axis with the other axis split elsewhere converts."""
+    from autotp.redistribute import conversion, is_convertible
+
+    u = S(0, (32, 8, 8))
+    assert block_permutation(u, 2, 48) != block_permutation(u, 4, 48)
+    assert not is_convertible((u, Placement("R")), (Placement("R"), u))
+    assert not is_convertible((Placement("P"), u), (u, Placement("R")))
+    steps = conversion((48, 32), (u, S(1)), (Placement("R"), S(1)), (2, 2))
+    assert [s.forward for s in steps.steps] == ["all_gather"] and steps.reorder_after == (0, u)
