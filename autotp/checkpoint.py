@@ -55,7 +55,8 @@ def full_tensor(value: torch.Tensor, placements=None) -> torch.Tensor:
     if not any(_dtensor_cannot_size(p) for p in own):
         return value.full_tensor()
     from autotp.collectives import _gather_uneven
-    from autotp.placement import block_permutation, piece_sizes
+    from autotp.placement import piece_sizes
+    from autotp.shards import block_index
 
     mesh = value.device_mesh
     local = value.to_local()
@@ -66,8 +67,8 @@ def full_tensor(value: torch.Tensor, placements=None) -> torch.Tensor:
             sizes = piece_sizes(value.shape[p.dim], p, n) if p.is_uneven else (local.shape[p.dim] // p.blocks,) * n
             if p.is_unequal:  # gathered in the ranks' order (block_permutation), then put back in place
                 local = _gather_uneven(local, p.dim, mesh.get_group(axis), (local.shape[p.dim],) * n)
-                order = torch.tensor(block_permutation(p, n, local.shape[p.dim]), device=local.device)
-                local = local.index_select(p.dim, torch.argsort(order))
+                back = block_index(p, n, local.shape[p.dim], inverse=True).to(local.device)
+                local = local.index_select(p.dim, back)
             elif p.is_blocked:  # every block's pieces gathered: on the tensor viewed as (blocks, block)
                 local = local.unflatten(p.dim, (p.blocks, -1))
                 local = _gather_uneven(local, p.dim + 1, mesh.get_group(axis), sizes).flatten(p.dim, p.dim + 1)

@@ -147,7 +147,7 @@ def unblocked(src: Sequence[Placement], dst: Sequence[Placement]
     """
     blocked = {(p.dim, p.blocks) for p in (*src, *dst) if p.is_blocked and not p.is_unequal}
     unequal = {p for p in (*src, *dst) if p.is_unequal}
-    if unequal:  # a plain split of the tensor reordered (Conversion.reorder)
+    if unequal:  # a plain split of the tensor reordered (Conversion.reorder_before / reorder_after)
         (u,) = unequal if len(unequal) == 1 and not blocked else (None,)
         if u is None or any(p.is_shard and p.dim == u.dim and p != u for p in (*src, *dst)):
             return None

@@ -30,14 +30,14 @@ from autotp.dropout import ShardedDropout
 from autotp.dynamic import requirements
 from autotp.graph import OpGraph
 from autotp.guard import InputGuard, InputSpec
-from autotp.placement import Placement, block_permutation, dim_pieces, local_shape, piece_range, piece_sizes
+from autotp.placement import Placement, dim_pieces, local_shape, piece_range, piece_sizes
 from autotp.plan import Plan
 from autotp.program import reads
 from autotp.recompute import apply_recompute, recomputed_nodes
 from autotp.redistribute import conversion, fused_axes
 from autotp.rules.blocks import cut_blocks, local_cut_arguments, slice_range
 from autotp.rules.reductions import reduced_dims
-from autotp.shards import as_dtensor, local_shard
+from autotp.shards import as_dtensor, block_index, local_shard
 
 __all__ = ["build_parallel_module", "has_active_dropout"]
 
@@ -74,6 +74,7 @@ class _Builder:
         self.local: dict[str, torch.fx.Node] = {}  # producer name -> its local value
         self.sizes: dict[str, torch.fx.Node] = {}  # symbolic size node -> its value (a global size)
         self.read_cache: dict[tuple, torch.fx.Node] = {}
+        self.order_buffers: dict[tuple, str] = {}  # (axis, placement, size, inverse) -> buffer name
         self.n_modules = 0
         self.n_dropouts = 0
         self.seed = torch.initial_seed() if seed is None else int(seed)
@@ -176,12 +177,13 @@ class _Builder:
     def reorder(self, value: torch.fx.Node, axis: int, p: Placement, shape, inverse: bool) -> torch.fx.Node:
         """``value`` with dim ``p.dim`` taken in the order the ranks of ``axis`` hold unequal blocks
         (:func:`block_permutation`), or, ``inverse``, put back from it. A constant index, made here."""
-        order = torch.tensor(block_permutation(p, self.mesh_shape[axis], shape[p.dim]))
-        index = torch.argsort(order) if inverse else order
-        name = f"_autotp_order_{self.n_modules}"
-        self.n_modules += 1
-        self.root.register_buffer(name, index.to(torch.device(self.mesh.device_type)), persistent=False)
-        return self.fx.call_function(aten.index_select.default, (value, p.dim, self.fx.get_attr(name)))
+        key = (axis, p, shape[p.dim], inverse)
+        if key not in self.order_buffers:
+            self.order_buffers[key] = name = f"_autotp_order_{len(self.order_buffers)}"
+            index = block_index(p, self.mesh_shape[axis], shape[p.dim], inverse)
+            self.root.register_buffer(name, index.to(torch.device(self.mesh.device_type)), persistent=False)
+        index = self.fx.get_attr(self.order_buffers[key])
+        return self.fx.call_function(aten.index_select.default, (value, p.dim, index))
 
     # -- graph ---------------------------------------------------------------------------------
 

@@ -15,9 +15,17 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from autotp.placement import Placement, piece_range
+from autotp.placement import Placement, block_permutation, piece_range
 
-__all__ = ["local_shard", "local_ranges", "as_dtensor", "placements_of", "from_dtensor", "dtensor_placements"]
+__all__ = ["local_shard", "local_ranges", "as_dtensor", "placements_of", "from_dtensor", "dtensor_placements",
+           "block_index"]
+
+
+def block_index(p: Placement, n: int, size: int, inverse: bool = False) -> torch.Tensor:
+    """The ``index_select`` index that takes a dim of ``size`` into the order in which ``n`` ranks hold
+    unequal blocks ``p`` (:func:`autotp.placement.block_permutation`), or, ``inverse``, back from it."""
+    order = torch.tensor(block_permutation(p, n, size))
+    return torch.argsort(order) if inverse else order
 
 
 def local_shard(full: torch.Tensor, placements: tuple[Placement, ...], coordinate: list[int],

@@ -112,7 +112,8 @@ def axis_choices(node: OpNode, n: int, warned: Optional[_Warned] = None,
     def blocked_choices() -> list[AxisChoice]:
         if node.is_placeholder:
             return parameter_variants(node, n, counts) if node.role == PARAMETER else []
-        static_dim = static_cut(node, graph) or slice_range(node) and _static(graph, node, 0, slice_range(node)[0])
+        sliced = slice_range(node)
+        static_dim = static_cut(node, graph) or sliced is not None and _static(graph, node, 0, sliced[0])
         extra = [c for c in cut_choices(node, n, counts) if c not in plain] if static_dim else []
         return extra + blocked_variants(node, n, plain, counts)
 

@@ -104,7 +104,7 @@ def test_gpt_bigcode_at_starcoders_width_gets_megatrons_layout():
     assert again.parameter_placements == plan.parameter_placements
 
 
-def _tight_bigcode():
+def _pinned_bigcode():
     model = _bigcode()
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     graph = autotp.capture(model, (ids,))
@@ -133,7 +133,7 @@ def _round_trip(rank, world, graph, plan, model, other, directory, safetensors_d
 def test_gpt_bigcode_is_exact_on_two_ranks_and_its_weights_round_trip(tmp_path):
     from safetensors.torch import save_file
 
-    model, ids, graph, plan = _tight_bigcode()
+    model, ids, graph, plan = _pinned_bigcode()
     unequal = {k: v for k, v in plan.parameter_placements.items() if "," in v}
     assert unequal, plan.parameter_placements
     assert_step_matches_one_process(graph, plan, model, ids)
@@ -147,8 +147,7 @@ def test_gpt_bigcode_is_exact_on_two_ranks_and_its_weights_round_trip(tmp_path):
     want = dict(model.state_dict())
     for result in run_threads(_round_trip, 2, graph, plan, model, other, str(tmp_path / "dcp"), str(tmp_path / "hf")):
         for values in result.values():
-            for k in unequal:
-                torch.testing.assert_close(values[k], want[k], rtol=0, atol=0)
+            assert set(unequal) <= set(values)
             for k, value in values.items():
                 torch.testing.assert_close(value, want[k], rtol=0, atol=0)
 
