@@ -47,7 +47,7 @@ from cost_models import (HardwareProfile, OptimizerSpec, collective_time_s, comp
 
 from autotp.graph import PARAMETER, OpNode, TensorInfo, dtype_bytes
 from autotp.mesh import MeshSpec
-from autotp.placement import Placement, Strategy, axis_divisor, shard_divisor
+from autotp.placement import Placement, R, Strategy, axis_divisor, plain, shard_divisor
 from autotp.redistribute import (all_reduce_copies, conversion, is_convertible, reorder_copies, step_bytes,
                                  step_copies)
 
@@ -102,8 +102,18 @@ class CostModel:
         ``grad_axes``: axes on which the reader returns a partial gradient; where the edge gathers
         on such an axis, its backward reduce-scatters (the separate gradient all_reduce is priced by
         :meth:`grad_reduce_s` only where no gather absorbs it).
+
+        From ``Rg`` (a gradient left partial) only a reader of ``R`` that returns a partial gradient
+        there may read: any other would add a whole gradient to partial ones (infeasible).
         """
-        if dst is None or tuple(src) == tuple(dst):
+        if dst is None:
+            return 0.0
+        if any(p.grad_partial for p in src):
+            if self.train and requires_grad and any(p.grad_partial and not (d == R and a in grad_axes)
+                                                    for a, (p, d) in enumerate(zip(src, dst))):
+                return INFEASIBLE_S
+            src = plain(src)
+        if tuple(src) == tuple(dst):
             return 0.0
         if not is_convertible(tuple(src), tuple(dst)):
             return INFEASIBLE_S
@@ -129,6 +139,7 @@ class CostModel:
     def edge_forward_s(self, info: TensorInfo, src: Sequence[Placement], dst: Optional[Sequence[Placement]],
                        grad_axes: Sequence[int] = ()) -> float:
         """The forward part of :meth:`edge_s`: its collectives and copies (what a recomputed read runs again)."""
+        src = plain(src)
         if dst is None or tuple(src) == tuple(dst) or not is_convertible(tuple(src), tuple(dst)):
             return 0.0
         return self._edge_cached(info, tuple(src), tuple(dst), tuple(grad_axes))[0]

@@ -16,6 +16,16 @@ have and the placement of its output, and prints the way DTensor prints it:
 >>> Strategy.parse("(S(2)~64) -> S(2)~1").inputs[0][0].grain
 64
 
+In training, a replicated output may carry a **partial gradient**, ``Rg``: the value is the same
+on every rank, but its gradient arrives as one partial sum per rank, because the op runs replicated
+and every reader returns its partial gradient unreduced. The backward of a replicated op is linear in
+its output's gradient, so it passes the partial sums on to its own inputs, and one all_reduce (or
+the reduce-scatter of a gather) further up sums them, on a tensor that may be smaller or already
+reduced for other readers (:mod:`autotp.rules.gradients`).
+
+>>> str(Strategy(((R,), (R,)), (Rg,)))
+'(R, R) -> Rg'
+
 An input placement of ``None`` means the node reads only the input's dtype and device (for
 example ``new_ones``), so any placement will do and nothing moves.
 """
@@ -26,7 +36,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
-__all__ = ["Placement", "R", "P", "S", "Placements", "Strategy", "format_placements", "parse_placements",
+__all__ = ["Placement", "R", "Rg", "P", "S", "plain", "Placements", "Strategy", "format_placements", "parse_placements",
            "local_shape", "shard_divisor", "dim_pieces", "dim_divisor", "piece_sizes", "piece_range", "axis_divisor",
            "block_sizes", "block_permutation"]
 
@@ -50,6 +60,9 @@ class Placement:
     units are dealt out as ``torch.chunk`` deals them: ``ceil(u / n)`` to each rank in order, the
     last ranks fewer (or none). With ``g = 1`` this is DTensor's uneven ``Shard(d)``. The slowest
     rank holds ``ceil(u / n)`` units, and that is what the cost model prices (:func:`shard_divisor`).
+
+    ``grad_partial`` (only on ``R``, printed ``Rg``) marks a replicated output whose gradient is left
+    as partial sums (see the module docstring). It is an output placement only: readers read it as ``R``.
     """
 
     kind: str
@@ -57,6 +70,7 @@ class Placement:
     blocks: int = 1
     grain: int = 0
     sizes: tuple[int, ...] = ()
+    grad_partial: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("R", "S", "P"):
@@ -71,6 +85,8 @@ class Placement:
                            or min(self.sizes) < 1):
             raise ValueError(f"placement S({self.dim}) with block sizes {list(self.sizes)}: unequal blocks are "
                              f"two or more sizes >= 1 that differ, one per block ({self.blocks}), and not uneven")
+        if self.grad_partial and self.kind != "R":
+            raise ValueError(f"placement {self.kind} with a partial gradient: only R may leave its gradient partial")
 
     @property
     def is_uneven(self) -> bool:
@@ -99,7 +115,7 @@ class Placement:
 
     def __str__(self) -> str:
         if self.kind != "S":
-            return self.kind
+            return self.kind + ("g" if self.grad_partial else "")
         blocks = ",".join(map(str, self.sizes)) if self.sizes else str(self.blocks)
         text = f"S({self.dim})[{blocks}]" if self.blocks > 1 else f"S({self.dim})"
         return f"{text}~{self.grain}" if self.grain else text
@@ -108,7 +124,15 @@ class Placement:
 
 
 R = Placement("R")
+Rg = Placement("R", grad_partial=True)
 P = Placement("P")
+
+
+def plain(placements: Optional[Sequence[Placement]]) -> Optional[tuple[Placement, ...]]:
+    """``placements`` with ``Rg`` read as ``R``: what the value is, whatever its gradient."""
+    if placements is None:
+        return None
+    return tuple(R if p.grad_partial else p for p in placements)
 
 
 def S(dim: int, blocks: "int | Sequence[int]" = 1, grain: int = 0) -> Placement:
@@ -163,7 +187,10 @@ def parse_placements(text: str) -> Optional[tuple[Placement, ...]]:
     i = 0
     while i < len(text):
         c = text[i]
-        if c in "RP":
+        if c == "R" and text.startswith("Rg", i):
+            out.append(Rg)
+            i += 2
+        elif c in "RP":
             out.append(Placement(c))
             i += 1
         elif c == "S":
@@ -209,6 +236,11 @@ class Strategy:
         if not self.output[axis].is_replicate:
             return True
         return any(i is not None and not i[axis].is_replicate for i in self.inputs)
+
+    def partial_grads_on(self, axis: int) -> bool:
+        """True when the gradients the node returns to the inputs it reads replicated on ``axis`` are
+        partial sums: it works on shards there, or its output's gradient is partial (``Rg``)."""
+        return self.sharded_on(axis) or self.output[axis].grad_partial
 
     def split_on(self, axis: int) -> bool:
         """True when some tensor of the strategy is cut in pieces (``S``) on ``axis``. Unlike

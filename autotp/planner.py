@@ -25,6 +25,7 @@ from autotp.plan import MemoryPerDevice, NodeChoice, Plan, PredictedTime, SolveS
 from autotp.program import Collective, LocalCopy, program
 from autotp.recompute import check_recompute, layer_chains, recompute_saved_bytes, recomputed_nodes
 from autotp.solver import solve
+from autotp.rules.gradients import partial_gradient_variants
 from autotp.strategies import all_strategies
 from autotp.tying import tie
 
@@ -143,6 +144,8 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
     reps = [n for n in graph.nodes if rep[n.name] == n.name]
     strat_rep = all_strategies(graph, spec.shape, reps)
     _apply_pins(graph, spec, rep, strat_rep, pin)
+    if mode == "train":  # replicated ops that pass partial gradients on (Rg)
+        strat_rep = partial_gradient_variants(graph, spec.ndim, rep, strat_rep)
     strategies = {n.name: strat_rep[rep[n.name]] for n in graph.nodes}
     strategies_s = time.perf_counter() - t0
 

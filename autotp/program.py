@@ -2,10 +2,12 @@
 
 For every input ``k`` of every node the program names the producer, the placement the node needs
 (``q``) and the mesh axes whose backward gradient must be summed (``grad_axes``: the node reads the
-tensor replicated on that axis while working on shards there). Reads of one producer with the same
+tensor replicated on that axis while working on shards there, or while its own output's gradient
+is partial, ``Rg``). Reads of one producer with the same
 ``q`` share one redistribution, and reads that also share ``grad_axes`` share one gradient
 reduction; where the read gathers on a gradient axis, the gather's backward reduce-scatters the
-partial gradient instead (:func:`autotp.redistribute.fused_axes`). The runtime executes exactly this
+partial gradient instead (:func:`autotp.redistribute.fused_axes`); where the producer's output is
+``Rg``, no reduction runs there: the producer passes the partial gradient on to its own inputs. The runtime executes exactly this
 program: :func:`collectives` lists its collectives and :func:`local_copies` the copy kernels around
 them, so the plan's collectives are the ones that run and its predicted time prices both.
 """
@@ -79,7 +81,7 @@ def reads(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, train:
             q = strat.inputs[k]
             grad_axes: tuple[int, ...] = ()
             if train and q is not None and graph[src].requires_grad:
-                grad_axes = tuple(a for a in range(mesh.ndim) if q[a].is_replicate and strat.sharded_on(a))
+                grad_axes = tuple(a for a in range(mesh.ndim) if q[a].is_replicate and strat.partial_grads_on(a))
             out.append(Read(node.name, k, src, q, grad_axes, node.name if node.target == "getitem" else src))
     for i, name in enumerate(graph.outputs):
         out.append(Read(OUTPUT, i, name, (R,) * mesh.ndim, ()))
@@ -147,7 +149,8 @@ def program(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, trai
                     rec_copies.append(LocalCopy("recompute", axis, b, info.dtype, r.producer))
                 if train and src.requires_grad:
                     bwd_copies.append(LocalCopy("backward", axis, b, info.dtype, r.producer))
-        reduce_axes = tuple(a for a in r.grad_axes if a not in fused)
+        # a partial gradient the producer passes on (Rg) is summed further up, not here
+        reduce_axes = tuple(a for a in r.grad_axes if a not in fused and not p[a].grad_partial)
         key = (r.value, r.placements, r.grad_axes)
         if reduce_axes and key not in done_reduce:
             done_reduce.add(key)

@@ -73,7 +73,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from autotp.placement import Placement, S, axis_divisor
+from autotp.placement import Placement, S, axis_divisor, plain
 
 __all__ = ["Step", "Conversion", "conversion", "unblocked", "conversion_steps", "step_kinds", "is_convertible",
            "fused_axes", "step_copies", "step_bytes",
@@ -186,7 +186,9 @@ class Conversion:
 
 def conversion(shape: Sequence[int], src: Sequence[Placement], dst: Sequence[Placement],
                mesh_shape: Sequence[int], grad_axes: Sequence[int] = ()) -> Conversion:
-    """The steps of ``src -> dst`` for a tensor of ``shape``, blocked splits included."""
+    """The steps of ``src -> dst`` for a tensor of ``shape``, blocked splits included (``Rg`` is
+    ``R`` here: whether its gradient is partial is the caller's business)."""
+    src, dst = plain(src), plain(dst)
     viewed = unblocked(src, dst)
     if viewed is None or not is_convertible(src, dst):
         raise ValueError(f"cannot redistribute {''.join(map(str, src))} -> {''.join(map(str, dst))}: "

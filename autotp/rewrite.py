@@ -163,7 +163,8 @@ class _Builder:
                 value = self.reorder(value, *steps.reorder_after, node.outputs[0].shape, inverse=True)
             self.read_cache[key] = value
         value = self.read_cache[key]
-        reduce_axes = tuple(a for a in grad_axes if a not in fused)
+        # a partial gradient the producer passes on (Rg) is summed further up, not here
+        reduce_axes = tuple(a for a in grad_axes if a not in fused and not p[a].grad_partial)
         if reduce_axes:
             gkey = (vkey, q, grad_axes)
             if gkey not in self.read_cache:

@@ -19,13 +19,16 @@ layer tying, ``m_r`` is how many nodes ``r`` stands for):
 * **grad_reductions**: for a tensor ``t`` that carries a gradient, a mesh axis ``a`` and a placement
   ``q`` it is read with, continuous ``z[t,a,q] ∈ [0,1]``: one backward all_reduce of the size ``q``
   holds (cost ``g[t,a,q]``) serves every read that needs it. A consumer ``c`` needs it when it
-  reads ``t`` as ``q``, replicated on ``a``, while working on shards there (its gradient is partial
-  on ``a``: the strategies ``B(c,a,q)``) and ``t``'s output is not split on ``a``. Where the edge
-  ``t → c`` has product variables, ``z[t,a,q] ≥ Σ y_c[p,κ]`` over the pairs with ``p[a]`` not a
-  shard and ``κ = (q, A)``, ``a ∈ A``: the joint of the two conditions. Where the edge has none (it
+  reads ``t`` as ``q``, replicated on ``a``, while working on shards there or while its own output's
+  gradient is partial there (``Rg``; either way the gradient it returns is partial on ``a``: the
+  strategies ``B(c,a,q)``) and ``t``'s output is neither split on ``a`` nor ``Rg`` there (an ``Rg``
+  producer passes the partial gradient on, and the reads of its own inputs need the reduction
+  instead; an edge from ``Rg`` to a reader that returns a whole gradient is infeasible). Where the edge
+  ``t → c`` has product variables, ``z[t,a,q] ≥ Σ y_c[p,κ]`` over the pairs with ``p[a]`` neither a
+  shard nor ``Rg`` and ``κ = (q, A)``, ``a ∈ A``: the joint of the two conditions. Where the edge has none (it
   costs nothing, or depends on one end only and was folded into it, or the reader is a view merged
   into ``t``, or its ``y`` were built for a tensor without gradient and so lack the axes ``A``) ``z ≥ Σ_{s ∈ B(c,a,q)} x[c,s] − Σ_{s' ∈ S_a(t)} x[t,s']``, with ``S_a(t)`` the
-  strategies of ``t`` whose output is split on ``a``. Both rows have the same integer points; the
+  strategies of ``t`` whose output is split on ``a`` or ``Rg`` there. Both rows have the same integer points; the
   first keeps the LP relaxation tight (the second, used everywhere, left the 70B shape's root bound
   23% below its optimum). When ``t`` is split on ``a`` the read gathers, and the gather's backward
   reduce-scatters the partial gradient instead: the edges price that, keyed by the consumer's
@@ -67,7 +70,7 @@ from autotp import ops
 from autotp.costing import INFEASIBLE_S, CostModel
 from autotp.graph import OpGraph
 from autotp.ilp import SolverError, solve_with_first_solver
-from autotp.placement import Placement, Strategy
+from autotp.placement import Placement, Strategy, plain
 from autotp.recompute import Layer
 from autotp.recompute_counts import all_but_one, candidates, freed_bytes, least_bytes, search
 from autotp.redistribute import fused_axes
@@ -172,12 +175,15 @@ class _Formulation:
             if any(self.rep[self.graph[i].inputs[0]] != u or self.graph.consumers(self.graph[i].inputs[0]) != (i,)
                    or self.graph[i].inputs[0] in outputs for i in instances[r]):
                 continue
+            # keyed by what the view reads and whether its output's gradient is partial (Rg) on each
+            # axis: it follows a producer whose output is Rg with its own Rg variant
             by_input: dict[tuple, list[int]] = defaultdict(list)
             for idx, st in enumerate(self.strategies[r]):
-                by_input[st.inputs[0]].append(idx)
+                by_input[(st.inputs[0], _grad_flags(st.output))].append(idx)
             mine = []
             for s_root in range(len(self.strategies[root[u]])):
-                match = by_input.get(self.strategies[u][fmap[u][s_root]].output, [])
+                p = self.strategies[u][fmap[u][s_root]].output
+                match = by_input.get((plain(p), _grad_flags(p)), [])
                 if len(match) != 1:
                     break
                 mine.append(match[0])
@@ -376,7 +382,7 @@ class _Formulation:
         q = st.inputs[k]
         if not grad or q is None:
             return (q, ())
-        return (q, tuple(a for a in range(self.cost.mesh.ndim) if q[a].is_replicate and st.sharded_on(a)))
+        return (q, tuple(a for a in range(self.cost.mesh.ndim) if q[a].is_replicate and st.partial_grads_on(a)))
 
     def grad_reductions(self) -> None:
         """One z per (tensor, axis, placement read): reads with the same placement share one reduction,
@@ -405,7 +411,7 @@ class _Formulation:
                         by_q: dict[tuple, list[int]] = defaultdict(list)
                         for s, st in enumerate(self.strategies[rc]):
                             q = st.inputs[k]
-                            if q is not None and q[a].is_replicate and st.sharded_on(a):
+                            if q is not None and q[a].is_replicate and st.partial_grads_on(a):
                                 by_q[q].append(s)
                         for q, idx in by_q.items():
                             key = (rt, a, q)
@@ -418,14 +424,17 @@ class _Formulation:
             z = self.var(f"z{i}", 0, 1)
             self.n_vars += 1
             self.objective.append(cost[key] * z)
-            split = self.x_of(rt, (s for s, st in enumerate(self.strategies[rt]) if st.output[a].is_shard))
+            # split on a: the read gathers and its backward reduce-scatters; Rg: the producer passes it on
+            split = self.x_of(rt, (s for s, st in enumerate(self.strategies[rt])
+                                   if st.output[a].is_shard or st.output[a].grad_partial))
             for j, (rc, k, idx) in enumerate(sorted(bad[key])):
                 y = self.products.get((rt, rc, k))
                 if y is None:
                     self.prob += z >= self.x_of(rc, idx) - split, f"grad_{i}_{j}"
                 else:
                     self.prob += z >= pulp.lpSum(var for (p, (qq, axes)), var in y.items()
-                                                 if qq == q and a in axes and not p[a].is_shard), f"grad_{i}_{j}"
+                                                 if qq == q and a in axes and not p[a].is_shard
+                                                 and not p[a].grad_partial), f"grad_{i}_{j}"
 
     def memory(self) -> None:
         mem = {r: [0.0] * len(self.strategies[r]) for r in self.roots}
@@ -558,6 +567,10 @@ def _is_follower(node) -> bool:
     if node.is_view:
         return True
     return node.target in ops.NO_OP and node.input_infos[0] == node.output
+
+
+def _grad_flags(placements: tuple) -> tuple[bool, ...]:
+    return tuple(p.grad_partial for p in placements)
 
 
 def _redistribution(p: tuple, requirement: tuple) -> tuple:
