@@ -3,14 +3,16 @@
 Sections: per module its style, the placements of weight, input and output, and whether it
 recomputes its activations; the collectives of one step by kind and phase with bytes; the inputs' dynamic dims and what the plan needs of them;
 predicted compute and communication time; memory per device against the budget; which layers
-recompute and what that frees and costs; how the solve went.
+recompute and what that frees and costs; where gradients pass on as partial sums (``Rg``); how
+the solve went.
 """
 
 from __future__ import annotations
 
 import html
 import json
-from collections import defaultdict
+import re
+from collections import Counter, defaultdict
 from typing import TYPE_CHECKING
 
 from autotp.dynamic import in_input_terms
@@ -41,6 +43,18 @@ def _collective_rows(plan: "Plan") -> list[list[str]]:
     order = {"forward": 0, "backward": 1, "recompute": 2}
     return [[phase, kind, axis, str(len(b)), format_bytes(sum(b))]
             for (phase, kind, axis), b in sorted(groups.items(), key=lambda kv: (order[kv[0][0]], kv[0][1:]))]
+
+
+def partial_gradient_lines(plan: "Plan") -> list[str]:
+    """One line per kind of op whose output the plan leaves ``Rg`` (its gradient passed on to its
+    inputs as partial sums), by module, repeated layers counted once with how many there are."""
+    seen: Counter = Counter()
+    for n in plan.nodes:
+        if "Rg" in n.strategy.split(" -> ")[-1]:
+            module = re.sub(r"\.\d+(?=\.|$)", ".*", n.module) or "(top level)"
+            seen[(module, n.target, n.shape)] += 1
+    return [f"{module}: {target} {list(shape)}" + (f" (x{count})" if count > 1 else "")
+            for (module, target, shape), count in seen.items()]
 
 
 def dynamic_lines(plan: "Plan") -> list[str]:
@@ -97,6 +111,11 @@ def _text(plan: "Plan") -> str:
     if plan.uneven:
         lines += ["", "Uneven splits (whole heads or rows the ranks do not divide)"]
         lines += [f"  {u.describe()}" for u in plan.uneven]
+    partial = partial_gradient_lines(plan)
+    if partial:
+        lines += ["", "Gradients passed on as partial sums (Rg: these ops run replicated and hand the sum to "
+                  "their inputs' reads)"]
+        lines += [f"  {line}" for line in partial]
     if plan.dynamic_dims:
         lines += ["", "Dynamic dims (sizes other than the example's run without planning again)"]
         lines += [f"  {line}" for line in dynamic_lines(plan)]

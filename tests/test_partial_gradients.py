@@ -89,6 +89,9 @@ def test_a_token_dispatch_sums_the_partial_gradient_on_the_hidden_states():
     # without Rg the slots' gradient (or the slots themselves) move, k times the bytes
     assert any(c.bytes == slot_bytes for c in without.collectives()), [str(c) for c in without.collectives()]
     assert plan.predicted_time().total_s < without.predicted_time().total_s
+    report = plan.report()
+    assert "Gradients passed on as partial sums" in report and f"aten.index.Tensor [{tokens * k}, {hidden}]" in report
+    assert "partial sums" not in without.report()
     assert "Rg" not in str(plan_graph(graph, (8,), "h100-sxm", "inference").nodes)  # no gradient, no Rg
 
 
