@@ -155,7 +155,8 @@ class _Formulation:
     def _merge_followers(self) -> tuple[dict[str, str], dict[str, list[int]], dict[str, str]]:
         """Merge a view (or no-op cast) into its input when it can follow every placement the input
         takes and nothing else reads that input: choosing the producer then fixes the view, and any
-        redistribution the view's readers need can happen after it, on as many bytes. No option is lost.
+        redistribution the view's readers need can happen after it, on as many bytes. No option is lost:
+        a view that may leave its gradient partial (``Rg``) where its input may not stays on its own.
 
         Returns, per representative, its group root, the map from the root's strategy index to its
         own, and (for merged ones) the representative it follows.
@@ -180,6 +181,10 @@ class _Formulation:
             by_input: dict[tuple, list[int]] = defaultdict(list)
             for idx, st in enumerate(self.strategies[r]):
                 by_input[(st.inputs[0], _grad_flags(st.output))].append(idx)
+            root_flags = {_grad_flags(self.strategies[u][fmap[u][s]].output)
+                          for s in range(len(self.strategies[root[u]]))}
+            if any(flags not in root_flags for _, flags in by_input):
+                continue  # the view may be Rg where its input may not: merged, that option would be lost
             mine = []
             for s_root in range(len(self.strategies[root[u]])):
                 p = self.strategies[u][fmap[u][s_root]].output
@@ -324,7 +329,9 @@ class _Formulation:
                 for p in outs:
                     c[(p, (q, axes))] += count * self.cost.edge_s(info, p, q, grad, axes)
             for p, once in {_redistribution(p, kk) for kk in mine for p in outs}:
-                shared[(p, once)] += count * self.cost.edge_s(info, p, once[0], grad, once[1])
+                # the steps from the value as it is (Rg is R): which readers may read an Rg at all,
+                # the readers' own product variables say (c above)
+                shared[(p, once)] += count * self.cost.edge_s(info, plain(p), once[0], grad, once[1])
                 forward_of[(p, once)].append((count, info))
             keys |= mine
         if not any(c[(p, kk)] for kk in keys for p in outs):

@@ -28,7 +28,9 @@ on shards, or may be ``Rg`` itself), and either
 Every other replicated op could pass the sum on too, but only to a tensor as large or larger; where
 that would join a reduction paid anyway, the reduction at the op's own output is no dearer. Offering
 them all made the ILP of the Llama 3 70B shape on (8, 8) 70% larger and its solve 3.6 times slower,
-for the same plan.
+for the same plan; offered as above, its solve takes 4.3 s against 3 s without any, and the plan
+gains: the grouped-query ``expand`` of k and v heads passes its gradient on (503.5 ms a step
+predicted against 506.7 ms).
 """
 
 from __future__ import annotations
