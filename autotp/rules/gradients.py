@@ -56,12 +56,6 @@ def _may_pass(graph: OpGraph, node: OpNode, outputs: frozenset) -> bool:
     return any(graph[i].requires_grad for i in node.inputs)
 
 
-def _replicated_on(st: Strategy, axis: int) -> bool:
-    """Every tensor the strategy reads and its output are plain ``R`` on ``axis``."""
-    return st.output[axis].is_replicate and not st.output[axis].grad_partial and all(
-        q is None or q[axis].is_replicate for q in st.inputs)
-
-
 def partial_gradient_variants(graph: OpGraph, mesh_ndim: int, rep: Mapping[str, str],
                               strategies: Mapping[str, Sequence[Strategy]]) -> dict[str, list[Strategy]]:
     """``strategies`` (per representative, as :func:`autotp.tying.tie` groups the nodes) with, for the
@@ -86,7 +80,7 @@ def partial_gradient_variants(graph: OpGraph, mesh_ndim: int, rep: Mapping[str, 
             if not all(_readers_may_return_partial(graph, n, a, rep, strategies, may) for n in instances[r]):
                 continue
             for st in strategies[r]:
-                if _replicated_on(st, a):
+                if not st.partial_grads_on(a):  # runs replicated on a: every tensor plain R there
                     output = tuple(Rg if b == a else p for b, p in enumerate(st.output))
                     out[r].append(Strategy(st.inputs, output))
     return out
