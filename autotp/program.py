@@ -20,7 +20,8 @@ from typing import Collection, Mapping, Optional
 from autotp.graph import OpGraph
 from autotp.mesh import MeshSpec
 from autotp.placement import Placement, R, Strategy, shard_divisor
-from autotp.redistribute import all_reduce_copies, conversion, fused_axes, reorder_copies, step_bytes, step_copies
+from autotp.redistribute import (all_reduce_copies, conversion, fused_axes, reduced_axes, reorder_copies, step_bytes,
+                                 step_copies)
 from autotp.units import format_bytes
 
 __all__ = ["Read", "Collective", "LocalCopy", "reads", "collectives", "local_copies", "program", "OUTPUT"]
@@ -149,8 +150,7 @@ def program(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, trai
                     rec_copies.append(LocalCopy("recompute", axis, b, info.dtype, r.producer))
                 if train and src.requires_grad:
                     bwd_copies.append(LocalCopy("backward", axis, b, info.dtype, r.producer))
-        # a partial gradient the producer passes on (Rg) is summed further up, not here
-        reduce_axes = tuple(a for a in r.grad_axes if a not in fused and not p[a].grad_partial)
+        reduce_axes = reduced_axes(p, r.placements, r.grad_axes)
         key = (r.value, r.placements, r.grad_axes)
         if reduce_axes and key not in done_reduce:
             done_reduce.add(key)

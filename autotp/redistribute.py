@@ -76,7 +76,7 @@ from typing import Optional, Sequence
 from autotp.placement import Placement, S, axis_divisor, plain
 
 __all__ = ["Step", "Conversion", "conversion", "unblocked", "conversion_steps", "step_kinds", "is_convertible",
-           "fused_axes", "step_copies", "step_bytes",
+           "fused_axes", "reduced_axes", "step_copies", "step_bytes",
            "all_reduce_copies"]
 
 
@@ -212,6 +212,14 @@ def conversion(shape: Sequence[int], src: Sequence[Placement], dst: Sequence[Pla
 def fused_axes(src: Sequence[Placement], dst: Sequence[Placement], grad_axes: Sequence[int]) -> tuple[int, ...]:
     """Axes of ``grad_axes`` whose partial gradient the gather's backward reduce-scatters."""
     return tuple(a for a in grad_axes if src[a].is_shard and dst[a].is_replicate)
+
+
+def reduced_axes(src: Sequence[Placement], dst: Sequence[Placement], grad_axes: Sequence[int]) -> tuple[int, ...]:
+    """Axes of ``grad_axes`` whose partial gradient a read from ``src`` all-reduces itself: not those a
+    gather's backward reduce-scatters (:func:`fused_axes`), nor those where ``src`` is ``Rg`` (its
+    producer passes the partial gradient on, to be summed further up)."""
+    fused = fused_axes(src, dst, grad_axes)
+    return tuple(a for a in grad_axes if a not in fused and not src[a].grad_partial)
 
 
 def conversion_steps(src: Sequence[Placement], dst: Sequence[Placement], mesh_shape: Sequence[int],

@@ -50,7 +50,7 @@ def partial_gradient_lines(plan: "Plan") -> list[str]:
     inputs as partial sums), by module, repeated layers counted once with how many there are."""
     seen: Counter = Counter()
     for n in plan.nodes:
-        if "Rg" in n.strategy.split(" -> ")[-1]:
+        if any(p.grad_partial for p in plan.strategy(n.name).output):
             module = re.sub(r"\.\d+(?=\.|$)", ".*", n.module) or "(top level)"
             seen[(module, n.target, n.shape)] += 1
     return [f"{module}: {target} {list(shape)}" + (f" (x{count})" if count > 1 else "")

@@ -34,7 +34,7 @@ from autotp.placement import Placement, dim_pieces, local_shape, piece_range, pi
 from autotp.plan import Plan
 from autotp.program import reads
 from autotp.recompute import apply_recompute, recomputed_nodes
-from autotp.redistribute import conversion, fused_axes
+from autotp.redistribute import conversion, fused_axes, reduced_axes
 from autotp.rules.blocks import cut_blocks, local_cut_arguments, slice_range
 from autotp.rules.reductions import reduced_dims
 from autotp.shards import as_dtensor, block_index, local_shard
@@ -163,8 +163,7 @@ class _Builder:
                 value = self.reorder(value, *steps.reorder_after, node.outputs[0].shape, inverse=True)
             self.read_cache[key] = value
         value = self.read_cache[key]
-        # a partial gradient the producer passes on (Rg) is summed further up, not here
-        reduce_axes = tuple(a for a in grad_axes if a not in fused and not p[a].grad_partial)
+        reduce_axes = reduced_axes(p, q, grad_axes)
         if reduce_axes:
             gkey = (vkey, q, grad_axes)
             if gkey not in self.read_cache:

@@ -66,10 +66,10 @@ from typing import Any, Mapping, Optional, Sequence
 
 import pulp
 
-from autotp import ops
 from autotp.costing import INFEASIBLE_S, CostModel
 from autotp.graph import OpGraph
 from autotp.ilp import SolverError, solve_with_first_solver
+from autotp.followers import merge_followers
 from autotp.placement import Placement, Strategy, plain
 from autotp.recompute import Layer
 from autotp.recompute_counts import all_but_one, candidates, freed_bytes, least_bytes, search
@@ -131,7 +131,7 @@ class _Formulation:
                        if all(rep[n] == n and self.mult[n] == len(c) for n in c[0].nodes)}
         self.chain_of = {n: g for g, c in self.chains.items() for n in c[0].nodes}
         self.lengths = {g: len(c) for g, c in self.chains.items()}
-        self.root, self.fmap, self.parent = self._merge_followers()
+        self.root, self.fmap, self.parent = merge_followers(graph, strategies, rep, self.reps)
         self.roots = [r for r in self.reps if self.root[r] == r]
         self.node_cost: dict[str, list[float]] = {r: [0.0] * len(strategies[r]) for r in self.roots}
         self.objective: list = []
@@ -149,52 +149,6 @@ class _Formulation:
         if hasattr(self.prob, "add_variable"):
             return self.prob.add_variable(name, low, up, cat=cat)
         return pulp.LpVariable(name, low, up, cat=cat)
-
-    # -- following ops -------------------------------------------------------------------------
-
-    def _merge_followers(self) -> tuple[dict[str, str], dict[str, list[int]], dict[str, str]]:
-        """Merge a view (or no-op cast) into its input when it can follow every placement the input
-        takes and nothing else reads that input: choosing the producer then fixes the view, and any
-        redistribution the view's readers need can happen after it, on as many bytes. No option is lost:
-        a view that may leave its gradient partial (``Rg``) where its input may not stays on its own.
-
-        Returns, per representative, its group root, the map from the root's strategy index to its
-        own, and (for merged ones) the representative it follows.
-        """
-        root = {r: r for r in self.reps}
-        fmap = {r: list(range(len(self.strategies[r]))) for r in self.reps}
-        parent: dict[str, str] = {}
-        instances: dict[str, list[str]] = defaultdict(list)
-        for n in self.graph.nodes:
-            instances[self.rep[n.name]].append(n.name)
-        outputs = set(self.graph.outputs)
-        for r in self.reps:
-            node = self.graph[r]
-            if not _is_follower(node):
-                continue
-            u = self.rep[node.inputs[0]]
-            if any(self.rep[self.graph[i].inputs[0]] != u or self.graph.consumers(self.graph[i].inputs[0]) != (i,)
-                   or self.graph[i].inputs[0] in outputs for i in instances[r]):
-                continue
-            # keyed by what the view reads and whether its output's gradient is partial (Rg) on each
-            # axis: it follows a producer whose output is Rg with its own Rg variant
-            by_input: dict[tuple, list[int]] = defaultdict(list)
-            for idx, st in enumerate(self.strategies[r]):
-                by_input[(st.inputs[0], _grad_flags(st.output))].append(idx)
-            root_flags = {_grad_flags(self.strategies[u][fmap[u][s]].output)
-                          for s in range(len(self.strategies[root[u]]))}
-            if any(flags not in root_flags for _, flags in by_input):
-                continue  # the view may be Rg where its input may not: merged, that option would be lost
-            mine = []
-            for s_root in range(len(self.strategies[root[u]])):
-                p = self.strategies[u][fmap[u][s_root]].output
-                match = by_input.get((plain(p), _grad_flags(p)), [])
-                if len(match) != 1:
-                    break
-                mine.append(match[0])
-            else:
-                root[r], fmap[r], parent[r] = root[u], mine, u
-        return root, fmap, parent
 
     def x_of(self, r: str, idxs) -> pulp.LpAffineExpression:
         """Σ x over the root strategies under which representative ``r`` takes one of ``idxs``."""
@@ -565,19 +519,6 @@ class _Formulation:
 
 
 _R = Placement("R")
-
-
-def _is_follower(node) -> bool:
-    """A view, or an op that returns its input unchanged (a cast to the same dtype, a copy)."""
-    if node.is_placeholder or len(node.inputs) != 1 or node.target == "getitem" or len(node.outputs) != 1:
-        return False
-    if node.is_view:
-        return True
-    return node.target in ops.NO_OP and node.input_infos[0] == node.output
-
-
-def _grad_flags(placements: tuple) -> tuple[bool, ...]:
-    return tuple(p.grad_partial for p in placements)
 
 
 def _redistribution(p: tuple, requirement: tuple) -> tuple:

@@ -134,8 +134,8 @@ def test_qwen_moe_sums_the_routed_tokens_gradient_on_the_tokens_and_is_exact():
     from benchmarks import zoo
 
     arch = next(a for a in zoo.ARCHS if a.name == "qwen2_moe")
-    if zoo.missing(arch):
-        pytest.skip(zoo.missing(arch))
+    if zoo.missing(arch):  # an older transformers than the Makefile installs
+        pytest.skip(f"this transformers has no {zoo.missing(arch)}")
     row = zoo.run_arch(arch, exact=True)
     assert row["fwd_coll"] == "4" and row["megatron_weights"] and row["ratio_ok"], row
     assert row["is_exact"], row
