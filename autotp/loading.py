@@ -23,7 +23,9 @@ differ are reported together in one ``ValueError``, on every rank alike, with no
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -57,14 +59,11 @@ def load_weights(module: nn.Module, path: str | os.PathLike) -> None:
 
 def _safetensors_files(root: Path) -> dict[str, Path]:
     """``{key: file}`` of a safetensors checkpoint directory."""
-    from safetensors import safe_open
-
     if (root / INDEX).is_file():
         weight_map = json.loads((root / INDEX).read_text())["weight_map"]
         return {key: root / name for key, name in weight_map.items()}
     if (root / SINGLE).is_file():
-        with safe_open(root / SINGLE, framework="pt") as f:
-            return {key: root / SINGLE for key in f.keys()}
+        return {key: root / SINGLE for key in _data_layout(root / SINGLE)[1]}
     if not root.exists():
         raise FileNotFoundError(f"no checkpoint at {root}")
     raise ValueError(f"{root} holds no checkpoint autotp reads: expected {INDEX}, {SINGLE}, or a "
@@ -81,13 +80,9 @@ def _targets(module: nn.Module) -> list[tuple[tuple[str, ...], torch.Tensor]]:
 
 def _match(targets, files: dict[str, Path]) -> list[tuple[str, Path, torch.Tensor]]:
     """``(key, file, tensor)`` to read for every target, or one ValueError naming every problem."""
-    from safetensors import safe_open
-
     shapes: dict[str, tuple[int, ...]] = {}
     for file in sorted(set(files.values())):
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():
-                shapes[key] = tuple(f.get_slice(key).get_shape())
+        shapes.update((key, shape) for key, (shape, _, _) in _data_layout(file)[1].items())
     missing, wrong, out, known = [], [], [], set()
     for names, value in targets:
         known.update(names)
@@ -118,16 +113,75 @@ def _read(plan: list[tuple[str, Path, torch.Tensor]], placements: dict) -> None:
         by_file.setdefault(file, []).append((key, value))
     meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
     for file, entries in by_file.items():
+        wanted = [(key, value, _ranges(value, meshes, placements.get(key))) for key, value in entries]
+        _prefetch(file, [(key, ranges) for key, _, ranges in wanted])
         with safe_open(file, framework="pt") as f:
-            for key, value in entries:
+            for key, value, ranges in wanted:
                 # the DTensor's shard itself (to_local() may hand back a view, which set_ would not reach)
                 local = value._local_tensor if hasattr(value, "_local_tensor") else value
-                ranges = _ranges(value, meshes, placements.get(key))
                 piece = _read_piece(f.get_slice(key), ranges) if ranges else f.get_tensor(key)
                 if piece.dtype == local.dtype and piece.is_contiguous() and piece.device == local.device:
                     local.set_(piece)  # the file's pages, mapped privately: no copy; a write copies its page
                     continue
                 local.copy_(piece)  # converts the dtype as it copies, with no full-size intermediate
+
+
+def _prefetch(file: Path, wanted: list[tuple[str, Any]]) -> None:
+    """Ask the kernel to start reading, all at once, the bytes of ``file`` that ``wanted`` (key, ranges
+    or None for whole) covers. The reads that follow go through the file's pages one fault at a time;
+    with this the disk sees the rank's whole share at once (a piece split along its last dims spans
+    whole rows: its rows are read whole). A no-op where ``posix_fadvise`` is missing."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    start_bytes, layout = _data_layout(file)
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        for key, ranges in wanted:
+            for lo, hi in _byte_spans(*layout[key], ranges):
+                os.posix_fadvise(fd, start_bytes + lo, hi - lo, os.POSIX_FADV_WILLNEED)
+    finally:
+        os.close(fd)
+
+
+def _data_layout(file: Path) -> tuple[int, dict[str, tuple[tuple[int, ...], int, int]]]:
+    """Where a safetensors file's data starts, and per key ``(shape, first byte, last byte + 1)`` after it.
+
+    The format: an 8-byte little-endian header length, a JSON header, then the data."""
+    with open(file, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        try:
+            if not 2 <= length <= os.fstat(f.fileno()).st_size - 8:
+                raise ValueError(f"a header of {length} bytes")
+            header = json.loads(f.read(length))
+        except ValueError as e:  # json's errors are ValueErrors too
+            raise ValueError(f"{file} is not a safetensors file ({e})") from None
+    return 8 + length, {key: (tuple(entry["shape"]), *entry["data_offsets"])
+                        for key, entry in header.items() if key != "__metadata__"}
+
+
+def _byte_spans(shape: tuple[int, ...], first: int, end: int, ranges) -> list[tuple[int, int]]:
+    """The byte spans (from the tensor's first byte) that hold the piece ``ranges`` of a row-major
+    tensor stored in ``[first, end)``: one span per block of a blocked split, from the piece's first
+    element to its last.
+
+    >>> _byte_spans((4, 6), 0, 96, (((2, 4),), ((0, 6),)))  # rows 2..3 of float32
+    [(48, 96)]
+    >>> _byte_spans((4, 6), 0, 96, (((0, 4),), ((0, 3),)))  # the first 3 columns: rows 0..3 spanned
+    [(0, 84)]
+    """
+    numel = math.prod(shape)
+    if ranges is None or numel == 0:
+        return [(first, end)] if end > first else []
+    item = (end - first) // numel
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    spans = []
+    for block in itertools.product(*ranges):
+        if any(hi <= lo for lo, hi in block):
+            continue
+        lo = sum(a * s for (a, _), s in zip(block, strides))
+        hi = sum((b - 1) * s for (_, b), s in zip(block, strides)) + 1
+        spans.append((first + lo * item, first + hi * item))
+    return spans
 
 
 def _read_piece(sliced: Any, ranges: tuple) -> torch.Tensor:

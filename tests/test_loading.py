@@ -14,6 +14,7 @@ init runs the model's own init on the shards.
 
 from __future__ import annotations
 
+import itertools
 import json
 import warnings
 from pathlib import Path
@@ -349,3 +350,40 @@ def test_init_names_the_parameters_the_models_init_does_not_write():
     assert message is not None, "parameters left as uninitialized memory without a word"
     assert "layers.0.input_layernorm.weight" in message and "norm.weight" in message
     assert "q_proj" not in message  # nn.Linear's reset_parameters wrote those
+
+
+@pytest.mark.parametrize("placements, coordinate", [
+    ("S(0)", [1]), ("S(1)", [0]), ("S(1)", [1]), ("S(0)[3]", [1]), ("S(1)[2]", [0]), ("R", [0])])
+def test_the_prefetched_bytes_are_the_pieces_span(tmp_path, placements, coordinate):
+    """What a rank asks the kernel to read ahead holds every element of its piece, and each span
+    (one per block) runs from an element of the piece to an element of the piece: the spans are
+    checked against the file's own bytes (each element's value is its index)."""
+    from safetensors.torch import save_file
+
+    from autotp import loading
+    from autotp.placement import parse_placements
+    from autotp.shards import local_ranges
+
+    weight = torch.arange(12 * 10, dtype=torch.float32).reshape(12, 10)
+    save_file({"a": torch.ones(3), "w": weight}, tmp_path / "model.safetensors")
+    data = (tmp_path / "model.safetensors").read_bytes()
+    start, layout = loading._data_layout(tmp_path / "model.safetensors")
+    ranges = local_ranges((12, 10), parse_placements(placements), coordinate, (2,))
+    spans = loading._byte_spans(*layout["w"], ranges)
+    blocks = list(itertools.product(*ranges))
+    piece = {int(v) for (r0, r1), (c0, c1) in blocks for v in weight[r0:r1, c0:c1].reshape(-1)}
+    assert len(spans) == len(blocks)
+    covered = set()
+    for lo, hi in spans:
+        values = [int(v) for v in torch.frombuffer(bytearray(data[start + lo:start + hi]), dtype=torch.float32)]
+        assert values[0] in piece and values[-1] in piece, (lo, hi)
+        covered.update(values)
+    assert piece <= covered
+
+
+def test_a_file_that_is_not_safetensors_is_named(tmp_path):
+    from autotp import loading
+
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a safetensors file"):
+        loading._safetensors_files(tmp_path)
