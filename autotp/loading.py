@@ -11,7 +11,9 @@ Two kinds of checkpoint directory:
   write, an optimizer step, copies only the page it touches); any other piece is copied into the
   shard, converted to the module's dtype (a bfloat16 file into a float32 model and back). A weight tied to another
   (``lm_head.weight`` and ``model.embed_tokens.weight``) is one parameter under two names and is
-  read from whichever name the file has.
+  read from whichever name the file has. Before a file is read, the kernel is asked to read ahead
+  the byte spans this rank's pieces cover (``posix_fadvise``), so a cold read sees the rank's whole
+  share at once rather than one page fault at a time.
 - **torch.distributed.checkpoint** (a directory with ``.metadata``): written by
   ``autotp.checkpoint.save`` on any mesh and plan, or by DCP from an unsharded model; DCP reads
   the pieces each rank's placements need (resharding on load).
