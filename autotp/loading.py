@@ -114,11 +114,19 @@ def _read(plan: list[tuple[str, Path, torch.Tensor]], placements: dict) -> None:
     for key, file, value in plan:
         by_file.setdefault(file, []).append((key, value))
     meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
-    for file, entries in by_file.items():
-        wanted = [(key, value, _ranges(value, meshes, placements.get(key))) for key, value in entries]
-        _prefetch(file, [(key, ranges) for key, _, ranges in wanted])
+    wanted = {file: [(key, value, _ranges(value, meshes, placements.get(key))) for key, value in entries]
+              for file, entries in by_file.items()}
+    files = list(wanted)
+
+    def prefetch(file: Path) -> None:
+        _prefetch(file, [(key, ranges) for key, _, ranges in wanted[file]])
+
+    prefetch(files[0]) if files else None
+    for i, file in enumerate(files):
+        if i + 1 < len(files):  # the disk reads the next file's share while this one is copied
+            prefetch(files[i + 1])
         with safe_open(file, framework="pt") as f:
-            for key, value, ranges in wanted:
+            for key, value, ranges in wanted[file]:
                 # the DTensor's shard itself (to_local() may hand back a view, which set_ would not reach)
                 local = value._local_tensor if hasattr(value, "_local_tensor") else value
                 piece = _read_piece(f.get_slice(key), ranges) if ranges else f.get_tensor(key)
