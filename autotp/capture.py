@@ -136,7 +136,7 @@ def _flops(node: torch.fx.Node) -> float:
     vals = [concrete(a.meta.get("val")) if isinstance(a, torch.fx.Node) else concrete(a) for a in node.args]
     out = concrete(node.meta.get("val"))
     if target in (aten.linear.default, aten.matmul.default):
-        a, b = vals[0], vals[1]
+        a = vals[0]
         k = a.shape[-1]
         return 2.0 * out.numel() * k
     if target is aten.scaled_dot_product_attention.default:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import operator
 import sys
 
 import pytest
@@ -22,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autotp
-from autotp.placement import P, R, S, Placement, Strategy, local_shape
+from autotp.placement import R, S, Strategy, local_shape
 from autotp.strategies import node_strategies
 
 from examples import models as M

@@ -23,13 +23,16 @@ import datetime
 import os
 import sys
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from autotp.profiling import collectives
 from autotp.profiling.config import ProfileConfig, format_size
 from autotp.profiling.device import DeviceMeasurement
+
+if TYPE_CHECKING:
+    from cost_models import DeviceSpec
 from autotp.profiling.dtypes import EMULATED_BELOW
 from autotp.profiling.sizes import REFINE_MISS
 from autotp.profiling.fit import (
