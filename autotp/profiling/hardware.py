@@ -30,9 +30,6 @@ import torch
 from autotp.profiling import collectives
 from autotp.profiling.config import ProfileConfig, format_size
 from autotp.profiling.device import DeviceMeasurement
-
-if TYPE_CHECKING:
-    from cost_models import DeviceSpec
 from autotp.profiling.dtypes import EMULATED_BELOW
 from autotp.profiling.sizes import REFINE_MISS
 from autotp.profiling.fit import (
@@ -45,6 +42,9 @@ from autotp.profiling.fit import (
 )
 from autotp.profiling.sweep import AxisGroup, SweepPoint
 from autotp.profiling.table import HELD_OUT_TOLERANCE, format_fits, held_out_summary, leave_one_out_summary
+
+if TYPE_CHECKING:
+    from cost_models import DeviceSpec
 
 LINKS = ("intra_node", "inter_node")
 
