@@ -26,6 +26,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import autotp  # noqa: E402
+from autotp.parallel import default_hardware  # noqa: E402
 from cost_models import load_profile  # noqa: E402
 from examples import models  # noqa: E402
 
@@ -104,14 +105,18 @@ def check_meta_load(device: str, mesh) -> str:
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
-        pm = autotp.parallelize(model, mesh, (ids,))
+        try:  # the profile a user's call gets on this device; with none built in, the check runs priced as h100-sxm
+            hardware, note = default_hardware(device, torch.cuda.get_device_name(0) if device == "cuda" else None), ""
+        except ValueError as err:
+            hardware, note = "h100-sxm", f" (default profile: {err}; priced as h100-sxm here)"
+        pm = autotp.parallelize(model, mesh, (ids,), hardware=hardware)
         autotp.load_weights(pm, directory)
         peak = torch.cuda.max_memory_allocated() - before if device == "cuda" else float("nan")
         reference = GPT2LMHeadModel.from_pretrained(directory).to(device).eval()
         err = ((pm(ids).logits - reference(ids).logits).abs().max() / reference(ids).logits.abs().max()).item()
         planned = pm.plan.memory_per_device().parameters_bytes
     return (f"meta -> parallelize -> load_weights (GPT-2, {pm.plan.hardware.name}): logits rel err {err:.1e}; "
-            f"peak bytes allocated {peak / 2**20:.1f} MiB for {planned / 2**20:.1f} MiB of planned parameters")
+            f"peak bytes allocated {peak / 2**20:.1f} MiB for {planned / 2**20:.1f} MiB of planned parameters{note}")
 
 
 def main() -> None:
@@ -138,10 +143,7 @@ def main() -> None:
         print(f"hf_llama: not parallelized: {str(err).splitlines()[-1][:200]}")
     for dtype in (torch.float32, torch.bfloat16):
         print(predicted_vs_measured(device, mesh, dtype, small=not cuda))
-    try:
-        print(check_meta_load(device, mesh))
-    except ValueError as err:  # e.g. no built-in profile for this GPU: the message says what to do
-        print(f"meta -> load: not run: {str(err).splitlines()[-1][:300]}")
+    print(check_meta_load(device, mesh))
     dist.destroy_process_group()
 
 
