@@ -121,7 +121,8 @@ def _read(plan: list[tuple[str, Path, torch.Tensor]], placements: dict) -> None:
     def prefetch(file: Path) -> None:
         _prefetch(file, [(key, ranges) for key, _, ranges in wanted[file]])
 
-    prefetch(files[0]) if files else None
+    if files:
+        prefetch(files[0])
     for i, file in enumerate(files):
         if i + 1 < len(files):  # the disk reads the next file's share while this one is copied
             prefetch(files[i + 1])
@@ -163,10 +164,10 @@ def _data_layout(file: Path) -> tuple[int, dict[str, tuple[tuple[int, ...], int,
             if not 2 <= length <= os.fstat(f.fileno()).st_size - 8:
                 raise ValueError(f"a header of {length} bytes")
             header = json.loads(f.read(length))
-        except ValueError as e:  # json's errors are ValueErrors too
-            raise ValueError(f"{file} is not a safetensors file ({e})") from None
-    return 8 + length, {key: (tuple(entry["shape"]), *entry["data_offsets"])
-                        for key, entry in header.items() if key != "__metadata__"}
+            return 8 + length, {key: (tuple(entry["shape"]), *entry["data_offsets"])
+                                for key, entry in header.items() if key != "__metadata__"}
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # json's errors are ValueErrors
+            raise ValueError(f"{file} is not a safetensors file ({type(e).__name__}: {e})") from None
 
 
 def _byte_spans(shape: tuple[int, ...], first: int, end: int, ranges) -> list[tuple[int, int]]:
