@@ -22,6 +22,8 @@ from examples.models import hf_llama  # noqa: E402
 
 def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if "RANK" not in os.environ:  # run as a plain script: say how to start the ranks
+        sys.exit(f"start the ranks with torchrun: torchrun --nproc-per-node 2 {sys.argv[0]}")
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
