@@ -20,7 +20,9 @@ Two kinds of checkpoint directory:
 
 Before anything is read, every key is checked: names the module has and the files do not
 (missing), names the files have and the module does not (unexpected), and global shapes that
-differ are reported together in one ``ValueError``, on every rank alike, with nothing loaded.
+differ are reported together in one ``ValueError``, with nothing loaded. The ranks then compare
+what they found (an all-gather along each mesh axis): where one rank's host lacks a file or holds
+other keys, or sees another kind of checkpoint, every rank raises before any reads.
 """
 
 from __future__ import annotations
@@ -46,17 +48,50 @@ SINGLE = "model.safetensors"
 def load_weights(module: nn.Module, path: str | os.PathLike) -> None:
     """Fill ``module`` (from ``autotp.parallelize``) from the checkpoint directory ``path`` (module doc)."""
     root = Path(path)
-    if (root / ".metadata").is_file():
+    kind = "dcp" if (root / ".metadata").is_file() else "safetensors"
+    plan, problem = None, None
+    if kind == "safetensors":
+        try:
+            plan = _match(_targets(module), _safetensors_files(root))
+        except Exception as err:  # noqa: BLE001 - every rank must reach _agree: raised there
+            problem = err
+    _agree(module, root, kind, problem)
+    if kind == "dcp":
         from autotp import checkpoint
 
         return checkpoint.load(module, root)
     from autotp.checkpoint import _placements
 
-    files = _safetensors_files(root)
-    targets = _targets(module)
-    plan = _match(targets, files)
     with torch.no_grad():
         _read(plan, _placements(module))
+
+
+def _agree(module: nn.Module, root: Path, kind: str, problem: BaseException | None) -> None:
+    """Every rank's view of the checkpoint, on every rank, before any rank reads: where one rank finds
+    it does not fit (a missing file on its host, other keys) or sees another kind of checkpoint, every
+    rank raises, and none has loaded anything. An all-gather along each mesh axis in turn."""
+    import torch.distributed as dist
+
+    seen = {"kind": kind, "problem": None if problem is None else f"{type(problem).__name__}: {problem}"}
+    mesh = next((v.device_mesh for v in module.state_dict(keep_vars=True).values() if hasattr(v, "device_mesh")), None)
+    views = {0: seen}
+    if mesh is not None and dist.is_available() and dist.is_initialized():
+        views = {dist.get_rank(): seen}
+        for axis in range(mesh.ndim):
+            gathered: list[Any] = [None] * mesh.size(axis)
+            dist.all_gather_object(gathered, views, group=mesh.get_group(axis))
+            views = {rank: view for part in gathered for rank, view in part.items()}
+    if problem is not None:
+        raise problem
+    kinds = {view["kind"] for view in views.values()}
+    failed = {rank: view["problem"] for rank, view in sorted(views.items()) if view["problem"]}
+    if len(kinds) > 1:
+        raise ValueError(f"the ranks see different checkpoints at {root}, nothing was loaded: " + "; ".join(
+            f"rank {rank}: {'a torch.distributed.checkpoint' if view['kind'] == 'dcp' else 'a safetensors'} directory"
+            for rank, view in sorted(views.items())))
+    if failed:
+        raise ValueError(f"the checkpoint at {root} does not fit on other ranks, nothing was loaded on any rank: "
+                         + "; ".join(f"rank {rank}: {text}" for rank, text in failed.items()))
 
 
 def _safetensors_files(root: Path) -> dict[str, Path]:

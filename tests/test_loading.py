@@ -14,6 +14,7 @@ init runs the model's own init on the shards.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import warnings
@@ -387,3 +388,57 @@ def test_a_file_that_is_not_safetensors_is_named(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
     with pytest.raises(ValueError, match=r"model\.safetensors is not a safetensors file"):
         loading._safetensors_files(tmp_path)
+
+
+def _load_where_one_rank_sees_another_checkpoint(rank, world, prepared, directories, model):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autotp
+    from autotp.rewrite import build_parallel_module
+
+    graph, plan = prepared
+    pm = build_parallel_module(graph, plan, init_device_mesh("cpu", (world,)), copy.deepcopy(model))
+    with torch.no_grad():
+        for p in pm.parameters():
+            p.to_local().fill_(7.0)
+    try:
+        autotp.load_weights(pm, directories[rank])
+        message = None
+    except (ValueError, FileNotFoundError) as err:
+        message = f"{type(err).__name__}: {err}"
+    untouched = all(bool((p.to_local() == 7.0).all()) for p in pm.parameters())
+    return message, untouched
+
+
+@pytest.mark.parametrize("broken", ["a key missing", "no checkpoint", "a dcp checkpoint"])
+def test_a_checkpoint_that_one_rank_sees_otherwise_is_refused_on_every_rank(tmp_path, broken):
+    """Rank 0 reads a good checkpoint, rank 1 (another host's copy, say) a broken one or none: both
+    ranks raise before either reads, and rank 0's shards are as they were."""
+    from safetensors.torch import save_file
+
+    import autotp
+    from autotp.planner import plan_graph
+    from examples.ranks import run_threads
+
+    model, inputs = models.mlp()
+    graph = autotp.capture(model, inputs)
+    try:  # the least memory any plan needs, and a little more: it shards
+        plan_graph(graph, (2,), "cpu-gloo", "train", memory_budget=1)
+    except autotp.MemoryBudgetError as err:
+        plan = plan_graph(graph, (2,), "cpu-gloo", "train", memory_budget=int(err.minimum_bytes * 1.05))
+    assert any(v != "R" for v in plan.parameter_placements.values()), plan.parameter_placements
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.mkdir(), bad.mkdir()
+    save_file(state, good / "model.safetensors")
+    if broken == "a key missing":
+        save_file(dict(list(state.items())[1:]), bad / "model.safetensors")
+    elif broken == "a dcp checkpoint":
+        (bad / ".metadata").write_bytes(b"")
+    results = run_threads(_load_where_one_rank_sees_another_checkpoint, 2, (graph, plan), [good, bad], model)
+    (first, first_untouched), (second, _) = results
+    assert second is not None and first is not None, results
+    assert "nothing was loaded" in first and "rank 1" in first, first
+    assert first_untouched, "rank 0 loaded while rank 1 refused"
+    if broken == "a key missing":
+        assert next(iter(state)) in first and next(iter(state)) in second
