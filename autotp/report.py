@@ -92,7 +92,9 @@ def recompute_line(plan: "Plan") -> str:
     if not plan.recompute:
         return "Recompute: none (every layer keeps its activations for the backward)"
     again = [c for c in plan.collective_list if c.phase == "recompute"]
-    return (f"Recompute: {len(plan.recompute)} layers ({', '.join(plan.recompute)}) run their forward again in the "
+    n = len(plan.recompute)
+    layers = f"{n} layers ({', '.join(plan.recompute)}) run their" if n > 1 else f"1 layer ({plan.recompute[0]}) runs its"
+    return (f"Recompute: {layers} forward again in the "
             f"backward; frees {format_bytes(plan.memory.recompute_saved_bytes)} of activations per device, costs "
             f"{_t(plan.time.recompute_s)} per step (forward compute again and {len(again)} collectives)")
 
