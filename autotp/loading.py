@@ -48,13 +48,13 @@ SINGLE = "model.safetensors"
 def load_weights(module: nn.Module, path: str | os.PathLike) -> None:
     """Fill ``module`` (from ``autotp.parallelize``) from the checkpoint directory ``path`` (module doc)."""
     root = Path(path)
-    kind = "dcp" if (root / ".metadata").is_file() else "safetensors"
-    plan, problem = None, None
-    if kind == "safetensors":
-        try:
+    kind, plan, problem = "safetensors", None, None
+    try:  # anything this rank finds wrong is raised in _agree, which every rank must reach
+        kind = "dcp" if (root / ".metadata").is_file() else "safetensors"
+        if kind == "safetensors":
             plan = _match(_targets(module), _safetensors_files(root))
-        except Exception as err:  # noqa: BLE001 - every rank must reach _agree: raised there
-            problem = err
+    except Exception as err:  # noqa: BLE001 - an unreadable directory too (is_file raises on EACCES)
+        problem = err
     _agree(module, root, kind, problem)
     if kind == "dcp":
         from autotp import checkpoint
@@ -67,9 +67,11 @@ def load_weights(module: nn.Module, path: str | os.PathLike) -> None:
 
 
 def _agree(module: nn.Module, root: Path, kind: str, problem: BaseException | None) -> None:
-    """Every rank's view of the checkpoint, on every rank, before any rank reads: where one rank finds
-    it does not fit (a missing file on its host, other keys) or sees another kind of checkpoint, every
-    rank raises, and none has loaded anything. An all-gather along each mesh axis in turn."""
+    """Every rank's view of the checkpoint, on every rank of the module's mesh, before any rank reads:
+    where one rank finds it does not fit (a missing, truncated or unreadable file on its host, other
+    keys) or sees another kind of checkpoint, every rank of the mesh raises, and none has loaded
+    anything. An all-gather along each mesh axis in turn. A module with no DTensor (one process)
+    only raises its own problem."""
     import torch.distributed as dist
 
     seen = {"kind": kind, "problem": None if problem is None else f"{type(problem).__name__}: {problem}"}
@@ -100,7 +102,7 @@ def _safetensors_files(root: Path) -> dict[str, Path]:
         weight_map = json.loads((root / INDEX).read_text())["weight_map"]
         return {key: root / name for key, name in weight_map.items()}
     if (root / SINGLE).is_file():
-        return {key: root / SINGLE for key in _data_layout(root / SINGLE)[1]}
+        return {key: root / SINGLE for key in _file_shapes(root / SINGLE)}
     if not root.exists():
         raise FileNotFoundError(f"no checkpoint at {root}")
     raise ValueError(f"{root} holds no checkpoint autotp reads: expected {INDEX}, {SINGLE}, or a "
@@ -118,9 +120,12 @@ def _targets(module: nn.Module) -> list[tuple[tuple[str, ...], torch.Tensor]]:
 def _match(targets, files: dict[str, Path]) -> list[tuple[str, Path, torch.Tensor]]:
     """``(key, file, tensor)`` to read for every target, or one ValueError naming every problem."""
     shapes: dict[str, tuple[int, ...]] = {}
+    where: dict[str, Path] = {}
     for file in sorted(set(files.values())):
-        shapes.update((key, shape) for key, (shape, _, _) in _data_layout(file)[1].items())
+        for key, shape in _file_shapes(file).items():
+            shapes[key], where[key] = shape, file
     missing, wrong, out, known = [], [], [], set()
+    misplaced = sorted(f"{key} (listed in {file.name})" for key, file in files.items() if where.get(key) != file)
     for names, value in targets:
         known.update(names)
         key = next((n for n in names if n in shapes), None)
@@ -130,10 +135,11 @@ def _match(targets, files: dict[str, Path]) -> list[tuple[str, Path, torch.Tenso
         if shapes[key] != tuple(value.shape):
             wrong.append(f"{key}: {list(shapes[key])} in the file, {list(value.shape)} in the model")
             continue
-        out.append((key, files[key], value))
+        out.append((key, where[key], value))
     unexpected = sorted(k for k in shapes if k not in known)
-    if missing or unexpected or wrong:
+    if missing or unexpected or wrong or misplaced:
         parts = [f"missing from the checkpoint: {', '.join(missing)}" if missing else "",
+                 f"the index lists them in a file that does not hold them: {', '.join(misplaced)}" if misplaced else "",
                  f"in the checkpoint but not in the model: {', '.join(unexpected)}" if unexpected else "",
                  f"shapes differ: {'; '.join(wrong)}" if wrong else ""]
         raise ValueError("the checkpoint does not fit the model, nothing was loaded: "
@@ -172,6 +178,19 @@ def _read(plan: list[tuple[str, Path, torch.Tensor]], placements: dict) -> None:
                 local.copy_(piece)  # converts the dtype as it copies, with no full-size intermediate
 
 
+def _file_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+    """``{key: shape}`` of a safetensors file, opened with ``safetensors`` itself: it checks the whole
+    layout (the header against the file's size, the offsets against the shapes and dtypes), so a
+    truncated or corrupt file is refused here, before any rank reads, not halfway through loading."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(file, framework="pt") as f:
+            return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    except Exception as err:  # noqa: BLE001 - safetensors' own error types; named with the file
+        raise ValueError(f"{file} is not a safetensors file autotp can read ({type(err).__name__}: {err})") from None
+
+
 def _prefetch(file: Path, wanted: list[tuple[str, Any]]) -> None:
     """Ask the kernel to start reading, all at once, the bytes of ``file`` that ``wanted`` (key, ranges
     or None for whole) covers. The reads that follow go through the file's pages one fault at a time;
@@ -185,6 +204,8 @@ def _prefetch(file: Path, wanted: list[tuple[str, Any]]) -> None:
         for key, ranges in wanted:
             for lo, hi in _byte_spans(*layout[key], ranges):
                 os.posix_fadvise(fd, start_bytes + lo, hi - lo, os.POSIX_FADV_WILLNEED)
+    except OSError:  # a hint the file system may refuse: the reads that follow do not need it
+        pass
     finally:
         os.close(fd)
 
@@ -219,6 +240,8 @@ def _byte_spans(shape: tuple[int, ...], first: int, end: int, ranges) -> list[tu
     if ranges is None or numel == 0:
         return [(first, end)] if end > first else []
     item = (end - first) // numel
+    if item == 0:  # elements smaller than a byte: the whole tensor
+        return [(first, end)]
     strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
     spans = []
     for block in itertools.product(*ranges):

@@ -410,7 +410,7 @@ def _load_where_one_rank_sees_another_checkpoint(rank, world, prepared, director
     return message, untouched
 
 
-@pytest.mark.parametrize("broken", ["a key missing", "no checkpoint", "a dcp checkpoint"])
+@pytest.mark.parametrize("broken", ["a key missing", "no checkpoint", "a dcp checkpoint", "a truncated file"])
 def test_a_checkpoint_that_one_rank_sees_otherwise_is_refused_on_every_rank(tmp_path, broken):
     """Rank 0 reads a good checkpoint, rank 1 (another host's copy, say) a broken one or none: both
     ranks raise before either reads, and rank 0's shards are as they were."""
@@ -435,6 +435,8 @@ def test_a_checkpoint_that_one_rank_sees_otherwise_is_refused_on_every_rank(tmp_
         save_file(dict(list(state.items())[1:]), bad / "model.safetensors")
     elif broken == "a dcp checkpoint":
         (bad / ".metadata").write_bytes(b"")
+    elif broken == "a truncated file":  # a copy cut short: its header is whole, its data is not
+        (bad / "model.safetensors").write_bytes((good / "model.safetensors").read_bytes()[:-16])
     results = run_threads(_load_where_one_rank_sees_another_checkpoint, 2, (graph, plan), [good, bad], model)
     (first, first_untouched), (second, _) = results
     assert second is not None and first is not None, results
@@ -442,3 +444,17 @@ def test_a_checkpoint_that_one_rank_sees_otherwise_is_refused_on_every_rank(tmp_
     assert first_untouched, "rank 0 loaded while rank 1 refused"
     if broken == "a key missing":
         assert next(iter(state)) in first and next(iter(state)) in second
+
+
+def test_an_index_that_lists_a_key_in_the_wrong_file_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    from autotp import loading
+
+    save_file({"a": torch.ones(2)}, tmp_path / "one.safetensors")
+    save_file({"b": torch.ones(3)}, tmp_path / "two.safetensors")
+    index = {"metadata": {}, "weight_map": {"a": "one.safetensors", "b": "one.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    targets = [(("a",), torch.zeros(2)), (("b",), torch.zeros(3))]
+    with pytest.raises(ValueError, match=r"the index lists them in a file that does not hold them: b \(listed in one"):
+        loading._match(targets, loading._safetensors_files(tmp_path))
