@@ -70,15 +70,18 @@ def candidates(lengths: Mapping[int, int], fits: Callable[[Counts], bool]) -> li
 
 
 def search(tries: Sequence[Counts], solve_at: Callable[[Counts], tuple], floor_s: Callable[[Counts], float],
-           deadline: float, failures: tuple) -> tuple[Optional[tuple], Optional[Exception]]:
+           deadline: float, failures: tuple) -> tuple[Optional[tuple], Optional[Exception], int]:
     """The best of ``solve_at(counts)`` (a tuple whose third item is its seconds) over ``tries`` in order,
-    and the last failure (one of ``failures`` raised by a solve). Stops where ``floor_s(counts)``, a
-    bound from below, cannot beat the best found, once two counts in a row did worse than the one
-    before them, or past ``deadline`` with a plan in hand."""
+    the last failure (one of ``failures`` raised by a solve), and how many tries the deadline left
+    unsolved that neither rule below had ruled out (0: the search ran its course). Stops where
+    ``floor_s(counts)``, a bound from below, cannot beat the best found, once two counts in a row did
+    worse than the one before them, or past ``deadline`` with a plan in hand."""
     best, worse, failure = None, 0, None
-    for counts in tries:
-        if best is not None and (floor_s(counts) >= best[2] or worse >= 2 or time.perf_counter() >= deadline):
+    for i, counts in enumerate(tries):
+        if best is not None and (floor_s(counts) >= best[2] or worse >= 2):
             break
+        if best is not None and time.perf_counter() >= deadline:
+            return best, failure, len(tries) - i
         try:
             found = solve_at(counts)
         except failures as err:  # none fits at this count, or none found in time
@@ -88,4 +91,4 @@ def search(tries: Sequence[Counts], solve_at: Callable[[Counts], tuple], floor_s
             best, worse = found, 0
         else:
             worse += 1
-    return best, failure
+    return best, failure, 0

@@ -131,6 +131,7 @@ class _Formulation:
                        if all(rep[n] == n and self.mult[n] == len(c) for n in c[0].nodes)}
         self.chain_of = {n: g for g, c in self.chains.items() for n in c[0].nodes}
         self.lengths = {g: len(c) for g, c in self.chains.items()}
+        self.untried_counts = 0  # recompute counts the time limit left unsolved (_with_recompute)
         self.root, self.fmap, self.parent = merge_followers(graph, strategies, rep, self.reps)
         self.roots = [r for r in self.reps if self.root[r] == r]
         self.node_cost: dict[str, list[float]] = {r: [0.0] * len(strategies[r]) for r in self.roots}
@@ -572,11 +573,15 @@ def solve(graph: OpGraph, strategies: Mapping[str, Sequence[Strategy]], rep: Map
             result = (name, choice_rep, _objective_s(f), f.prob.sol_status == pulp.LpSolutionOptimal, dict(f.layers))
     name, choice_rep, objective_s, optimal, layers = result
     spent_s = time.perf_counter() - start
+    status = "optimal" if optimal else f"best found in {spent_s:.0f} s (not proven optimal)"
+    if f.untried_counts:
+        status += (f" among the recompute counts solved; the time limit left {f.untried_counts} more count"
+                   f"{'s' if f.untried_counts > 1 else ''} unsolved (a larger time_limit_s, CLI --time-limit, solves them)")
     return Solution(
         choice={n.name: f.fmap[rep[n.name]][choice_rep[f.root[rep[n.name]]]] for n in graph.nodes},
         objective_s=objective_s, variables=f.n_vars,
         constraints=f.prob.numConstraints(), seconds=spent_s, optimal=optimal,
-        solver=name, status="optimal" if optimal else f"best found in {spent_s:.0f} s (not proven optimal)",
+        solver=name, status=status,
         representatives=len(f.roots), recompute=layers,
     )
 
@@ -614,8 +619,9 @@ def _with_recompute(f: _Formulation, deadline: float, budget: Optional[float], u
         return name, choice_rep, _objective_s(f), f.prob.sol_status == pulp.LpSolutionOptimal, dict(counts)
 
     tries = candidates(f.lengths, lambda counts: f.least_bytes(counts) <= f.budget)
-    best, failure = search(tries, solve_at, lambda counts: unconstrained_s + sum(
+    best, failure, untried = search(tries, solve_at, lambda counts: unconstrained_s + sum(
         k * f.forward_floor_s(g) for g, k in counts.items()), deadline, (MemoryBudgetError, SolverError))
+    f.untried_counts = untried
     if best is None:
         if isinstance(failure, SolverError):
             raise failure

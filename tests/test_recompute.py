@@ -250,3 +250,35 @@ def test_bad_arguments_are_refused_before_the_capture(kwargs, match):
     with pytest.raises(ValueError, match=match):
         autotp.plan(model, (2,), (torch.randn(2, 8),), **kwargs)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_the_recompute_search_says_what_the_time_limit_left_unsolved(llama, monkeypatch):
+    """The search over recompute counts stops at the deadline with a plan in hand; the plan's status
+    says how many counts went unsolved, where a search that ran its course (or that the bound from
+    below ended) says nothing of the kind."""
+    from autotp import recompute_counts, solver
+
+    tries = [{0: 1}, {0: 2}, {0: 4}]
+    solved = []
+
+    def solve_at(counts):
+        solved.append(counts[0])
+        return ("s", None, 10.0 - counts[0], True, counts)  # each count better than the last
+
+    best, _, untried = recompute_counts.search(tries, solve_at, lambda c: 0.0, 0.0, ())
+    assert (solved, untried, best[2]) == ([1], 2, 9.0)  # past the deadline after the first solve
+    solved.clear()
+    best, _, untried = recompute_counts.search(tries, solve_at, lambda c: 0.0, float("inf"), ())
+    assert (solved, untried, best[2]) == ([1, 2, 4], 0, 6.0)
+    solved.clear()
+    _, _, untried = recompute_counts.search(tries, solve_at, lambda c: 100.0, 0.0, ())
+    assert (solved, untried) == ([1], 0)  # the bound ended it, not the time limit
+
+    _, _, graph = llama
+    real = recompute_counts.search
+    monkeypatch.setattr(solver, "search", lambda tries, solve_at, floor_s, deadline, failures: real(
+        tries, solve_at, lambda c: 0.0, 0.0, failures))  # no bound, the deadline already past
+    cut = plan_graph(graph, (2,), "h100-sxm", "train", "3MB")
+    assert cut.recompute and "the time limit left" in cut.report(), cut.report().splitlines()[-3:]
+    monkeypatch.setattr(solver, "search", real)
+    assert "time limit" not in plan_graph(graph, (2,), "h100-sxm", "train", "3MB").report()
