@@ -131,7 +131,6 @@ class _Formulation:
                        if all(rep[n] == n and self.mult[n] == len(c) for n in c[0].nodes)}
         self.chain_of = {n: g for g, c in self.chains.items() for n in c[0].nodes}
         self.lengths = {g: len(c) for g, c in self.chains.items()}
-        self.untried_counts = 0  # recompute counts the time limit left unsolved (_with_recompute)
         self.root, self.fmap, self.parent = merge_followers(graph, strategies, rep, self.reps)
         self.roots = [r for r in self.reps if self.root[r] == r]
         self.node_cost: dict[str, list[float]] = {r: [0.0] * len(strategies[r]) for r in self.roots}
@@ -558,6 +557,7 @@ def solve(graph: OpGraph, strategies: Mapping[str, Sequence[Strategy]], rep: Map
     # make the search harder. (With the loose gradient rows of an earlier formulation it slowed 70B on
     # (8, 8) from 18 s to 25 s; with the tight ones it changes nothing measurable there, 1.4-1.6 s.)
     name, choice_rep = _run(f, time_limit_s, memory_budget_bytes)
+    untried = 0  # recompute counts the time limit left unsolved
     result = (name, choice_rep, _objective_s(f), f.prob.sol_status == pulp.LpSolutionOptimal, dict(f.layers))
     if f.memory_needed and f.memory_bytes(choice_rep, f.layers) > f.budget:
         # the constrained solves get what is left, but never less than half the limit: a first solve
@@ -566,7 +566,7 @@ def solve(graph: OpGraph, strategies: Mapping[str, Sequence[Strategy]], rep: Map
         deadline = now + max(time_limit_s / 2, time_limit_s - (now - start))
         if recompute is None and f.chains:
             # the plan without a budget bounds every plan's time from below only if it was proven optimal
-            result = _with_recompute(f, deadline, memory_budget_bytes, result[2] if result[3] else 0.0)
+            result, untried = _with_recompute(f, deadline, memory_budget_bytes, result[2] if result[3] else 0.0)
         else:
             f.fix_recompute(f.layers)
             name, choice_rep = _run(f, deadline - time.perf_counter(), memory_budget_bytes)
@@ -574,9 +574,9 @@ def solve(graph: OpGraph, strategies: Mapping[str, Sequence[Strategy]], rep: Map
     name, choice_rep, objective_s, optimal, layers = result
     spent_s = time.perf_counter() - start
     status = "optimal" if optimal else f"best found in {spent_s:.0f} s (not proven optimal)"
-    if f.untried_counts:
-        status += (f" among the recompute counts solved; the time limit left {f.untried_counts} more count"
-                   f"{'s' if f.untried_counts > 1 else ''} unsolved (a larger time_limit_s, CLI --time-limit, solves them)")
+    if untried:
+        status += (f" among the recompute counts solved; the time limit left {untried} more count"
+                   f"{'s' if untried > 1 else ''} unsolved (a larger time_limit_s, CLI --time-limit, solves them)")
     return Solution(
         choice={n.name: f.fmap[rep[n.name]][choice_rep[f.root[rep[n.name]]]] for n in graph.nodes},
         objective_s=objective_s, variables=f.n_vars,
@@ -610,7 +610,7 @@ def _objective_s(f: _Formulation) -> float:
 
 def _with_recompute(f: _Formulation, deadline: float, budget: Optional[float], unconstrained_s: float) -> tuple:
     """The best plan over recompute counts (:func:`autotp.recompute_counts.search`), one exact solve each,
-    from the least count that can fit. ``unconstrained_s`` plus the cheapest forward of the layers
+    from the least count that can fit, and how many counts the deadline left unsolved. ``unconstrained_s`` plus the cheapest forward of the layers
     recomputed bounds a count's plan from below."""
 
     def solve_at(counts: Mapping[int, int]) -> tuple:
@@ -621,14 +621,13 @@ def _with_recompute(f: _Formulation, deadline: float, budget: Optional[float], u
     tries = candidates(f.lengths, lambda counts: f.least_bytes(counts) <= f.budget)
     best, failure, untried = search(tries, solve_at, lambda counts: unconstrained_s + sum(
         k * f.forward_floor_s(g) for g, k in counts.items()), deadline, (MemoryBudgetError, SolverError))
-    f.untried_counts = untried
     if best is None:
         if isinstance(failure, SolverError):
             raise failure
         raise MemoryBudgetError(f"no plan fits the memory budget {format_bytes(budget or 0)} per device on mesh "
                                 f"{f.cost.mesh}, even with layers recomputing their activations",
                                 f.least_bytes(all_but_one(f.lengths)))
-    return best
+    return best, untried
 
 
 def _run(f: _Formulation, time_limit_s: float, memory_budget_bytes: Optional[float]) -> tuple[str, dict[str, int]]:
