@@ -655,7 +655,7 @@ def test_two_axis_ilp_prices_the_plan_and_its_relaxation_is_tight():
     assert solution.optimal
     assert solution.objective_s == pytest.approx(predicted_time(graph, chosen, spec, cost).total_s, rel=1e-6)
 
-    f = S._Formulation(graph, strategies, rep, cost, None)
+    f = S._Problem(graph, strategies, rep, cost, None)
     f.one_hot(), f.edges(), f.grad_reductions(), f.memory(), f.objective_terms()
     for var in f.prob.variables():
         var.cat = pulp.LpContinuous
