@@ -42,6 +42,14 @@ FACTORY = frozenset({
     "aten.rand.default", "aten.randn.default",
 })
 
+# Factories whose every element is the same value (or undefined): a rank's piece of the output is the
+# factory at the piece's shape. Value: the position of the shape argument.
+UNIFORM_FACTORY = {
+    "aten.new_empty.default": 1, "aten.new_zeros.default": 1, "aten.new_ones.default": 1,
+    "aten.new_full.default": 1, "aten.zeros.default": 0, "aten.ones.default": 0, "aten.full.default": 0,
+    "aten.empty.memory_format": 0,
+}
+
 # One-input ops linear in their input: f(sum of partials) = sum of f(partials).
 UNARY_LINEAR = frozenset({
     "aten.neg.default", "aten.clone.default", "aten.contiguous.default", "aten.alias.default",

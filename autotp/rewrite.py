@@ -350,6 +350,9 @@ class _Builder:
             target, args = aten.squeeze.dims, (args[0], ones)
         elif str(target) in ops.SHAPE_ARGUMENT:
             args = (args[0], self.local_sizes(args[1], op, strat.output), *args[2:])
+        elif str(target) in ops.UNIFORM_FACTORY and any(p.is_shard for p in strat.output):
+            at = ops.UNIFORM_FACTORY[str(target)]  # this rank's piece: the factory at the piece's shape
+            args = (*args[:at], self.local_sizes(args[at], op, strat.output), *args[at + 1:])
         elif target is aten.slice.Tensor:
             dim = op.args.int("dim", op.input_infos[0].ndim)
             q = strat.inputs[0]

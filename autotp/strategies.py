@@ -66,7 +66,13 @@ def _replicated(node: OpNode, n: int) -> list[AxisChoice]:
 
 
 def _factory(node: OpNode, n: int) -> list[AxisChoice]:
-    return [((None,) * len(node.inputs), R)]
+    """Whole; a factory of one value also split along any dim (each rank makes its piece)."""
+    reads = (None,) * len(node.inputs)
+    choices = [(reads, R)]
+    if node.target in ops.UNIFORM_FACTORY and len(node.outputs) == 1:
+        shape = node.output.shape
+        choices += [(reads, S(d)) for d in range(len(shape)) if divisible(shape[d], n)]
+    return choices
 
 
 class _Warned:

@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autotp
+from autotp import ops
 from autotp.placement import R, S, Strategy, local_shape
 from autotp.strategies import node_strategies
 
@@ -163,6 +164,8 @@ def _run_local(graph, fx_node: torch.fx.Node, op, strategy: Strategy, values: di
         args = [args[0], p.dim, (args[2] or 0) // n, min(args[3], size) // n, 1]
     elif target in _SHAPE_ARG_OPS:
         args[1] = list(local_shape(op.output.shape, strategy.output, mesh))
+    elif str(target) in ops.UNIFORM_FACTORY:  # each rank makes its piece
+        args[ops.UNIFORM_FACTORY[str(target)]] = list(local_shape(op.output.shape, strategy.output, mesh))
     elif target is aten.slice.Tensor:
         dim = args[1] if len(args) > 1 else 0
         dim = dim + op.input_infos[0].ndim if dim < 0 else dim
@@ -580,3 +583,24 @@ def test_the_exactness_check_rejects_wrong_strategies(ops_graph, target, wrong):
     assert wrong not in _strs(g, op, (2,))
     with pytest.raises((AssertionError, RuntimeError)):  # wrong numbers, or local shapes that do not fit
         _check_strategy(g, fx_node, op, strategy, values, (2,))
+
+
+class Factories(nn.Module):
+    """Tensors of one value made from sizes (``new_zeros`` and kin, ``torch.full``): each rank makes its piece."""
+
+    def forward(self, x):  # (4, 8)
+        made = (x.new_zeros(4, 8), x.new_ones(4, 8), x.new_full((4, 8), 2.0), torch.full((4, 8), 3.0),
+                torch.ones(4, 8), torch.zeros(4, 8))
+        return [x + m for m in made]
+
+
+def test_a_factory_of_one_value_may_be_made_split():
+    g = _capture(Factories(), (torch.randn(4, 8),))
+    factories = {op.target for op in g.ops() if op.target in ops.UNIFORM_FACTORY}
+    assert len(factories) >= 4, factories
+    for op in g.ops():
+        if op.target in factories:
+            assert {str(s.output) for s in node_strategies(g, op, (2,))} >= {"(R,)", "(S(0),)", "(S(1),)"}, op
+    values = _full_values(g, (torch.randn(4, 8),))
+    assert _check_every_strategy(g, values, (2,), factories) >= 3 * len(factories)
+    assert _check_every_strategy(g, values, (2, 2), factories) > 0
