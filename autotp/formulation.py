@@ -11,8 +11,10 @@ layer tying, ``m_r`` is how many nodes ``r`` stands for):
   placements ``q``, tied to the choices by ``Σ_q y[e,p,q] = Σ_{s: out(s)=p} x[u,s]`` and
   ``Σ_p y[e,p,q] = Σ_{s: in_k(s)=q} x[v,s]``. With one-hot ``x`` the only solution is the product,
   so the linear cost ``Σ c(p,q) y[e,p,q]`` is the redistribution cost exactly. Pairs that cannot be
-  converted (``S → P``) have ``y`` fixed to 0. Edges whose cost depends on one end only fold into
-  that end's node cost.
+  converted (``S → P``) have ``y`` fixed to 0, and so do, on a read an in-place write needs as it
+  is (:func:`autotp.aliasing.pinned_reads`), the pairs that would redistribute it or reduce its
+  gradient. Edges whose cost depends on one end only fold into that end's node cost. A value read
+  after in-place writes into its storage is another value than before them (its reads share apart).
 * **shared reads** (a value read by several nodes, e.g. q, k and v reading one normalized input):
   readers that need the same placement share one redistribution, as at run time, so it is paid
   once: each reader ``c`` has its product variables ``y_c[p,κ]`` (as above, over the reader's
@@ -47,12 +49,13 @@ from typing import Any, Mapping, Optional, Sequence
 
 import pulp
 
+from autotp.aliasing import pinned_reads, read_versions
 from autotp.costing import INFEASIBLE_S, CostModel
 from autotp.followers import merge_followers
 from autotp.graph import OpGraph
 from autotp.placement import Placement, Strategy, plain
 from autotp.recompute import Layer
-from autotp.redistribute import fused_axes
+from autotp.redistribute import fused_axes, reduced_axes
 
 __all__ = ["Formulation", "OBJECTIVE_SCALE"]
 
@@ -99,6 +102,8 @@ class Formulation:
         # product variables of each edge that has them, keyed (producer rep, reader rep, input index),
         # when they were built with the readers' partial-gradient axes (a tensor that carries a gradient)
         self.products: dict[tuple[str, str, int], dict[tuple, pulp.LpVariable]] = {}
+        # reads an in-place write needs as they are (autotp.aliasing), by representative
+        self.pinned = {(rep[v], k) for v, k in pinned_reads(graph)}
 
     def var(self, name: str, low: float, up: Optional[float], cat: str = pulp.LpContinuous) -> pulp.LpVariable:
         """A new variable of the problem (PuLP 3.3+ attaches variables to their problem)."""
@@ -143,14 +148,17 @@ class Formulation:
     def edges(self) -> None:
         """Redistribution costs, grouped by the value read (a producer, or one item of a multi-output op)."""
         values: dict[tuple, dict[str, list[tuple[str, int]]]] = defaultdict(lambda: defaultdict(list))
+        versions = read_versions(self.graph)
         for v in self.graph.nodes:
             for k, u in enumerate(v.inputs):
                 if self.parent.get(self.rep[v.name]) == self.rep[u]:
                     continue  # a merged view follows its input: nothing moves
+                # after n writes in place into its storage a value is another one (autotp.aliasing)
+                after = f"@{versions[(v.name, k)]}" if (v.name, k) in versions else ""
                 if v.target == "getitem":  # each item is its own value
-                    values[(self.rep[u], self.rep[v.name])][f"{u}[{v.name}]"].append((v.name, k))
+                    values[(self.rep[u], self.rep[v.name])][f"{u}[{v.name}{after}]"].append((v.name, k))
                 else:
-                    values[(self.rep[u],)][u].append((v.name, k))
+                    values[(self.rep[u],)][f"{u}[{after}]" if after else u].append((v.name, k))
         for e, (vkey, instances) in enumerate(sorted(values.items())):
             if any(len(readers) > 1 for readers in instances.values()):
                 self._shared_value(e, vkey[0], instances)
@@ -174,6 +182,8 @@ class Formulation:
                 for p in outs:
                     for q, axes in ins:
                         c[(p, (q, axes))] += count * self.cost.edge_s(info, p, q, grad, axes)
+            if (rv, k) in self.pinned:
+                c = self._as_is(c, outs, ins)
             if all(val == 0.0 for val in c.values()):
                 continue
             chain = self.chain_of.get(rv)
@@ -264,13 +274,26 @@ class Formulation:
         grad = self.cost.train and any(self.graph[u.split("[")[0]].requires_grad for u in instances)
         for r, (rv, k) in enumerate(sorted(readers_rep)):
             need = [self._requirement(st, k, grad) for st in self.strategies[rv]]
-            y = self._product(f"{e}_r{r}", ru, outs, rv, need, sorted(set(need), key=_key_order), c)
+            ins = sorted(set(need), key=_key_order)
+            y = self._product(f"{e}_r{r}", ru, outs, rv, need, ins,
+                              self._as_is(c, outs, ins) if (rv, k) in self.pinned else c)
             if grad:
                 self.products[(ru, rv, k)] = y
             for n, ((p, kk), var) in enumerate(y.items()):
                 once = _redistribution(p, kk)
                 if once in pay:
                     self.prob += pay[once] >= var, f"pay_{e}_{r}_{n}"
+
+    @staticmethod
+    def _as_is(c: Mapping[tuple, float], outs: list, ins: list) -> dict[tuple, float]:
+        """``c`` with every pair that would not read the producer's local value as it is (a
+        redistribution or a gradient reduction: a new tensor) made infeasible: a pinned read."""
+        out = defaultdict(float, c)
+        for p in outs:
+            for q, axes in ins:
+                if q is not None and (plain(p) != q or reduced_axes(p, q, axes)):
+                    out[(p, (q, axes))] = INFEASIBLE_S
+        return out
 
     def _product(self, tag: str, ru: str, outs: list, rv: str, need: list, ins: list,
                  c: Mapping[tuple, float]) -> dict[tuple, pulp.LpVariable]:

@@ -17,16 +17,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Collection, Mapping, Optional
 
-from autotp.graph import OpGraph
+from autotp.aliasing import read_versions
+from autotp.graph import OpGraph, OpNode
 from autotp.mesh import MeshSpec
 from autotp.placement import Placement, R, Strategy, shard_divisor
 from autotp.redistribute import (all_reduce_copies, conversion, fused_axes, reduced_axes, reorder_copies, step_bytes,
                                  step_copies)
 from autotp.units import format_bytes
 
-__all__ = ["Read", "Collective", "LocalCopy", "reads", "collectives", "local_copies", "program", "OUTPUT"]
+__all__ = ["Read", "Collective", "LocalCopy", "read_key", "reads", "collectives", "local_copies", "program", "OUTPUT"]
 
 OUTPUT = "<output>"
+
+
+def read_key(node: OpNode, k: int, versions: Mapping[tuple[str, int], int]) -> str:
+    """What reads of input ``k`` of ``node`` share a redistribution with: the producer, or for a getitem
+    the item it picks; after in-place writes into the producer's storage, also their count
+    (:func:`autotp.aliasing.read_versions`): a read after a write sees another value."""
+    key = node.name if node.target == "getitem" else node.inputs[k]
+    version = versions.get((node.name, k))
+    return f"{key}@{version}" if version else key
 
 
 @dataclass(frozen=True)
@@ -38,7 +48,7 @@ class Read:
     producer: str
     placements: Optional[tuple[Placement, ...]]
     grad_axes: tuple[int, ...]
-    key: str = ""  # what reads share: the producer, or for a getitem the item it picks
+    key: str = ""  # what reads share (read_key): the producer, or for a getitem the item it picks
 
     @property
     def value(self) -> str:
@@ -76,6 +86,7 @@ class LocalCopy:
 def reads(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, train: bool) -> list[Read]:
     """Every read of the graph under the chosen strategies, the graph outputs last (as ``OUTPUT``)."""
     out: list[Read] = []
+    versions = read_versions(graph, OUTPUT)
     for node in graph.nodes:
         strat = chosen[node.name]
         for k, src in enumerate(node.inputs):
@@ -83,9 +94,10 @@ def reads(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, train:
             grad_axes: tuple[int, ...] = ()
             if train and q is not None and graph[src].requires_grad:
                 grad_axes = tuple(a for a in range(mesh.ndim) if q[a].is_replicate and strat.partial_grads_on(a))
-            out.append(Read(node.name, k, src, q, grad_axes, node.name if node.target == "getitem" else src))
+            out.append(Read(node.name, k, src, q, grad_axes, read_key(node, k, versions)))
     for i, name in enumerate(graph.outputs):
-        out.append(Read(OUTPUT, i, name, (R,) * mesh.ndim, ()))
+        version = versions.get((OUTPUT, i))
+        out.append(Read(OUTPUT, i, name, (R,) * mesh.ndim, (), f"{name}@{version}" if version else ""))
     return out
 
 

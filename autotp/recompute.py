@@ -32,6 +32,7 @@ import torch.fx
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from autotp.aliasing import writes_in_place
 from autotp.graph import OpGraph
 from autotp.tying import find_chains
 
@@ -72,16 +73,10 @@ def _layer(graph: OpGraph, path: str) -> Layer | None:
     if any(src in tainted for n in nodes for src in graph[n].inputs):
         return None
     # an op that writes into a tensor made outside: running the layer again would read it changed
-    if any(_writes_in_place(graph[n]) and graph[n].inputs and graph[n].inputs[0] not in inside for n in nodes):
+    if any(writes_in_place(graph[n]) and graph[n].inputs[0] not in inside for n in nodes):
         return None
     outputs = tuple(n for n in nodes if n in graph.outputs or any(c not in inside for c in graph.consumers(n)))
     return Layer(path, tuple(nodes), outputs)
-
-
-def _writes_in_place(node) -> bool:
-    """``aten.add_.Tensor`` and its kin (an op name ending in ``_``) write into their first argument."""
-    parts = node.target.split(".")
-    return len(parts) > 1 and parts[0] == "aten" and parts[1].endswith("_") and not parts[1].startswith("_")
 
 
 def recomputed_nodes(graph: OpGraph, paths: Iterable[str]) -> dict[str, str]:

@@ -32,7 +32,7 @@ from autotp.graph import OpGraph
 from autotp.guard import InputGuard, InputSpec
 from autotp.placement import Placement, dim_pieces, local_shape, piece_range, piece_sizes
 from autotp.plan import Plan
-from autotp.program import reads
+from autotp.program import OUTPUT, reads
 from autotp.recompute import apply_recompute, recomputed_nodes
 from autotp.redistribute import conversion, fused_axes, reduced_axes
 from autotp.rules.blocks import cut_blocks, local_cut_arguments, slice_range
@@ -83,7 +83,9 @@ class _Builder:
         self.layer_of: dict[str, str] = {}  # fx node name -> the recomputed layer it runs in
         self.size_layer: dict[str, str] = {}  # exported size node -> the recomputed layer it is computed in
         self.placements: dict[str, tuple[Placement, ...]] = {}  # parameter name -> autotp's placements
-        self.grad_axes = {(r.consumer, r.index): r.grad_axes for r in reads(graph, plan.strategies, plan.mesh, train)}
+        program_reads = reads(graph, plan.strategies, plan.mesh, train)
+        self.grad_axes = {(r.consumer, r.index): r.grad_axes for r in program_reads}
+        self.read_keys = {(r.consumer, r.index): r.value for r in program_reads}  # what reads share
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -131,8 +133,8 @@ class _Builder:
              value_key: str | None = None) -> torch.fx.Node:
         """The local value of ``producer`` as a consumer needing placements ``q`` sees it.
 
-        Reads of the same value (``value_key``: the producer, or for a getitem the item) with the same
-        ``q`` share one redistribution, and with the same ``grad_axes`` one gradient reduction.
+        Reads of the same value (``value_key``: :func:`autotp.program.read_key`) with the same ``q``
+        share one redistribution, and with the same ``grad_axes`` one gradient reduction.
         """
         value = base if base is not None else self.local[producer]
         if q is None:
@@ -142,7 +144,8 @@ class _Builder:
         fused = fused_axes(p, q, grad_axes)
         key = (vkey, q, fused)
         if key not in self.read_cache:
-            node = self.g[vkey] if vkey in self.g else self.g[producer]
+            item = vkey.partition("@")[0]  # the producer or the getitem; @n: after n writes in place
+            node = self.g[item] if item in self.g else self.g[producer]
             steps = conversion(node.outputs[0].shape, p, q, self.mesh_shape, fused)
             if steps.view is not None:  # a blocked split: the steps run on dim d seen as (blocks, block)
                 value = self.fx.call_function(torch.unflatten, (value, steps.view[0], (steps.view[1], -1)))
@@ -289,13 +292,14 @@ class _Builder:
             src = alias.get(node.args[0].name, node.args[0].name)
             item = self.fx.call_function(operator.getitem, (self.local[src], node.args[1]))
             self.local[node.name] = self.read(src, strat.inputs[0], self.grad_axes.get((node.name, 0), ()), base=item,
-                                              value_key=node.name)
+                                              value_key=self.read_keys[(node.name, 0)])
             return
 
         def tensor(k: int, a: torch.fx.Node) -> Any:  # the k-th tensor argument: OpNode.inputs[k]
             src = op.inputs[k]
             assert src == alias.get(a.name, a.name), (node.name, src, a.name)
-            return self.read(src, strat.inputs[k], self.grad_axes.get((node.name, k), ()))
+            return self.read(src, strat.inputs[k], self.grad_axes.get((node.name, k), ()),
+                             value_key=self.read_keys[(node.name, k)])
 
         def other(a: Any) -> Any:
             if isinstance(a, torch.fx.Node):
@@ -439,7 +443,8 @@ class _Builder:
             if isinstance(a, torch.fx.Node):
                 src = alias.get(a.name, a.name)
                 if src in position:
-                    return self.read(src, self.plan_output_placement(), ())
+                    return self.read(src, self.plan_output_placement(), (),
+                                     value_key=self.read_keys[(OUTPUT, position[src])])
                 return self.local[src]
             return a
 

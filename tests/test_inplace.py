@@ -67,3 +67,79 @@ def test_in_place_add_after_a_collective_is_exact():
     assert plan.collective_counts().get(("forward", "all_reduce"), 0) + plan.collective_counts().get(
         ("forward", "reduce_scatter"), 0) > 0
     assert_step_matches_one_process(graph, plan, model, x)
+
+
+class _KeysWrittenThroughViews(nn.Module):
+    """Keys built as DeepSeek's attention builds them: an empty tensor filled through two slices
+    (``copy_`` into views), then read by attention under its own name, not through the copies."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, nope: int = 8, rope: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.heads, self.nope, self.rope = heads, nope, rope
+        self.q = nn.Linear(dim, heads * (nope + rope), bias=False)
+        self.k = nn.Linear(dim, heads * nope, bias=False)
+        self.shared = nn.Linear(dim, rope, bias=False)  # one rotary key for every head
+        self.o = nn.Linear(heads * (nope + rope), dim, bias=False)
+
+    def forward(self, x):  # (B, T, dim)
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.heads, -1).transpose(1, 2)
+        k_nope = self.k(x).view(b, t, self.heads, self.nope).transpose(1, 2)
+        k_rope = self.shared(x).view(b, 1, t, self.rope).expand(-1, k_nope.shape[1], -1, -1)
+        keys = k_nope.new_empty(*k_nope.shape[:-1], self.nope + self.rope)
+        keys[..., : self.nope].copy_(k_nope)
+        keys[..., self.nope:].copy_(k_rope)
+        out = F.scaled_dot_product_attention(q, keys, keys)  # (B, heads, T, nope + rope)
+        return self.o(out.transpose(1, 2).reshape(b, t, -1))
+
+
+HEADS_SPLIT = {"q.weight": "S(0)", "k.weight": "S(0)", "o.weight": "S(1)"}
+
+
+def test_the_chain_to_a_write_through_a_view_is_pinned_and_later_reads_are_versioned():
+    """The reads from the empty keys to each copy_ (the slice, the copy_'s first input) are pinned;
+    attention's read of the keys comes after two writes; the residual ``h += x``, whose result is
+    read through the add_ node alone, pins nothing."""
+    import autotp
+    from autotp.aliasing import pinned_reads, read_versions
+
+    model = _KeysWrittenThroughViews()
+    graph = autotp.capture(model, (torch.randn(2, 8, 32),))
+    empty = next(n for n in graph.nodes if n.target == "aten.new_empty.default")
+    copies = [n for n in graph.nodes if n.target == "aten.copy_.default"]
+    assert len(copies) == 2
+    want = set()
+    for c in copies:
+        want |= {(c.name, 0), (c.inputs[0], 0)}
+        assert graph[c.inputs[0]].inputs[0] == empty.name  # copy_(slice(keys), ...)
+    assert pinned_reads(graph) == want
+    attention = next(n for n in graph.nodes if "scaled_dot_product" in n.target)
+    versions = read_versions(graph)
+    assert [versions.get((attention.name, k), 0) for k in range(3)] == [0, 2, 2]
+
+    residual = autotp.capture(_ResidualInPlace(), (torch.randn(2, 8, 64),))
+    assert any(n.target == "aten.add_.Tensor" for n in residual.nodes)
+    assert pinned_reads(residual) == frozenset()
+
+
+def test_a_write_through_a_view_of_a_replicated_tensor_lands_where_it_is_read():
+    """With the heads split (pinned), the empty keys could be left whole and their slices read split
+    (a local chunk, no collective): the copies would then write into those chunks, and attention
+    would read the uninitialized keys (NaN or garbage). The plan keeps each write in the storage
+    attention reads, and the step is exact."""
+    import autotp
+    from autotp.aliasing import pinned_reads
+    from autotp.placement import plain
+    from autotp.planner import plan_graph
+
+    model = _KeysWrittenThroughViews()
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
+    graph = autotp.capture(model, (x,))
+    plan = plan_graph(graph, (2,), "cpu-gloo", "train", None, recompute=False, pin=HEADS_SPLIT)
+    attention = next(n for n in graph.nodes if "scaled_dot_product" in n.target)
+    assert plan.strategy(attention.name).inputs[1][0].is_shard  # the heads are split in attention
+    for consumer, k in pinned_reads(graph):
+        producer = graph[consumer].inputs[k]
+        assert plan.strategy(consumer).inputs[k] == plain(plan.strategy(producer).output), (consumer, producer)
+    assert_step_matches_one_process(graph, plan, model, x)

@@ -1,0 +1,106 @@
+"""Writes in place that later reads see through another name: what the plan must keep in one storage.
+
+A captured graph keeps the model's in-place ops. Where a model writes through a view into a tensor
+it reads again afterwards by its first name, as DeepSeek's attention builds its keys::
+
+    keys = kv.new_empty(b, h, t, d_nope + d_rope)
+    keys[..., :d_nope].copy_(k_nope)   # slice -> copy_: the write lands in ``keys``
+    keys[..., d_nope:].copy_(k_rope)
+    attention(q, keys, v)              # reads ``keys``, not the copy_ nodes
+
+the later read sees the writes only if each rank's write lands in the storage of its local
+``keys``. A redistribution on the way (``keys`` replicated, the slice read split, or a gradient
+reduction there) makes a new tensor, and the write would land in it and be lost. So every read on
+the way from the tensor to the write, the write's own first input and the views between, is
+*pinned*: it must read its producer's local value as it is (:func:`pinned_reads`; the planner
+allows no redistribution there).
+
+Reads of one value with the same placements share one redistribution (:mod:`autotp.program`); a
+read after a write into the value's storage must not reuse one made before it. :func:`read_versions`
+counts, per read, the writes into its storage between the value and the read, and the reads that
+share carry that count in their key.
+
+A write whose tensor is seen afterwards only through the op's own output (``h += x``, then ``h``
+means the ``add_`` node) needs neither: the rewrite writes into a copy of a redistributed input,
+and the readers read that copy.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from autotp.graph import OpGraph, OpNode
+
+__all__ = ["writes_in_place", "storage_roots", "pinned_reads", "read_versions"]
+
+
+def writes_in_place(node: OpNode) -> bool:
+    """``aten.add_.Tensor`` and its kin (an ATen op name ending in ``_``) write into their first argument."""
+    parts = node.target.split(".")
+    return (len(parts) > 1 and parts[0] == "aten" and parts[1].endswith("_") and not parts[1].startswith("_")
+            and bool(node.inputs))
+
+
+def storage_roots(graph: OpGraph) -> dict[str, str]:
+    """Per node, the node whose storage its output is: a view's and an in-place op's are their
+    first input's (transitively); any other node's is its own."""
+    root: dict[str, str] = {}
+    for n in graph.nodes:
+        aliases = (n.is_view or writes_in_place(n)) and bool(n.inputs) and not n.is_placeholder
+        root[n.name] = root[n.inputs[0]] if aliases else n.name
+    return root
+
+
+def _writes(graph: OpGraph, root: Mapping[str, str]) -> dict[str, list[int]]:
+    """Per storage root, the positions of the ops that write into it in place."""
+    out: dict[str, list[int]] = {}
+    for i, n in enumerate(graph.nodes):
+        if writes_in_place(n):
+            out.setdefault(root[n.name], []).append(i)
+    return out
+
+
+def pinned_reads(graph: OpGraph) -> frozenset[tuple[str, int]]:
+    """``(consumer, input index)`` of the reads that must take their producer's local value as it
+    is: the chain from a tensor to an in-place write into it (the write's first input and the
+    views between), where the storage is seen after the write under another name: a node made
+    before the write that aliases it is read after it or returned, or the storage is a placeholder's
+    (a parameter, buffer or input: the caller sees it)."""
+    root = storage_roots(graph)
+    members: dict[str, list[str]] = {}
+    for name, r in root.items():
+        members.setdefault(r, []).append(name)
+    outputs = set(graph.outputs)
+    pinned: set[tuple[str, int]] = set()
+    for r, positions in _writes(graph, root).items():
+        for at in positions:
+            write = graph.nodes[at]
+            seen = graph[r].is_placeholder or any(
+                graph.position(m) < at and (m in outputs or any(graph.position(c) > at for c in graph.consumers(m)))
+                for m in members[r])
+            if not seen:
+                continue
+            node = write
+            while node.name != r:  # the write, then each view back to the storage's own node
+                pinned.add((node.name, 0))
+                node = graph[node.inputs[0]]
+    return frozenset(pinned)
+
+
+def read_versions(graph: OpGraph, output: str = "<output>") -> dict[tuple[str, int], int]:
+    """``(consumer, input index) -> n`` for the reads that come after ``n > 0`` in-place writes into
+    their producer's storage made after the producer (reads with other counts see other values);
+    the graph's outputs as ``(output, i)``, read after every node."""
+    root = storage_roots(graph)
+    writes = _writes(graph, root)
+    if not writes:
+        return {}
+    reads = [(at, n.name, k, src) for at, n in enumerate(graph.nodes) for k, src in enumerate(n.inputs)]
+    reads += [(len(graph.nodes), output, i, src) for i, src in enumerate(graph.outputs)]
+    out: dict[tuple[str, int], int] = {}
+    for at, consumer, k, src in reads:
+        made = graph.position(src)
+        count = sum(1 for w in writes.get(root[src], ()) if made < w < at)
+        if count:
+            out[(consumer, k)] = count
+    return out
