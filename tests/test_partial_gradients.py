@@ -214,3 +214,51 @@ def test_a_broadcast_parameter_sums_its_gradient_on_the_parameter_not_on_the_bro
     backward = [c for c in plan.collectives() if c.phase == "backward"]
     assert backward and all(c.bytes <= table_bytes for c in backward), [str(c) for c in backward]
     assert_step_matches_one_process(graph, plan, model, x)
+
+
+class ReadTwice(nn.Module):
+    """The normalized tokens read by one MLP directly and, through a view, by another (DeepSeek's
+    shared and routed experts)."""
+
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.a_up, self.a_down = nn.Linear(hidden, ffn, bias=False), nn.Linear(ffn, hidden, bias=False)
+        self.b_up, self.b_down = nn.Linear(hidden, ffn, bias=False), nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):  # (B, T, hidden)
+        h = self.norm(x)
+        flat = h.view(-1, h.shape[-1])  # (B * T, hidden)
+        b = self.b_down(torch.relu(self.b_up(flat))).view(x.shape)
+        return x + self.a_down(torch.relu(self.a_up(h))) + b
+
+
+def test_a_view_beside_other_readers_passes_its_gradient_on_and_shares_their_gather():
+    """Three blocks: between them the tokens are split along the sequence (a reduce-scatter), and each
+    block gathers its normalized tokens for both MLPs. The view runs replicated and passes its partial
+    gradient on (Rg), so it reads what the other MLP reads: one gather, whose backward reduce-scatters
+    both partial gradients at once. Without it the view's path gathered the tokens again, forward and
+    backward (6.22 ms a step predicted against 6.02 ms)."""
+    batch, seq, hidden = 1, 2048, 2048
+    model = nn.Sequential(*[ReadTwice(hidden, 4 * hidden) for _ in range(3)]).to("meta")
+    graph = autotp.capture(model, (torch.empty(batch, seq, hidden, device="meta"),))
+    plan = plan_graph(graph, (8,), "h100-sxm", "train")
+    views = [n.name for n in graph.nodes if n.target == "aten.view.default" and n.output.ndim == 2]
+    assert len(views) == 3 and all(plan.strategy(v).output == (Rg,) for v in views), [plan.strategy(v) for v in views]
+    tokens_bytes = batch * seq * hidden * 4
+    gathers = [c for c in plan.collectives() if c.kind == "all_gather" and c.bytes >= tokens_bytes]
+    scatters = [c for c in plan.collectives() if c.kind == "reduce_scatter" and c.bytes >= tokens_bytes]
+    # blocks 2 and 3 each gather their tokens once forward; the backward gathers the gradients of the
+    # two reduce-scatters' outputs and reduce-scatters the tokens' once per block
+    assert sorted((c.phase, len([d for d in gathers if d.phase == c.phase])) for c in gathers) == [
+        ("backward", 2), ("backward", 2), ("forward", 2), ("forward", 2)], [str(c) for c in plan.collectives()]
+    assert len(scatters) == 4, [str(c) for c in plan.collectives()]
+
+    torch.manual_seed(0)
+    small, x = nn.Sequential(ReadTwice(256, 1024), ReadTwice(256, 1024)), torch.randn(2, 128, 256)
+    graph = autotp.capture(small, (x,))
+    plan = plan_graph(graph, (2,), "cpu-gloo", "train")
+    views = [n.name for n in graph.nodes if n.target == "aten.view.default" and n.output.ndim == 2]
+    assert all(plan.strategy(v).output == (Rg,) for v in views), [plan.strategy(v) for v in views]
+    assert_step_matches_one_process(graph, plan, small, x)
+    assert all(run_threads(_step_logged, 2, graph, plan, small, x))

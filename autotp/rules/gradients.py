@@ -23,7 +23,10 @@ on shards, or may be ``Rg`` itself), and either
 * an output larger than each input that carries a gradient (a token dispatch, an expand, a
   repeat): the sum moves to fewer bytes; or
 * one input that carries a gradient, of the output's size, made by a node that has them (a cast, a
-  copy or a view after such an op), so that the partial sum can get back to where it shrinks.
+  copy or a view after such an op), so that the partial sum can get back to where it shrinks; or
+* one such input that other nodes read too: the op (a view beside them, as DeepSeek's
+  ``hidden.view(-1, d)`` for the routed experts beside the shared ones) can then read it as they do,
+  and share the gather they need and its backward reduce-scatter, instead of gathering it again.
 
 Every other replicated op could pass the sum on too, but only to a tensor as large or larger; where
 that would join a reduction paid anyway, the reduction at the op's own output is no dearer. Offering
@@ -70,8 +73,8 @@ def partial_gradient_variants(graph: OpGraph, mesh_ndim: int, rep: Mapping[str, 
         if _may_pass(graph, n, outputs):
             grads = [graph[i] for i in n.inputs if graph[i].requires_grad]
             numel = [i.outputs[0].numel for i in grads]
-            if max(numel) < n.output.numel or (len(grads) == 1 and numel[0] == n.output.numel
-                                               and grads[0].name in shrinks):
+            if max(numel) < n.output.numel or (len(grads) == 1 and numel[0] == n.output.numel and (
+                    grads[0].name in shrinks or len(graph.consumers(grads[0].name)) > 1)):
                 shrinks.add(n.name)
     may = {r for r in strategies if all(n.name in shrinks for n in instances[r])}
     out = {r: list(sts) for r, sts in strategies.items()}
