@@ -13,7 +13,9 @@ the later read sees the writes only if each rank's write lands in the storage of
 reduction there) makes a new tensor, and the write would land in it and be lost. So every read on
 the way from the tensor to the write, the write's own first input and the views between, is
 *pinned*: it must read its producer's local value as it is (:func:`pinned_reads`; the planner
-allows no redistribution there).
+allows no redistribution there); so is every read on the way to a view made before the write and
+read after it. A view is an op in ``autotp.ops.VIEW`` or any ATen op whose schema returns its
+first argument's storage (``narrow``, ``diagonal``, ``view.dtype``).
 
 Reads of one value with the same placements share one redistribution (:mod:`autotp.program`); a
 read after a write into the value's storage must not reuse one made before it. :func:`read_versions`
@@ -27,11 +29,14 @@ and the readers read that copy.
 
 from __future__ import annotations
 
+import functools
 from typing import Mapping
+
+import torch
 
 from autotp.graph import OpGraph, OpNode
 
-__all__ = ["writes_in_place", "storage_roots", "pinned_reads", "read_versions"]
+__all__ = ["writes_in_place", "aliases_first_input", "storage_roots", "pinned_reads", "read_versions"]
 
 
 def writes_in_place(node: OpNode) -> bool:
@@ -41,13 +46,37 @@ def writes_in_place(node: OpNode) -> bool:
             and bool(node.inputs))
 
 
+@functools.lru_cache(maxsize=None)
+def _returns_first_argument(target: str) -> bool:
+    """Whether the ATen op ``target`` (``aten.narrow.default``) returns a view of its first argument,
+    by its schema (``narrow(Tensor(a) self, ...) -> Tensor(a)``)."""
+    parts = target.split(".")
+    if len(parts) != 3 or parts[0] != "aten":
+        return False
+    try:
+        schema = getattr(getattr(torch.ops.aten, parts[1]), parts[2])._schema
+    except (AttributeError, RuntimeError):
+        return False
+    if not schema.arguments or not schema.returns:
+        return False
+    first, out = schema.arguments[0].alias_info, schema.returns[0].alias_info
+    return first is not None and out is not None and bool(set(first.before_set) & set(out.before_set))
+
+
+def aliases_first_input(node: OpNode) -> bool:
+    """A view (``ops.VIEW``, or any op whose schema returns its first argument's storage) or an
+    in-place op: its output is its first input's storage."""
+    if node.is_placeholder or not node.inputs:
+        return False
+    return node.is_view or writes_in_place(node) or _returns_first_argument(node.target)
+
+
 def storage_roots(graph: OpGraph) -> dict[str, str]:
     """Per node, the node whose storage its output is: a view's and an in-place op's are their
     first input's (transitively); any other node's is its own."""
     root: dict[str, str] = {}
     for n in graph.nodes:
-        aliases = (n.is_view or writes_in_place(n)) and bool(n.inputs) and not n.is_placeholder
-        root[n.name] = root[n.inputs[0]] if aliases else n.name
+        root[n.name] = root[n.inputs[0]] if aliases_first_input(n) else n.name
     return root
 
 
@@ -72,18 +101,24 @@ def pinned_reads(graph: OpGraph) -> frozenset[tuple[str, int]]:
         members.setdefault(r, []).append(name)
     outputs = set(graph.outputs)
     pinned: set[tuple[str, int]] = set()
+
+    def pin_chain(name: str) -> None:  # each read from ``name`` back to its storage's own node
+        node = graph[name]
+        while node.name != root[name]:
+            pinned.add((node.name, 0))
+            node = graph[node.inputs[0]]
+
     for r, positions in _writes(graph, root).items():
         for at in positions:
-            write = graph.nodes[at]
-            seen = graph[r].is_placeholder or any(
-                graph.position(m) < at and (m in outputs or any(graph.position(c) > at for c in graph.consumers(m)))
-                for m in members[r])
-            if not seen:
+            # the aliases made before the write and read after it (or returned): they must be views
+            # of the storage the write lands in, as the write's own chain must
+            later = [m for m in members[r] if graph.position(m) < at and (
+                m in outputs or any(graph.position(c) > at for c in graph.consumers(m)))]
+            if not later and not graph[r].is_placeholder:
                 continue
-            node = write
-            while node.name != r:  # the write, then each view back to the storage's own node
-                pinned.add((node.name, 0))
-                node = graph[node.inputs[0]]
+            pin_chain(graph.nodes[at].name)
+            for m in later:
+                pin_chain(m)
     return frozenset(pinned)
 
 
