@@ -32,7 +32,7 @@ import torch.fx
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from autotp.aliasing import writes_in_place
+from autotp.aliasing import storage_roots, writes_in_place
 from autotp.graph import OpGraph
 from autotp.tying import find_chains
 
@@ -72,8 +72,10 @@ def _layer(graph: OpGraph, path: str) -> Layer | None:
             tainted.add(node.name)
     if any(src in tainted for n in nodes for src in graph[n].inputs):
         return None
-    # an op that writes into a tensor made outside: running the layer again would read it changed
-    if any(writes_in_place(graph[n]) and graph[n].inputs[0] not in inside for n in nodes):
+    # an op that writes into a tensor made outside (or a view of one): running the layer again
+    # would read it changed
+    root = storage_roots(graph)
+    if any(writes_in_place(graph[n]) and root[n] not in inside for n in nodes):
         return None
     outputs = tuple(n for n in nodes if n in graph.outputs or any(c not in inside for c in graph.consumers(n)))
     return Layer(path, tuple(nodes), outputs)

@@ -282,3 +282,41 @@ def test_the_recompute_search_says_what_the_time_limit_left_unsolved(llama, monk
     assert cut.recompute and "the time limit left" in cut.report(), cut.report().splitlines()[-3:]
     monkeypatch.setattr(solver, "search", real)
     assert "time limit" not in plan_graph(graph, (2,), "h100-sxm", "train", "3MB").report()
+
+
+class _WritesIntoItsInput(nn.Module):
+    def __init__(self, through_view: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.through_view = through_view
+
+    def forward(self, x):
+        if self.through_view:
+            x[..., :4].mul_(2.0)  # a write into the layer's input, made outside it, through a view
+        return x + self.lin(x).tanh()
+
+
+class _WritingStack(nn.Module):
+    def __init__(self, through_view: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(16, 16)
+        self.layers = nn.ModuleList(_WritesIntoItsInput(through_view) for _ in range(2))
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x) * 1.0
+        return x
+
+
+def test_a_layer_that_writes_into_its_input_through_a_view_is_not_recomputed():
+    """Running such a layer again in the backward would read its input as the first run left it
+    (autograd refuses: a variable needed for the gradient was modified in place); the same layers
+    without the write may recompute."""
+    x = torch.randn(2, 4, 16)
+    writing = autotp.capture(_WritingStack(through_view=True), (x.clone(),))
+    assert any(n.target == "aten.mul_.Tensor" for n in writing.nodes)
+    assert layer_chains(writing) == []
+    plain = autotp.capture(_WritingStack(through_view=False), (x.clone(),))
+    assert [[layer.path for layer in chain] for chain in layer_chains(plain)] == [["layers.0", "layers.1"]]
