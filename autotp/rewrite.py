@@ -354,6 +354,11 @@ class _Builder:
             target, args = aten.squeeze.dims, (args[0], ones)
         elif str(target) in ops.SHAPE_ARGUMENT:
             args = (args[0], self.local_sizes(args[1], op, strat.output), *args[2:])
+        elif target is aten.unflatten.int and any(p.is_shard for p in strat.output):
+            # the sizes of the new dims: this rank's piece of each (the piece of a split dim)
+            d, k = args[1] % op.input_infos[0].ndim, len(args[2])
+            full = [*op.output.shape[:d], *args[2], *op.output.shape[d + k:]]
+            args = (args[0], args[1], self.local_sizes(full, op, strat.output)[d:d + k], *args[3:])
         elif str(target) in ops.UNIFORM_FACTORY and any(p.is_shard for p in strat.output):
             at = ops.UNIFORM_FACTORY[str(target)]  # this rank's piece: the factory at the piece's shape
             args = (*args[:at], self.local_sizes(args[at], op, strat.output), *args[at + 1:])

@@ -164,6 +164,9 @@ def _run_local(graph, fx_node: torch.fx.Node, op, strategy: Strategy, values: di
         args = [args[0], p.dim, (args[2] or 0) // n, min(args[3], size) // n, 1]
     elif target in _SHAPE_ARG_OPS:
         args[1] = list(local_shape(op.output.shape, strategy.output, mesh))
+    elif target is aten.unflatten.int:  # the new dims' sizes: this rank's piece of each
+        d, k = args[1] % op.input_infos[0].ndim, len(args[2])
+        args[2] = list(local_shape(op.output.shape, strategy.output, mesh))[d:d + k]
     elif str(target) in ops.UNIFORM_FACTORY:  # each rank makes its piece
         args[ops.UNIFORM_FACTORY[str(target)]] = list(local_shape(op.output.shape, strategy.output, mesh))
     elif target is aten.slice.Tensor:
@@ -604,3 +607,44 @@ def test_a_factory_of_one_value_may_be_made_split():
     values = _full_values(g, (torch.randn(4, 8),))
     assert _check_every_strategy(g, values, (2,), factories) >= 3 * len(factories)
     assert _check_every_strategy(g, values, (2, 2), factories) > 0
+
+
+class Unflatten(nn.Module):
+    def forward(self, x):  # (4, 6, 32)
+        return torch.relu(x.unflatten(-1, (4, 8))).flatten(-2) * 2.0
+
+
+def test_unflatten_of_a_split_dim_runs_at_the_pieces_sizes():
+    """``unflatten(-1, (4, 8))`` of a dim split in two: each rank's piece is ``(2, 8)``, and the op runs
+    with those sizes (with the whole ones it refused the piece)."""
+    x = torch.randn(4, 6, 32)
+    g = _capture(Unflatten(), (x,))
+    (op,) = _ops(g, "aten.unflatten.int")
+    assert "(S(2)) -> S(2)" in _strs(g, op, (2,))
+    values = _full_values(g, (x,))
+    assert _check_every_strategy(g, values, (2,), {op.target}) >= 3
+    assert _check_every_strategy(g, values, (2, 2), {op.target}) > 0
+
+
+class _SplitThenUnflatten(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(16, 32, bias=False)
+        self.o = nn.Linear(32, 16, bias=False)
+
+    def forward(self, x):  # (B, T, 16)
+        return self.o(torch.relu(self.a(x).unflatten(-1, (4, 8))).flatten(-2))
+
+
+def test_a_module_that_unflattens_a_split_output_is_exact():
+    from autotp.planner import plan_graph
+    from exactness import assert_step_matches_one_process
+
+    model, x = _SplitThenUnflatten(), torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(1))
+    graph = autotp.capture(model, (x,))
+    plan = plan_graph(graph, (2,), "cpu-gloo", "train", None, recompute=False,
+                      pin={"a.weight": "S(0)", "o.weight": "S(1)"})
+    (op,) = _ops(graph, "aten.unflatten.int")
+    assert plan.strategy(op.name).output[0].is_shard, plan.strategy(op.name)
+    assert_step_matches_one_process(graph, plan, model, x)
