@@ -72,6 +72,7 @@ def test_a_zoo_row_plans_gpt2_at_real_width_megatron_quality_and_exact():
     assert row["is_exact"], row
 
 
+@pytest.mark.slow  # the mechanism is in the default suite: tests/test_inplace.py
 def test_the_zoo_deepseek_v3_row_is_exact():
     """DeepSeek-V3's attention fills its keys through slices of ``new_empty`` and reads the empty
     tensor afterwards; at tiny widths (a low-rank query, MLA's compressed keys and values, routed
