@@ -269,6 +269,12 @@ def _run(f: _Problem, time_limit_s: float, memory_budget_bytes: Optional[float])
 
     def problem(prob: pulp.LpProblem) -> Optional[str]:
         status = pulp.LpStatus[prob.status]
+        if status == "Infeasible" and not f.memory_needed:  # no memory row: the placements allowed conflict
+            raise ValueError(
+                f"no plan on mesh {f.cost.mesh} gives every pinned parameter its pinned placements: a pin "
+                f"leaves some op no strategy that reads it, or conflicts with a read that an in-place write "
+                f"needs as it is (a write through a view into a tensor read again later, autotp/aliasing.py); "
+                f"change or drop pins")
         if status == "Infeasible":
             raise MemoryBudgetError(
                 f"no plan fits the memory budget {format_bytes(memory_budget_bytes or 0)} per device on mesh {f.cost.mesh}", 0.0)

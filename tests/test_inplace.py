@@ -187,3 +187,30 @@ def test_writes_through_other_views_land_where_they_are_read(how):
     pin = {"a.weight": "S(0)", "b.weight": "S(0)", "o.weight": "S(1)"}
     plan = plan_graph(graph, (2,), "cpu-gloo", "train", None, recompute=False, pin=pin)
     assert_step_matches_one_process(graph, plan, model, x)
+
+
+class _HalfScaledInPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(16, 32, bias=False)
+        self.b = nn.Linear(16, 32, bias=False)
+        self.o = nn.Linear(32, 16, bias=False)
+
+    def forward(self, x):
+        h = self.a(x)
+        heads = h.view(*h.shape[:-1], 4, 8)  # a view made before the write, read after it
+        h[..., :8].mul_(0.5)  # through a slice of the whole last dim: only a whole h reads it as it is
+        return self.o(heads.flatten(2) * self.b(x))
+
+
+def test_pins_that_leave_an_in_place_write_no_plan_are_named_not_blamed_on_memory():
+    import autotp
+    from autotp.planner import plan_graph
+
+    graph = autotp.capture(_HalfScaledInPlace(), (torch.randn(4, 6, 16),))
+    pin = {"a.weight": "S(0)", "b.weight": "S(0)", "o.weight": "S(1)"}
+    with pytest.raises(ValueError, match="in-place write") as err:
+        plan_graph(graph, (2,), "cpu-gloo", "train", None, recompute=False, pin=pin)
+    assert not isinstance(err.value, autotp.MemoryBudgetError)
+    assert plan_graph(graph, (2,), "cpu-gloo", "train", None, recompute=False).parameter_placements  # unpinned: a plan
