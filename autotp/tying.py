@@ -6,7 +6,9 @@ same wiring inside the module, and the same parameters used only inside it) AND 
 one chain: the later module reads a tensor computed from the earlier one (made inside it, or by the
 parent's own nodes from its output, as a residual add ``h = h + layer(h)`` written in the parent
 is), and every tensor it reads from outside is either read by the earlier module too (the rotary
-tables, the mask) or computed from the earlier one and from no member outside the chain. That is a
+tables, the mask) or computed from the earlier one, from no member outside the chain, and from no
+other sibling that ran after the earlier one began (a grouped-query block's ``o_proj`` reads what
+``q_proj`` made, and what ``k_proj`` and ``v_proj`` made after it: not a link). That is a
 stack of layers, where every layer sits in the same context, so one strategy serves them all; the
 first and last layer of a stack may gain a little from their own (3e-4 of the step on a 3-layer
 GPT, tests/test_tying.py), which tying gives up for a problem a stack's depth smaller.
@@ -80,25 +82,26 @@ def _outside_reads(graph: OpGraph, names: list[str]) -> list[str]:
                               if src not in inside and graph[src].role == OP))
 
 
-_OTHER = -1  # "computed inside a sibling module that is not a member"
-
-
-def _member_ancestry(graph: OpGraph, member_names: list[list[str]], depth: int) -> dict[str, frozenset[int]]:
-    """For every node, the members (by index) it is computed from through the parent's own nodes.
+def _member_ancestry(graph: OpGraph, member_names: list[list[str]], depth: int
+                     ) -> dict[str, tuple[frozenset[int], int]]:
+    """For every node, the members (by index) it is computed from through the parent's own nodes,
+    and the last graph position of a node of another sibling it is computed from (-1: none).
 
     Members' nodes give their index and stop there; a node inside another sibling (its module
-    stack deeper than ``depth``, the members' parent's) gives ``_OTHER`` and stops there too, so
+    stack deeper than ``depth``, the members' parent's) gives its position and stops there too, so
     a tensor computed from a member through some other module is not counted as the member's.
     """
     owner = {n: i for i, names in enumerate(member_names) for n in names}
-    above: dict[str, frozenset[int]] = {}
-    for node in graph.nodes:  # topological order
+    above: dict[str, tuple[frozenset[int], int]] = {}
+    none: tuple[frozenset[int], int] = (frozenset(), -1)
+    for at, node in enumerate(graph.nodes):  # topological order
         if node.name in owner:
-            above[node.name] = frozenset((owner[node.name],))
+            above[node.name] = (frozenset((owner[node.name],)), -1)
         elif len(node.module_stack) > depth:
-            above[node.name] = frozenset((_OTHER,))
+            above[node.name] = (frozenset(), at)
         else:
-            above[node.name] = frozenset().union(*(above.get(src, frozenset()) for src in node.inputs))
+            sources = [above.get(src, none) for src in node.inputs]
+            above[node.name] = (frozenset().union(*(m for m, _ in sources)), max((o for _, o in sources), default=-1))
     return above
 
 
@@ -115,11 +118,18 @@ def _chains(graph: OpGraph, members: dict[str, list[str]], group: list[tuple[str
         if chains:
             prev, links = chains[-1][-1], set(chains[-1])
             prev_reads = set(_outside_reads(graph, names[prev]))
+            start = graph.position(names[prev][0])
             reads = _outside_reads(graph, names[j])
-            # every outside read is shared context, or carries the previous link's output and no
-            # other member's (q and o of one block both feed o's input: not a chain)
-            if reads and all(r in prev_reads or (prev in above[r] and above[r] - {_OTHER} <= links)
-                             for r in reads) and any(prev in above[r] for r in reads):
+
+            def carries_prev(r: str) -> bool:
+                # the previous link's output, and no other member's; another sibling's output only if
+                # made before the previous link began (context, as a position table): q and o of one
+                # attention block are not links, though o reads what q (and k, v after it) made
+                mine, other = above[r]
+                return prev in mine and mine <= links and other < start
+
+            if reads and all(r in prev_reads or carries_prev(r) for r in reads) and any(
+                    prev in above[r][0] for r in reads):
                 chains[-1].append(j)
                 continue
         chains.append([j])
