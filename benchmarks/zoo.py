@@ -20,7 +20,8 @@ checkpoint (written out below; nothing comes from the hub), on the meta device, 
   rowwise), mapped onto the parameters (an ``nn.Linear`` weight colwise ``S(0)`` / rowwise ``S(1)``,
   a GPT-2 ``Conv1D`` weight the other way round, a colwise bias ``S(0)``, a stacked experts weight
   ``(E, out, in)`` colwise ``S(1)`` / rowwise ``S(2)``; ``packed_colwise``, a fused gate|up, as the
-  blocked split ``S(d)[2]``); goal <= 1.0. Other fused weights a layout calls colwise are pinned
+  blocked split ``S(d)[2]``; an entry's ``hand_pin`` where a layout's styles would map wrong, as
+  gpt-oss's experts stored ``(E, in, out)``); goal <= 1.0. Other fused weights a layout calls colwise are pinned
   as contiguous pieces, as the layout says. The cell also says how many parameters the pin fixes;
 * ``2 ranks``: the same architecture at tiny widths (hidden 64, 4 heads, ffn 128, vocab 128,
   2 layers, batch 2 x 16 tokens, float32, seeded), captured and planned for 2 ``cpu-gloo`` ranks
@@ -96,6 +97,9 @@ class Arch:
     model_kwargs: dict = dataclasses.field(default_factory=dict)
     hand_tp: Optional[dict] = None  # Megatron layout where the config has no base_model_tp_plan
     extra_tp: Optional[dict] = None  # added to base_model_tp_plan (modules it does not name)
+    # Megatron's placements of parameters no style above maps right ({name pattern: placement}), as
+    # gpt-oss's stacked experts, stored (E, in, out) rather than (E, out, in)
+    hand_pin: Optional[dict] = None
     attn: str = "sdpa"  # "eager" where transformers offers no sdpa for the model
 
 
@@ -277,6 +281,24 @@ ARCHS: tuple[Arch, ...] = (
          _tiny_decoder(moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
                        n_group=2, topk_group=1, first_k_dense_replace=1, num_key_value_heads=TINY["heads"],
                        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)),
+    Arch("llama4", "Llama-4-Scout-17B-16E (text)", "MoE", "Llama4TextConfig", "Llama4ForCausalLM",
+         dict(vocab_size=202048, hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384,
+              num_attention_heads=40, num_key_value_heads=8, head_dim=128, num_local_experts=16,
+              num_experts_per_tok=1, interleave_moe_layer_step=1, attention_chunk_size=8192,
+              max_position_embeddings=10485760, rope_theta=5e5, tie_word_embeddings=False),
+         _tiny_decoder(num_local_experts=4, num_experts_per_tok=1, head_dim=16, intermediate_size_mlp=128,
+                       attention_chunk_size=8, interleave_moe_layer_step=1)),
+    Arch("gpt_oss", "gpt-oss-20b", "MoE", "GptOssConfig", "GptOssForCausalLM",
+         dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
+              num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+              sliding_window=128, max_position_embeddings=131072, rope_theta=150000.0,
+              tie_word_embeddings=False),
+         _tiny_decoder(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8),
+         attn="eager", extra_tp={"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise",
+                                 "self_attn.v_proj": "colwise", "self_attn.o_proj": "rowwise"},
+         # experts (E, in, out): gate|up (interleaved pairs) split along out, down along in
+         hand_pin={"mlp.experts.gate_up_proj": "S(2)", "mlp.experts.gate_up_proj_bias": "S(1)",
+                   "mlp.experts.down_proj": "S(1)"}),
     Arch("bert", "BERT-large", "encoder", "BertConfig", "BertModel",
          dict(vocab_size=30522, hidden_size=1024, intermediate_size=4096, num_attention_heads=16,
               max_position_embeddings=512),
@@ -398,6 +420,9 @@ def megatron_pin(arch: Arch, model: torch.nn.Module) -> dict[str, str]:
             if rx.search(fqn) and param.dim() >= 2:  # a stacked experts weight (E, out, in)
                 pin[fqn] = f"S({param.dim() - 2})" + blocks if style == "colwise" else f"S({param.dim() - 1})"
                 break
+    for pattern, placement in (arch.hand_pin or {}).items():
+        rx = _pattern(pattern)
+        pin.update({fqn: placement for fqn, _ in model.named_parameters() if rx.search(fqn)})
     return pin
 
 
