@@ -354,6 +354,13 @@ class _Builder:
             target, args = aten.squeeze.dims, (args[0], ones)
         elif str(target) in ops.SHAPE_ARGUMENT:
             args = (args[0], self.local_sizes(args[1], op, strat.output), *args[2:])
+        elif target is aten.repeat.default and any(p.is_shard for p in strat.output):
+            # a dim split from a whole input (autotp.rules.joins.repeat_choices): this rank's copies
+            lead = len(args[1]) - op.input_infos[0].ndim
+            read = strat.inputs[0] or ()
+            args = (args[0], [r if d >= lead and dim_pieces(read, self.mesh_shape, d - lead) > 1
+                              else r // dim_pieces(strat.output, self.mesh_shape, d) for d, r in enumerate(args[1])],
+                    *args[2:])
         elif target is aten.unflatten.int and any(p.is_shard for p in strat.output):
             # the sizes of the new dims: this rank's piece of each (the piece of a split dim)
             d, k = args[1] % op.input_infos[0].ndim, len(args[2])

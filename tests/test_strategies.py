@@ -164,6 +164,12 @@ def _run_local(graph, fx_node: torch.fx.Node, op, strategy: Strategy, values: di
         args = [args[0], p.dim, (args[2] or 0) // n, min(args[3], size) // n, 1]
     elif target in _SHAPE_ARG_OPS:
         args[1] = list(local_shape(op.output.shape, strategy.output, mesh))
+    elif target is aten.repeat.default:  # a dim split from a whole input: this rank's copies
+        lead = len(args[1]) - op.input_infos[0].ndim
+        q = strategy.inputs[0]
+        args[1] = [r if d >= lead and any(p.is_shard and p.dim == d - lead for p in q)
+                   else r // math.prod(n for p, n in zip(strategy.output, mesh) if p.is_shard and p.dim == d)
+                   for d, r in enumerate(args[1])]
     elif target is aten.unflatten.int:  # the new dims' sizes: this rank's piece of each
         d, k = args[1] % op.input_infos[0].ndim, len(args[2])
         args[2] = list(local_shape(op.output.shape, strategy.output, mesh))[d:d + k]
@@ -648,3 +654,24 @@ def test_a_module_that_unflattens_a_split_output_is_exact():
     (op,) = _ops(graph, "aten.unflatten.int")
     assert plan.strategy(op.name).output[0].is_shard, plan.strategy(op.name)
     assert_step_matches_one_process(graph, plan, model, x)
+
+
+class Repeat(nn.Module):
+    def forward(self, x):  # (4, 8)
+        return x.repeat(4, 1) * 2.0, x.repeat(2, 2, 1), x.repeat(1, 4)
+
+
+def test_repeat_splits_whole_copies_or_keeps_a_split_dim():
+    """``repeat`` of a whole tensor may be split along a dim repeated a multiple of the ranks (each
+    makes its share of the copies); a dim repeated once keeps its split; every such strategy exact."""
+    x = torch.randn(4, 8)
+    g = _capture(Repeat(), (x,))
+    ops_ = _ops(g, "aten.repeat.default")
+    assert len(ops_) == 3
+    offered = [set(_strs(g, op, (2,))) for op in ops_]
+    assert "(R) -> S(0)" in offered[0] and "(S(1)) -> S(1)" in offered[0]  # x.repeat(4, 1)
+    assert "(R) -> S(0)" in offered[1] and "(R) -> S(1)" in offered[1] and "(S(1)) -> S(2)" in offered[1]
+    assert "(S(0)) -> S(0)" in offered[2] and "(R) -> S(1)" in offered[2]
+    values = _full_values(g, (x,))
+    assert _check_every_strategy(g, values, (2,), {"aten.repeat.default"}) >= 12
+    assert _check_every_strategy(g, values, (2, 2), {"aten.repeat.default"}) > 0
