@@ -40,7 +40,7 @@ def stack_choices(node: OpNode, n: int) -> list[AxisChoice]:
 def repeat_choices(node: OpNode, n: int) -> list[AxisChoice]:
     """``repeat(x, reps)``: ``reps`` may have more entries than ``x`` has dims (new leading dims). A
     split input dim repeated once stays split; an output dim repeated ``k * n`` times from a whole
-    input is split into whole copies: each rank repeats ``k`` times (with static sizes only)."""
+    input is split into whole copies: each rank repeats ``k`` times (repeat counts known when traced)."""
     out = node.output
     reps = node.args.get("repeats")
     choices: list[AxisChoice] = [((R,), R)]
