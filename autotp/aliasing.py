@@ -36,28 +36,41 @@ import torch
 
 from autotp.graph import OpGraph, OpNode
 
-__all__ = ["writes_in_place", "aliases_first_input", "storage_roots", "pinned_reads", "read_versions"]
-
-
-def writes_in_place(node: OpNode) -> bool:
-    """``aten.add_.Tensor`` and its kin (an ATen op name ending in ``_``) write into their first argument."""
-    parts = node.target.split(".")
-    return (len(parts) > 1 and parts[0] == "aten" and parts[1].endswith("_") and not parts[1].startswith("_")
-            and bool(node.inputs))
+__all__ = ["writes_first_argument", "writes_in_place", "aliases_first_input", "storage_roots", "pinned_reads", "read_versions"]
 
 
 @functools.lru_cache(maxsize=None)
-def _returns_first_argument(target: str) -> bool:
-    """Whether the ATen op ``target`` (``aten.narrow.default``) returns a view of its first argument,
-    by its schema (``narrow(Tensor(a) self, ...) -> Tensor(a)``)."""
+def _schema(target: str):
+    """The schema of the op ``target`` names (``aten.add_.Tensor``: namespace, op, overload), or None."""
     parts = target.split(".")
-    if len(parts) != 3 or parts[0] != "aten":
-        return False
+    if len(parts) != 3:
+        return None
     try:
-        schema = getattr(getattr(torch.ops.aten, parts[1]), parts[2])._schema
+        return getattr(getattr(getattr(torch.ops, parts[0]), parts[1]), parts[2])._schema
     except (AttributeError, RuntimeError):
+        return None
+
+
+def writes_first_argument(target: str) -> bool:
+    """Whether the op ``target`` writes into its first argument, by its schema (``add_(Tensor(a!) self,
+    ...)``)."""
+    schema = _schema(target)
+    if schema is None or not schema.arguments:
         return False
-    if not schema.arguments or not schema.returns:
+    alias = schema.arguments[0].alias_info
+    return alias is not None and alias.is_write
+
+
+def writes_in_place(node: OpNode) -> bool:
+    """An op that writes into its first input (``aten.add_.Tensor``, ``aten.copy_.default``)."""
+    return bool(node.inputs) and not node.is_placeholder and writes_first_argument(node.target)
+
+
+def _returns_first_argument(target: str) -> bool:
+    """Whether the op ``target`` (``aten.narrow.default``) returns a view of its first argument, by
+    its schema (``narrow(Tensor(a) self, ...) -> Tensor(a)``)."""
+    schema = _schema(target)
+    if schema is None or not schema.arguments or not schema.returns:
         return False
     first, out = schema.arguments[0].alias_info, schema.returns[0].alias_info
     return first is not None and out is not None and bool(set(first.before_set) & set(out.before_set))

@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autotp import ops
+from autotp.aliasing import writes_first_argument
 from autotp.capture import map_tensor_arguments
 from autotp.collectives import GradAllReduce, MaskedEmbedding, RedistributeStep, to_local
 from autotp.dropout import ShardedDropout
@@ -309,7 +310,7 @@ class _Builder:
             return a
 
         args, kwargs = map_tensor_arguments(node, tensor, other)
-        if _writes_first_argument(node.target) and args and isinstance(args[0], torch.fx.Node):
+        if writes_first_argument(str(node.target)) and args and isinstance(args[0], torch.fx.Node):
             src = op.inputs[0]
             if args[0] is not self.local[src]:
                 # ``h += x`` on a redistributed h: write into a copy, not into the value redistributed
@@ -464,15 +465,6 @@ class _Builder:
 
     def plan_output_placement(self) -> tuple[Placement, ...]:
         return tuple(Placement("R") for _ in self.mesh_shape)
-
-
-def _writes_first_argument(target: Any) -> bool:
-    """An op that writes into its first argument (``aten.add_.Tensor``)."""
-    schema = getattr(target, "_schema", None)
-    if schema is None or not schema.arguments:
-        return False
-    alias = schema.arguments[0].alias_info
-    return alias is not None and alias.is_write
 
 
 def _is_size(node: torch.fx.Node) -> bool:

@@ -41,6 +41,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Mapping, Sequence
 
+from autotp.aliasing import writes_in_place
 from autotp.graph import OpGraph, OpNode
 from autotp.placement import Rg, Strategy
 
@@ -53,8 +54,7 @@ def _may_pass(graph: OpGraph, node: OpNode, outputs: frozenset) -> bool:
         return False
     if not node.requires_grad or not node.output.is_float or node.name in outputs:
         return False
-    parts = str(node.target).split(".")
-    if len(parts) > 1 and parts[1].endswith("_"):
+    if writes_in_place(node):
         return False  # in place (aten.add_.Tensor): its input is its output
     return any(graph[i].requires_grad for i in node.inputs)
 
