@@ -13,7 +13,9 @@ Two kinds of checkpoint directory:
   (``lm_head.weight`` and ``model.embed_tokens.weight``) is one parameter under two names and is
   read from whichever name the file has. Before a file is read, the kernel is asked to read ahead
   the byte spans this rank's pieces cover (``posix_fadvise``), so a cold read sees the rank's whole
-  share at once rather than one page fault at a time.
+  share at once rather than one page fault at a time; meanwhile a second thread writes a byte of each
+  page of the shards that pieces are copied into, so the kernel hands over their fresh pages while
+  the disk reads (``_Prefault``).
 - **torch.distributed.checkpoint** (a directory with ``.metadata``): written by
   ``autotp.checkpoint.save`` on any mesh and plan, or by DCP from an unsharded model; DCP reads
   the pieces each rank's placements need (resharding on load).
@@ -164,18 +166,95 @@ def _read(plan: list[tuple[str, Path, torch.Tensor]], placements: dict) -> None:
 
     if files:
         prefetch(files[0])
-    for i, file in enumerate(files):
-        if i + 1 < len(files):  # the disk reads the next file's share while this one is copied
-            prefetch(files[i + 1])
-        with safe_open(file, framework="pt") as f:
-            for key, value, ranges in wanted[file]:
-                # the DTensor's shard itself (to_local() may hand back a view, which set_ would not reach)
-                local = value._local_tensor if hasattr(value, "_local_tensor") else value
-                piece = _read_piece(f.get_slice(key), ranges) if ranges else f.get_tensor(key)
-                if piece.dtype == local.dtype and piece.is_contiguous() and piece.device == local.device:
-                    local.set_(piece)  # the file's pages, mapped privately: no copy; a write copies its page
-                    continue
-                local.copy_(piece)  # converts the dtype as it copies, with no full-size intermediate
+    # the shards that pieces are copied into get their fresh pages in a second thread meanwhile (_Prefault)
+    copied = set()
+    for file in files:
+        dtypes = {key: entry["dtype"] for key, entry in _header(file)[1].items()}
+        copied.update(key for key, value, ranges in wanted[file]
+                      if _copied(tuple(value.shape), ranges, _shard(value), dtypes.get(key)))
+    faulting = _Prefault([_shard(value) for file in files for key, value, _ in wanted[file] if key in copied])
+    try:
+        for i, file in enumerate(files):
+            if i + 1 < len(files):  # the disk reads the next file's share while this one is copied
+                prefetch(files[i + 1])
+            with safe_open(file, framework="pt") as f:
+                for key, value, ranges in wanted[file]:
+                    local = _shard(value)
+                    if key in copied:
+                        faulting.wait(local)
+                        _copy_piece(f.get_slice(key), ranges, local)
+                        continue
+                    piece = _read_piece(f.get_slice(key), ranges) if ranges else f.get_tensor(key)
+                    if piece.dtype == local.dtype and piece.is_contiguous() and piece.device == local.device:
+                        local.set_(piece)  # the file's pages, mapped privately: no copy; a write copies its page
+                        continue
+                    local.copy_(piece)  # to another device, or converting the dtype as it copies
+    finally:
+        faulting.stop()
+
+
+def _shard(value: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard itself (``to_local()`` may hand back a view, which ``set_`` would not reach)."""
+    return value._local_tensor if hasattr(value, "_local_tensor") else value
+
+
+def _copied(shape: tuple[int, ...], ranges, local: torch.Tensor, file_dtype: str | None) -> bool:
+    """Whether the piece ``ranges`` of a row-major tensor of ``shape`` (stored as ``file_dtype``, the
+    header's name) is copied into the CPU shard ``local`` (and ``local`` faulted in early) rather than
+    mapped: it is strided in the file (split along a later dim, or in blocks) or of another dtype. Other
+    shards take the piece :func:`_read` gets (on another device, a copy)."""
+    if local.device.type != "cpu" or not local.is_contiguous() or local.numel() == 0:
+        return False
+    if _DTYPES.get(file_dtype) != local.dtype:
+        return True
+    if ranges is None:
+        return False
+    cut = [d for d, r in enumerate(ranges) if r != ((0, shape[d]),)]
+    if not cut:
+        return False
+    first = cut[0]
+    return len(ranges[first]) > 1 or len(cut) > 1 or any(n > 1 for n in shape[:first])
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+class _Prefault:
+    """Gets fresh pages for ``tensors`` (writing a byte of each page, in order) in a thread of its own, so
+    that the kernel hands them over while this rank waits on the disk or maps other pieces: copying into
+    memory never touched before costs as much as the copy itself, and more on a virtual machine. Before a
+    tensor is written or replaced, :meth:`wait` for it (the thread writes into it)."""
+
+    PAGE_BYTES = 4096
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        import threading
+
+        self._done = {id(t): threading.Event() for t in tensors}
+        self._cancel = threading.Event()
+        self._thread = None
+        if tensors:
+            bytes_ = [t.detach().reshape(-1).view(torch.uint8) for t in tensors]
+            self._thread = threading.Thread(target=self._run, args=(tensors, bytes_), daemon=True)
+            self._thread.start()
+
+    def _run(self, tensors, bytes_) -> None:
+        for t, b in zip(tensors, bytes_):
+            if not self._cancel.is_set():
+                b[::self.PAGE_BYTES].zero_()
+            self._done[id(t)].set()
+
+    def wait(self, tensor: torch.Tensor) -> None:
+        event = self._done.get(id(tensor))
+        if event is not None:
+            event.wait()
+
+    def stop(self) -> None:
+        self._cancel.set()
+        if self._thread is not None:
+            self._thread.join()
 
 
 def _file_shapes(file: Path) -> dict[str, tuple[int, ...]]:
@@ -214,11 +293,17 @@ def _data_layout(file: Path) -> tuple[int, dict[str, tuple[tuple[int, ...], int,
     """Where a safetensors file's data starts, and per key ``(shape, first byte, last byte + 1)`` after it
     (the offsets ``safetensors`` does not expose). The format: an 8-byte little-endian header length,
     a JSON header, then the data; the file was checked whole by :func:`_file_shapes` before."""
+    start_bytes, header = _header(file)
+    return start_bytes, {key: (tuple(entry["shape"]), *entry["data_offsets"]) for key, entry in header.items()}
+
+
+def _header(file: Path) -> tuple[int, dict[str, dict]]:
+    """Where a safetensors file's data starts, and its JSON header's entries by key."""
     with open(file, "rb") as f:
         length = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(length))
-    return 8 + length, {key: (tuple(entry["shape"]), *entry["data_offsets"])
-                        for key, entry in header.items() if key != "__metadata__"}
+    header.pop("__metadata__", None)
+    return 8 + length, header
 
 
 def _byte_spans(shape: tuple[int, ...], first: int, end: int, ranges) -> list[tuple[int, int]]:
@@ -246,6 +331,21 @@ def _byte_spans(shape: tuple[int, ...], first: int, end: int, ranges) -> list[tu
         hi = sum((b - 1) * s for (_, b), s in zip(block, strides)) + 1
         spans.append((first + lo * item, first + hi * item))
     return spans
+
+
+def _copy_piece(sliced: Any, ranges: tuple, local: torch.Tensor) -> None:
+    """Copy the piece ``ranges`` of a file's tensor into ``local``, block by block where a blocked split
+    cuts a dim (no piece-sized intermediate), converting the dtype as it copies."""
+    multi = [d for d, r in enumerate(ranges) if len(r) > 1]
+    if not multi:
+        local.copy_(sliced[tuple(slice(a, b) for ((a, b),) in ranges)])
+        return
+    (d,) = multi  # a blocked split cuts one dim (autotp.strategies refuses a dim split twice)
+    start = 0
+    for lo, hi in ranges[d]:
+        local.narrow(d, start, hi - lo).copy_(sliced[tuple(slice(a, b) for ((a, b),) in ranges[:d]) + (slice(lo, hi),)
+                                                     + tuple(slice(a, b) for ((a, b),) in ranges[d + 1:])])
+        start += hi - lo
 
 
 def _read_piece(sliced: Any, ranges: tuple) -> torch.Tensor:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import json
 import warnings
 from pathlib import Path
@@ -380,6 +381,42 @@ def test_the_prefetched_bytes_are_the_pieces_span(tmp_path, placements, coordina
         assert values[0] in piece and values[-1] in piece, (lo, hi)
         covered.update(values)
     assert piece <= covered
+
+
+@pytest.mark.parametrize("shape, placements, dtype", [
+    ((12, 10), "S(0)", torch.float32), ((12, 10), "S(1)", torch.float32), ((12, 10), "R", torch.float32),
+    ((12, 10), "S(0)[3]", torch.float32), ((12, 10), "S(1)[2]", torch.float32), ((12, 10), "S(0)", torch.bfloat16),
+    ((1, 12, 10), "S(1)", torch.float32), ((2, 12, 10), "S(1)", torch.float32), ((12, 10, 1), "S(1)", torch.float32)])
+def test_the_shards_faulted_in_early_are_the_ones_pieces_are_copied_into(tmp_path, shape, placements, dtype):
+    """A piece contiguous in the file and of the shard's dtype is mapped (``_copied`` is false and the
+    piece read is contiguous); any other is copied into the shard (which gets its pages early), block
+    by block, with the right values."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from autotp import loading
+    from autotp.placement import parse_placements
+    from autotp.shards import local_ranges
+
+    weight = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    save_file({"w": weight}, tmp_path / "w.safetensors")
+    header_dtype = loading._header(tmp_path / "w.safetensors")[1]["w"]["dtype"]
+    for coordinate in ([0], [1]):
+        ranges = local_ranges(shape, parse_placements(placements), coordinate, (2,))
+        local = torch.empty([sum(hi - lo for lo, hi in r) for r in ranges], dtype=dtype)
+        expected = weight[tuple(torch.tensor([i for lo, hi in r for i in range(lo, hi)]).reshape(
+            [-1 if d == k else 1 for k in range(len(shape))]) for d, r in enumerate(ranges))].to(dtype)
+        with safe_open(tmp_path / "w.safetensors", framework="pt") as f:
+            if loading._copied(shape, ranges, local, header_dtype):
+                loading._copy_piece(f.get_slice("w"), ranges, local)
+                assert torch.equal(local, expected), (coordinate, ranges)
+                mapped = False
+            else:
+                piece = loading._read_piece(f.get_slice("w"), ranges)
+                assert piece.is_contiguous() and piece.dtype == dtype and torch.equal(piece, expected)
+                mapped = True
+        # by hand: whole rows of a tensor with no larger dim before the split, in the file's dtype
+        assert mapped is (dtype == torch.float32 and (placements in ("S(0)", "R") or shape == (1, 12, 10))), ranges
 
 
 def test_a_file_that_is_not_safetensors_is_named(tmp_path):
