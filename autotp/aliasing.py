@@ -36,7 +36,7 @@ import torch
 
 from autotp.graph import OpGraph, OpNode
 
-__all__ = ["writes_first_argument", "writes_in_place", "aliases_first_input", "storage_roots", "pinned_reads", "read_versions"]
+__all__ = ["writes_first_argument", "written_elsewhere", "writes_in_place", "aliases_first_input", "storage_roots", "pinned_reads", "read_versions"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,6 +59,18 @@ def writes_first_argument(target: str) -> bool:
         return False
     alias = schema.arguments[0].alias_info
     return alias is not None and alias.is_write
+
+
+def written_elsewhere(target: str) -> str | None:
+    """The name of an argument the op ``target`` writes into that is not its first tensor (``out=``,
+    a list of tensors as ``_foreach_mul_``'s), by its schema; None where there is none. Only a write
+    into the first argument is followed by the planner (:func:`pinned_reads`)."""
+    schema = _schema(target)
+    for i, argument in enumerate(schema.arguments if schema is not None else ()):
+        alias = argument.alias_info
+        if alias is not None and alias.is_write and (i > 0 or not isinstance(argument.type, torch.TensorType)):
+            return argument.name
+    return None
 
 
 def writes_in_place(node: OpNode) -> bool:

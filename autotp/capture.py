@@ -30,6 +30,7 @@ from autotp import ops
 from autotp.arguments import _node_outputs, map_tensor_arguments, op_args, tensor_arguments
 from autotp.dynamic import DynamicDim, export_spec, size_expression, size_hint
 from autotp.graph import BUFFER, CONSTANT, INPUT, OP, PARAMETER, OpGraph, OpNode, ParameterInfo, TensorInfo
+from autotp.grad_regions import inline_grad_regions
 
 __all__ = ["capture", "CaptureError", "normalize_inputs", "concrete", "op_args", "map_tensor_arguments",
            "tensor_arguments"]
@@ -261,10 +262,6 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, spec: Any = None
 
 # what a higher-order op in the exported graph stands for in the user's code, and what to do about it
 _HIGHER_ORDER = {
-    "wrap_with_set_grad_enabled": (
-        "a block run under torch.no_grad() or torch.set_grad_enabled() inside forward()",
-        "move that block out of forward() (prepare or rescale weights once, before autotp sees the model), "
-        "or put the model in the mode where forward() skips it"),
     "wrap_with_autocast": (
         "a torch.autocast region inside forward()",
         "cast explicitly in forward() (x.to(dtype)) or build the model in the dtype it should compute in"),
@@ -302,7 +299,9 @@ def _check_higher_order_ops(exported: torch.export.ExportedProgram, model: torch
 
 
 def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.Module) -> OpGraph:
-    """Build the OpGraph of an ``ExportedProgram`` traced from ``model``."""
+    """Build the OpGraph of an ``ExportedProgram`` traced from ``model`` (its ``no_grad`` blocks are
+    inlined into its graph first: ``autotp/grad_regions.py``)."""
+    inline_grad_regions(exported.graph_module)
     _check_higher_order_ops(exported, model)
     sig = exported.graph_signature
     kinds = {spec.arg.name: spec for spec in sig.input_specs if hasattr(spec.arg, "name")}
@@ -355,6 +354,7 @@ def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.
                 symbolic[node.name] = dims
             nodes.append(OpNode(node.name, role, role, (), (), outs, param_fqn=fqn, requires_grad=needs_grad))
         elif node.op == "call_function":
+            _check_written_arguments(node)
             outs = _node_outputs(node)
             if not outs:
                 continue  # assertions and other ops that return no tensor
@@ -399,11 +399,51 @@ def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.
             raise CaptureError(f"unexpected node {node.name} of kind {node.op!r} in the exported graph; "
                                "higher-order ops and submodule calls are not supported yet")
     _check_operand_dtypes(nodes)
-    return OpGraph(
+    graph = OpGraph(
         nodes=tuple(nodes), outputs=tuple(outputs), parameters=tuple(parameters),
         model_type=type(model).__name__, exported=exported, alias_placeholders=rename,
         dynamic=tuple(dynamic), symbolic=symbolic,
     )
+    _check_parameter_writes(graph)
+    return graph
+
+
+def _check_written_arguments(node: torch.fx.Node) -> None:
+    """An op that writes into an argument other than its first tensor (``out=``, ``_foreach_mul_``'s
+    list): the planner follows writes in place into the first tensor only, so it is refused."""
+    from autotp.aliasing import written_elsewhere
+
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return
+    argument = written_elsewhere(str(node.target))
+    if argument is None:
+        return
+    path, mtype, _ = _module_info(node)
+    where = f"module {path!r} ({mtype})" if path else "forward()"
+    raise CaptureError(
+        f"{node.target} (node {node.name}) at {where} writes into its argument {argument!r}: autotp follows "
+        f"writes in place only into an op's first argument, where it is one tensor (add_, copy_, index_put_).\n  what to do: use the form "
+        f"that returns its result (y = torch.mul(a, 2) rather than out=y; a loop of mul_ rather than "
+        f"torch._foreach_mul_).")
+
+
+def _check_parameter_writes(graph: OpGraph) -> None:
+    """A write in place into a parameter inside ``forward()`` (under ``no_grad``: autograd refuses it
+    otherwise) is state the trace cannot keep: code that rescales weights once (RWKV on its first
+    call in eval mode) is traced as a rescale on every call."""
+    from autotp.aliasing import storage_roots, writes_in_place
+
+    root = storage_roots(graph)
+    for node in graph.nodes:
+        target = graph[root[node.name]]
+        if writes_in_place(node) and target.role == PARAMETER:
+            where = f"module {node.module_path!r} ({node.module_type})" if node.module_path else "forward()"
+            raise CaptureError(
+                f"{node.target} (node {node.name}) at {where} writes into the parameter {target.param_fqn!r} "
+                f"inside forward(): the traced graph would repeat the write on every call, whatever state "
+                f"made forward() do it once.\n  what to do: change the parameter before autotp sees the model "
+                f"(for a model that rescales its weights on its first call, call it once first), or compute a "
+                f"new tensor instead of writing in place.")
 
 
 def _dynamic_dims(node: torch.fx.Node, ranges: Any) -> list[DynamicDim]:

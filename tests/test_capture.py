@@ -200,27 +200,6 @@ def test_data_dependent_control_flow_is_a_capture_error():
     assert "what to do" in message and ("torch.cond" in message or "control flow" in message)
 
 
-class NoGradInside(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inner = nn.Sequential(nn.Linear(8, 8))
-        self.fc = nn.Linear(8, 8)
-
-    def forward(self, x):
-        with torch.no_grad():  # export keeps this block as the higher-order op wrap_with_set_grad_enabled
-            scale = self.inner(x).abs().amax()
-        return self.fc(x / scale)
-
-
-def test_a_no_grad_block_in_forward_is_named_with_its_module_and_the_fix():
-    with pytest.raises(autotp.CaptureError) as info:
-        autotp.capture(NoGradInside(), (torch.randn(2, 8),))
-    message = str(info.value)
-    assert "torch.no_grad()" in message and "wrap_with_set_grad_enabled" in message
-    assert "what to do: move that block out of forward()" in message and "NoGradInside.forward()" in message
-    assert "unexpected node" not in message and "example inputs" not in message
-
-
 def test_a_model_with_its_parameters_on_meta_is_traced_on_meta_wherever_the_inputs_are():
     model, (ids,) = M.tiny_llama(device="meta")
     on_cpu = autotp.capture(model, (torch.randint(0, 128, (2, 16)),))

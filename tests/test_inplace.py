@@ -214,3 +214,33 @@ def test_pins_that_leave_an_in_place_write_no_plan_are_named_not_blamed_on_memor
         plan_graph(graph, (2,), "cpu-gloo", "train", None, recompute=False, pin=pin)
     assert not isinstance(err.value, autotp.MemoryBudgetError)
     assert plan_graph(graph, (2,), "cpu-gloo", "train", None, recompute=False).parameter_placements  # unpinned: a plan
+
+
+class _WritesElsewhere(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        a, b = self.a(x), self.b(x)
+        if self.how == "foreach":
+            torch._foreach_mul_([a, b], 2.0)
+            return a + b
+        out = torch.empty_like(a)
+        torch.mul(a.detach(), 2.0, out=out)  # out= under autograd only with no gradient to take
+        return out + b
+
+
+@pytest.mark.parametrize("how, op, argument", [("foreach", "aten._foreach_mul_.Scalar", "self"),
+                                               ("out", "aten.mul.out", "out")])
+def test_a_write_into_an_argument_the_planner_does_not_follow_is_refused(how, op, argument):
+    """Only writes into an op's first tensor are kept in one storage by the plan (``pinned_reads``):
+    a write through ``out=`` or into a list of tensors would land in a redistributed copy unseen."""
+    import autotp
+
+    with pytest.raises(autotp.CaptureError) as info:
+        autotp.capture(_WritesElsewhere(how), (torch.randn(2, 8),))
+    message = str(info.value)
+    assert f"{op} (node" in message and f"writes into its argument '{argument}'" in message
+    assert "what to do: use the form that returns its result" in message

@@ -1,0 +1,141 @@
+"""Blocks under ``torch.no_grad()`` inside ``forward()`` (PhiMoE's router does this): inlined into
+the graph with their operands read through ``detach`` (``autotp/grad_regions.py``), then planned and
+placed like any other op. The parallel step equals one process's, gradients that do not exist
+there included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import autotp
+from examples.ranks import run_threads
+
+
+class _NoGradGate(nn.Module):
+    """A gate scored under ``no_grad`` scales an MLP's output: the gate gets no gradient."""
+
+    def __init__(self, dim: int = 64, ffn: int = 256) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, 4)
+        self.up = nn.Linear(dim, ffn)
+        self.down = nn.Linear(ffn, dim)
+
+    def forward(self, x):
+        with torch.no_grad():
+            keep = (self.gate(x).amax(-1, keepdim=True) > 0).to(x.dtype)
+        return x + self.down(F.gelu(self.up(x))) * keep
+
+
+class _GradBackOn(_NoGradGate):
+    """``torch.enable_grad()`` inside ``torch.no_grad()``: ``up`` takes gradients again, the gate none."""
+
+    def forward(self, x):
+        with torch.no_grad():
+            scale = self.gate(x).sigmoid().mean(-1, keepdim=True)
+            with torch.enable_grad():
+                hidden = self.up(x)
+        return self.down(F.gelu(hidden) * scale)
+
+
+def _step(rank, world, graph, plan, model, x):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autotp.checkpoint import full_tensor
+    from autotp.rewrite import build_parallel_module
+    from autotp.shards import placements_of
+
+    pm = build_parallel_module(graph, plan, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)), model)
+    out = pm(x)
+    out.pow(2).sum().backward()
+    return out.detach(), {n: None if p.grad is None else full_tensor(p.grad, placements_of(p))
+                          for n, p in pm.named_parameters()}
+
+
+def _sharded_plan(graph):
+    from autotp.planner import plan_graph
+
+    try:
+        plan_graph(graph, (2,), "cpu-gloo", "train", 1.0, recompute=False)
+    except autotp.MemoryBudgetError as err:
+        return plan_graph(graph, (2,), "cpu-gloo", "train", int(err.minimum_bytes * 1.05) + 1, recompute=False)
+    raise AssertionError("a budget of one byte was met")
+
+
+@pytest.mark.parametrize("cls", [_NoGradGate, _GradBackOn])
+def test_a_no_grad_block_is_planned_and_the_step_equals_one_process(cls):
+    torch.manual_seed(0)
+    model = cls()
+    x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(1))
+    graph = autotp.capture(model, (x,))
+    assert not any("wrap_with_set_grad_enabled" in n.target for n in graph.nodes)
+    # what the block reads comes through detach, and what the gate computes takes no gradient
+    gate = [n for n in graph.nodes if n.module_path == "gate"]
+    assert gate and not any(n.requires_grad for n in gate)
+    assert any(n.target == "aten.detach.default" for n in graph.nodes)
+    up = [n for n in graph.nodes if n.module_path == "up" and n.target.startswith("aten.linear")]
+    assert up and all(n.requires_grad for n in up)  # outside the block, or with gradients back on
+
+    plan = _sharded_plan(graph)
+    assert plan.module_styles()["up"] != "replicate"  # the MLP is split around the inlined block
+    ref = model(x)
+    ref.pow(2).sum().backward()
+    assert model.gate.weight.grad is None and model.up.weight.grad is not None
+    for out, grads in run_threads(_step, 2, graph, plan, model, x):
+        torch.testing.assert_close(out, ref.detach(), rtol=1e-5, atol=1e-6)
+        for name, p in model.named_parameters():
+            if p.grad is None:
+                assert grads[name] is None, name
+            else:
+                torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6)
+
+
+class _AutocastInside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # kept as the higher-order op wrap_with_autocast
+            return self.fc(x).float()
+
+
+def test_an_autocast_region_in_forward_is_named_with_its_module_and_the_fix():
+    with pytest.raises(autotp.CaptureError) as info:
+        autotp.capture(_AutocastInside(), (torch.randn(2, 8),))
+    message = str(info.value)
+    assert "torch.autocast" in message and "wrap_with_autocast" in message
+    assert "what to do: cast explicitly" in message and "_AutocastInside.forward()" in message
+
+
+class _RescalesOnce(nn.Module):
+    """Divides a weight in place on its first call in eval mode, as RWKV does, then remembers it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.rescaled = False
+
+    def forward(self, x):
+        if not self.training and not self.rescaled:
+            with torch.no_grad():
+                self.fc.weight.view(-1).div_(2.0)  # through a view: the write lands in the parameter
+            self.rescaled = True
+        return self.fc(x)
+
+
+def test_a_write_into_a_parameter_inside_forward_is_refused_until_it_has_run():
+    """The trace would keep the write and repeat it on every call (the flag is Python state): refused,
+    naming the op, the parameter and the fix; after one call (the write done) the model captures."""
+    model = _RescalesOnce().eval()
+    before = model.fc.weight.detach().clone()
+    with pytest.raises(autotp.CaptureError) as info:
+        autotp.capture(model, (torch.randn(2, 8),))
+    message = str(info.value)
+    assert "aten.div_" in message and "'fc.weight'" in message and "call it once first" in message
+    assert torch.equal(model.fc.weight, before)  # the user's model is as it was (export traced fake tensors)
+    model(torch.randn(2, 8))
+    graph = autotp.capture(model, (torch.randn(2, 8),))
+    assert not any(n.target.startswith("aten.div_") for n in graph.nodes)
