@@ -85,3 +85,16 @@ def test_the_zoo_deepseek_v3_row_is_exact():
     assert result.startswith("exact"), result
     sharded, total = (int(v) for v in result.rsplit("; ", 1)[1].split(" ")[0].split("/"))
     assert sharded >= total // 2, result
+
+
+@pytest.mark.slow  # the mechanism is in the default suite: tests/test_grad_regions.py
+def test_the_zoo_phimoe_row_is_megatron_quality_and_exact():
+    """PhiMoE's router picks the experts under ``torch.no_grad()`` inside ``forward()`` (refused at
+    capture before ``autotp/grad_regions.py``): at Phi-3.5-MoE widths the plan is Megatron-quality, and
+    the tiny model's step is exact on 2 ranks."""
+    from benchmarks import zoo
+
+    row = zoo.run_arch(next(a for a in zoo.ARCHS if a.name == "phimoe"), exact=True)
+    assert row["status"] == "planned", row
+    assert row["megatron_weights"] and row["few_collectives"] and row["ratio_ok"], row
+    assert row["is_exact"], row
