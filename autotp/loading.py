@@ -179,18 +179,24 @@ def _read(plan: list[tuple[str, Path, torch.Tensor]], placements: dict) -> None:
                 prefetch(files[i + 1])
             with safe_open(file, framework="pt") as f:
                 for key, value, ranges in wanted[file]:
-                    local = _shard(value)
                     if key in copied:
-                        faulting.wait(local)
-                        _copy_piece(f.get_slice(key), ranges, local)
-                        continue
-                    piece = _read_piece(f.get_slice(key), ranges) if ranges else f.get_tensor(key)
-                    if piece.dtype == local.dtype and piece.is_contiguous() and piece.device == local.device:
-                        local.set_(piece)  # the file's pages, mapped privately: no copy; a write copies its page
-                        continue
-                    local.copy_(piece)  # to another device, or converting the dtype as it copies
+                        faulting.wait(_shard(value))
+                    _load_entry(f, key, ranges, _shard(value), key in copied)
     finally:
         faulting.stop()
+
+
+def _load_entry(f: Any, key: str, ranges, local: torch.Tensor, copied: bool) -> None:
+    """Fill ``local`` with the piece ``ranges`` (None: whole) of ``key`` in the open file ``f``: copied
+    into it where ``copied`` (:func:`_copied`), else the piece read, kept as it is where it can be."""
+    if copied and ranges is not None:
+        _copy_piece(f.get_slice(key), ranges, local)
+        return
+    piece = _read_piece(f.get_slice(key), ranges) if ranges else f.get_tensor(key)
+    if not copied and piece.dtype == local.dtype and piece.is_contiguous() and piece.device == local.device:
+        local.set_(piece)  # the file's pages, mapped privately: no copy; a write copies its page
+        return
+    local.copy_(piece)  # to another device, or converting the dtype as it copies
 
 
 def _shard(value: torch.Tensor) -> torch.Tensor:

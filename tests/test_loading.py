@@ -386,11 +386,12 @@ def test_the_prefetched_bytes_are_the_pieces_span(tmp_path, placements, coordina
 @pytest.mark.parametrize("shape, placements, dtype", [
     ((12, 10), "S(0)", torch.float32), ((12, 10), "S(1)", torch.float32), ((12, 10), "R", torch.float32),
     ((12, 10), "S(0)[3]", torch.float32), ((12, 10), "S(1)[2]", torch.float32), ((12, 10), "S(0)", torch.bfloat16),
-    ((1, 12, 10), "S(1)", torch.float32), ((2, 12, 10), "S(1)", torch.float32), ((12, 10, 1), "S(1)", torch.float32)])
+    ((1, 12, 10), "S(1)", torch.float32), ((2, 12, 10), "S(1)", torch.float32), ((12, 10, 1), "S(1)", torch.float32),
+    ((12, 10), "R", torch.bfloat16)])  # read whole (a buffer) into another dtype
 def test_the_shards_faulted_in_early_are_the_ones_pieces_are_copied_into(tmp_path, shape, placements, dtype):
-    """A piece contiguous in the file and of the shard's dtype is mapped (``_copied`` is false and the
-    piece read is contiguous); any other is copied into the shard (which gets its pages early), block
-    by block, with the right values."""
+    """A piece contiguous in the file and of the shard's dtype is mapped (the shard takes the file's
+    pages); any other is copied into the shard's own storage (which gets its pages early), block by
+    block, with the right values; a tensor read whole (a buffer: ranges None) too."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -406,17 +407,16 @@ def test_the_shards_faulted_in_early_are_the_ones_pieces_are_copied_into(tmp_pat
         local = torch.empty([sum(hi - lo for lo, hi in r) for r in ranges], dtype=dtype)
         expected = weight[tuple(torch.tensor([i for lo, hi in r for i in range(lo, hi)]).reshape(
             [-1 if d == k else 1 for k in range(len(shape))]) for d, r in enumerate(ranges))].to(dtype)
+        storage = local.untyped_storage().data_ptr()
         with safe_open(tmp_path / "w.safetensors", framework="pt") as f:
-            if loading._copied(shape, ranges, local, header_dtype):
-                loading._copy_piece(f.get_slice("w"), ranges, local)
-                assert torch.equal(local, expected), (coordinate, ranges)
-                mapped = False
-            else:
-                piece = loading._read_piece(f.get_slice("w"), ranges)
-                assert piece.is_contiguous() and piece.dtype == dtype and torch.equal(piece, expected)
-                mapped = True
+            copied = loading._copied(shape, ranges, local, header_dtype)
+            loading._load_entry(f, "w", None if placements == "R" else ranges, local, copied)
+        assert torch.equal(local, expected), (coordinate, ranges)
+        # a piece is mapped (the shard takes the file's pages) or copied into the shard's own storage
+        assert (local.untyped_storage().data_ptr() == storage) is copied, (coordinate, ranges)
         # by hand: whole rows of a tensor with no larger dim before the split, in the file's dtype
-        assert mapped is (dtype == torch.float32 and (placements in ("S(0)", "R") or shape == (1, 12, 10))), ranges
+        assert copied is not (dtype == torch.float32 and (placements in ("S(0)", "R") or shape == (1, 12, 10))), \
+            ranges
 
 
 def test_a_file_that_is_not_safetensors_is_named(tmp_path):
