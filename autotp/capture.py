@@ -241,7 +241,10 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, spec: Any = None
             fx_config.do_not_emit_stack_traces = True
         try:
             with _quiet_fake_tensor_errors() if fall_back else contextlib.nullcontext():
-                exported = torch.export.export(model, args, kwargs, dynamic_shapes=spec, strict=False)
+                # gradients on: under the caller's no_grad, the model's own no_grad blocks would leave no
+                # trace in the graph (autotp/grad_regions.py), and their parameters would take gradients
+                with torch.enable_grad():
+                    exported = torch.export.export(model, args, kwargs, dynamic_shapes=spec, strict=False)
         except Exception as err:  # noqa: BLE001 - re-raised with context
             if spec is None or not fall_back:
                 raise CaptureError(_explain_export_failure(err)) from err
@@ -301,7 +304,10 @@ def _check_higher_order_ops(exported: torch.export.ExportedProgram, model: torch
 def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.Module) -> OpGraph:
     """Build the OpGraph of an ``ExportedProgram`` traced from ``model`` (its ``no_grad`` blocks are
     inlined into its graph first: ``autotp/grad_regions.py``)."""
-    inline_grad_regions(exported.graph_module)
+    renamed = inline_grad_regions(exported.graph_module)
+    for spec in exported.graph_signature.output_specs:  # outputs the inlining renamed (it stays valid)
+        if renamed.get(getattr(spec.arg, "name", None)):
+            spec.arg.name = renamed[spec.arg.name]
     _check_higher_order_ops(exported, model)
     sig = exported.graph_signature
     kinds = {spec.arg.name: spec for spec in sig.input_specs if hasattr(spec.arg, "name")}
@@ -440,10 +446,12 @@ def _check_parameter_writes(graph: OpGraph) -> None:
             where = f"module {node.module_path!r} ({node.module_type})" if node.module_path else "forward()"
             raise CaptureError(
                 f"{node.target} (node {node.name}) at {where} writes into the parameter {target.param_fqn!r} "
-                f"inside forward(): the traced graph would repeat the write on every call, whatever state "
-                f"made forward() do it once.\n  what to do: change the parameter before autotp sees the model "
-                f"(for a model that rescales its weights on its first call, call it once first), or compute a "
-                f"new tensor instead of writing in place.")
+                f"inside forward(): autotp splits parameters once and does not follow writes into them, and a "
+                f"write forward() makes once (RWKV rescales its weights on its first call in eval mode) would "
+                f"be traced as a write on every call.\n  what to do: change the parameter before autotp sees "
+                f"the model (for a one-time rescale, call the model once first; for nn.Embedding(max_norm=...), "
+                f"renormalize the weight once and drop max_norm), or compute a new tensor instead of writing "
+                f"in place.")
 
 
 def _dynamic_dims(node: torch.fx.Node, ranges: Any) -> list[DynamicDim]:

@@ -8,7 +8,8 @@ in the graph itself: every tensor operand of a region with gradients off is read
 ``aten.detach`` first. For ATen ops this computes what the region computes, and no gradient flows
 back through it: the region's outputs do not require a gradient, and what they were computed from
 gets none from them. A write in place inside the region lands in the same storage through the
-detached alias, as it would under ``no_grad``. A region with gradients on is inlined as it is.
+detached alias, as it would under ``no_grad``, and where the region hands such a written operand on
+(``h.clamp_()``), the rest of the graph reads the operand itself, its gradient history kept. A region with gradients on is inlined as it is.
 Export does not nest regions: ``torch.enable_grad()`` inside ``torch.no_grad()`` comes out as
 regions one after another, each under one mode.
 """
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import torch
 import torch.fx
+
+from autotp.aliasing import writes_first_argument
 
 __all__ = ["inline_grad_regions"]
 
@@ -28,14 +31,15 @@ def _is_region(node: torch.fx.Node) -> bool:
             and node.target.name() == NAME)
 
 
-def inline_grad_regions(gm: torch.fx.GraphModule) -> int:
+def inline_grad_regions(gm: torch.fx.GraphModule) -> dict[str, str | None]:
     """Replace every ``wrap_with_set_grad_enabled`` node of ``gm``'s graph by its body's ops, in place
-    (module doc); return how many were inlined."""
+    (module doc). Returns, per name of a node that read a region's output and is gone, the name of the
+    node that now stands for it (None for a value that is not a node)."""
     regions = [n for n in gm.graph.nodes if _is_region(n)]
+    renamed: dict[str, str | None] = {}
     for region in regions:
-        _inline(gm, region)
-    count = len(regions)
-    if count:
+        _inline(gm, region, renamed)
+    if regions:
         for node in list(gm.graph.nodes):  # the bodies, now unread
             if node.op == "get_attr" and not node.users and isinstance(getattr(gm, node.target, None),
                                                                        torch.fx.GraphModule):
@@ -44,10 +48,10 @@ def inline_grad_regions(gm: torch.fx.GraphModule) -> int:
                 if not any(n.op == "get_attr" and n.target == target for n in gm.graph.nodes):
                     delattr(gm, target)
         gm.recompile()
-    return count
+    return renamed
 
 
-def _inline(gm: torch.fx.GraphModule, region: torch.fx.Node) -> None:
+def _inline(gm: torch.fx.GraphModule, region: torch.fx.Node, renamed: dict[str, str | None]) -> None:
     graph = gm.graph
     enabled, body_node, *operands = region.args
     body: torch.fx.GraphModule = getattr(gm, body_node.target)
@@ -76,12 +80,26 @@ def _inline(gm: torch.fx.GraphModule, region: torch.fx.Node) -> None:
                 raise RuntimeError(f"{NAME} node {region.name} holds {node.op} {node.name}; expected ATen ops "
                                    "only (export writes nested grad modes as regions one after another)")
             env[node] = graph.node_copy(node, lambda n: env[n])
-    mapped = [env[o] if isinstance(o, torch.fx.Node) else o for o in outputs]
+    mapped = [_seen_outside(o, env, dict(zip(placeholders, operands))) for o in outputs]
     for user in list(region.users):
         if user.op == "call_function" and user.target.__name__ == "getitem" and isinstance(user.args[1], int):
             user.replace_all_uses_with(mapped[user.args[1]])
+            renamed[user.name] = mapped[user.args[1]].name if isinstance(mapped[user.args[1]], torch.fx.Node) else None
             graph.erase_node(user)
         else:
             raise RuntimeError(f"{NAME} node {region.name} is read whole by {user.name}; expected getitem")
     graph.erase_node(region)
+
+
+def _seen_outside(output, env: dict, operands: dict):
+    """What the rest of the graph reads for the region's ``output``: its inlined node, but where it is
+    an operand written in place (``h.clamp_()`` under ``no_grad``: the same tensor, its gradient history
+    kept), the operand itself, whose storage the write reached through the detached alias."""
+    if not isinstance(output, torch.fx.Node):
+        return output
+    node = output
+    while node.op == "call_function" and writes_first_argument(str(node.target)) and node.args \
+            and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return operands[node] if node in operands else env[output]
 

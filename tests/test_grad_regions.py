@@ -64,12 +64,28 @@ def _sharded_plan(graph):
     raise AssertionError("a budget of one byte was met")
 
 
-@pytest.mark.parametrize("cls", [_NoGradGate, _GradBackOn])
-def test_a_no_grad_block_is_planned_and_the_step_equals_one_process(cls):
+class _ClampedInPlace(_NoGradGate):
+    """An activation written in place under ``no_grad`` (clamped, then masked) is the same tensor
+    after it, its gradient history kept: ``up`` takes a gradient through it, the gate none."""
+
+    def forward(self, x):
+        hidden = self.up(x)
+        with torch.no_grad():
+            hidden.clamp_(-0.5, 0.5)
+            hidden[self.gate(x).amax(-1) > 0] = 0.0  # index_put_ with a mask over (batch, tokens)
+        return self.down(F.gelu(hidden))
+
+
+@pytest.mark.parametrize("cls, grad_mode", [(_NoGradGate, torch.enable_grad), (_GradBackOn, torch.enable_grad),
+                                            (_ClampedInPlace, torch.enable_grad), (_NoGradGate, torch.no_grad)])
+def test_a_no_grad_block_is_planned_and_the_step_equals_one_process(cls, grad_mode):
+    """``grad_mode``: the mode autotp is called in (under ``no_grad`` the model's own blocks would leave
+    no trace in the export: capture turns gradients on)."""
     torch.manual_seed(0)
     model = cls()
     x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(1))
-    graph = autotp.capture(model, (x,))
+    with grad_mode():
+        graph = autotp.capture(model, (x,))
     assert not any("wrap_with_set_grad_enabled" in n.target for n in graph.nodes)
     # what the block reads comes through detach, and what the gate computes takes no gradient
     gate = [n for n in graph.nodes if n.module_path == "gate"]
@@ -134,7 +150,7 @@ def test_a_write_into_a_parameter_inside_forward_is_refused_until_it_has_run():
     with pytest.raises(autotp.CaptureError) as info:
         autotp.capture(model, (torch.randn(2, 8),))
     message = str(info.value)
-    assert "aten.div_" in message and "'fc.weight'" in message and "call it once first" in message
+    assert "aten.div_" in message and "'fc.weight'" in message and "call the model once first" in message
     assert torch.equal(model.fc.weight, before)  # the user's model is as it was (export traced fake tensors)
     model(torch.randn(2, 8))
     graph = autotp.capture(model, (torch.randn(2, 8),))
