@@ -137,8 +137,9 @@ def _choices(node: OpNode, n: int, warned: Optional[_Warned], graph: Optional[Op
     if t in ops.FACTORY:
         return _factory(node, n)
     rule = BUILTIN.get(t)
-    if rule is not None:
-        return rule(node, n)
+    choices = rule(node, n) if rule is not None else None
+    if choices is not None:
+        return choices
     if len(node.outputs) == 1 and len(node.inputs) >= 1:
         if t in ops.POINTWISE:
             return pointwise_choices(node, n)

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from autotp.graph import OpNode
 from autotp.placement import Placement, R, parse_placements
-from autotp.rules import contractions, joins, pointwise, reductions
+from autotp.rules import contractions, indexing, joins, pointwise, reductions
 from autotp.rules.common import AxisChoice
 
 __all__ = ["AxisChoice", "Rule", "BUILTIN", "register_rule", "unregister_rule", "registered_rules", "user_choices",
@@ -31,10 +31,11 @@ __all__ = ["AxisChoice", "Rule", "BUILTIN", "register_rule", "unregister_rule", 
 
 Rule = Callable[[OpNode, int], Iterable[tuple[Sequence[Any], Any]]]
 
-# autotp's own rules by op name; views, pointwise ops, splits and factories are found by kind
-# (autotp.strategies), every other op in DTensor's registry (autotp.dtensor_rules).
-BUILTIN: dict[str, Callable[[OpNode, int], list[AxisChoice]]] = {
-    **contractions.RULES, **pointwise.RULES, **reductions.RULES, **joins.RULES,
+# autotp's own rules by op name (a rule returning None leaves the node to the ones after); views,
+# pointwise ops, splits and factories are found by kind (autotp.strategies), every other op in
+# DTensor's registry (autotp.dtensor_rules).
+BUILTIN: dict[str, Callable[[OpNode, int], Optional[list[AxisChoice]]]] = {
+    **contractions.RULES, **pointwise.RULES, **reductions.RULES, **joins.RULES, **indexing.RULES,
 }
 
 _USER: dict[str, Rule] = {}
