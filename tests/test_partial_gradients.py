@@ -125,6 +125,7 @@ def test_a_plan_with_rg_is_exact_and_runs_the_collectives_it_lists():
     assert again.strategy(_dispatch_node(plan)).output == (Rg,)
 
 
+@pytest.mark.slow  # the mechanism is in the default suite: the dispatch tests above
 def test_qwen_moe_sums_the_routed_tokens_gradient_on_the_tokens_and_is_exact():
     """Qwen1.5-MoE's experts read the routed copy of the tokens (4 per token, sorted by expert): the
     copy runs replicated and passes its partial gradient back to the tokens, whose gather's
