@@ -301,6 +301,29 @@ def _check_higher_order_ops(exported: torch.export.ExportedProgram, model: torch
                 f"(node {node.name}), at {where}.\n  what to do: {todo}.")
 
 
+def _check_data_dependent_sizes(exported: torch.export.ExportedProgram, model: torch.nn.Module) -> None:
+    """A tensor whose size the trace could only name by a data-dependent symbol (``u0``: sizes read
+    from tensor values by ``.tolist()``, ``nonzero``, a boolean mask) has no size to price or split:
+    refuse the first op that makes one, by name."""
+    for node in exported.graph.nodes:
+        val = node.meta.get("val")
+        for value in val if isinstance(val, (tuple, list)) else (val,):
+            if not isinstance(value, torch.Tensor):
+                continue
+            unknown = [str(s) for s in value.shape if isinstance(s, torch.SymInt) and s.node.hint is None]
+            if not unknown:
+                continue
+            path, mtype, _ = _module_info(node)
+            where = f"module {path!r} ({mtype})" if path else f"{type(model).__name__}.forward()"
+            raise CaptureError(
+                f"autotp cannot plan {node.target} (node {node.name}) at {where}: its output's size "
+                f"{list(value.shape)} depends on tensor values ({', '.join(unknown)}: sizes read from a tensor "
+                f"by .tolist() or .item(), or made by nonzero or a boolean mask), and a plan prices and "
+                f"splits sizes it knows.\n  what to do: compute with sizes fixed by the inputs' shapes (for "
+                f"experts, a batched or padded implementation rather than splitting the tokens by the counts "
+                f"the router gives each expert).")
+
+
 def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.Module) -> OpGraph:
     """Build the OpGraph of an ``ExportedProgram`` traced from ``model`` (its ``no_grad`` blocks are
     inlined into its graph first: ``autotp/grad_regions.py``)."""
@@ -309,6 +332,7 @@ def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.
         if renamed.get(getattr(spec.arg, "name", None)):
             spec.arg.name = renamed[spec.arg.name]
     _check_higher_order_ops(exported, model)
+    _check_data_dependent_sizes(exported, model)
     sig = exported.graph_signature
     kinds = {spec.arg.name: spec for spec in sig.input_specs if hasattr(spec.arg, "name")}
 

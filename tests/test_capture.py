@@ -258,3 +258,18 @@ def test_llama_8b_capture_time_and_flops():
     assert graph.total_flops() == pytest.approx(_llama_8b_flops_by_hand(32), rel=0.01)
     n_params = sum(p.numel() for p in model.parameters())
     assert graph.parameter_numel() == n_params
+
+
+class _MaskedSelect(nn.Module):
+    def forward(self, x):
+        return x[x > 0].sum() * x  # x[mask]: as many elements as the mask selects
+
+
+def test_a_size_that_depends_on_tensor_values_is_a_capture_error_naming_the_op():
+    """The trace names such a size by a data-dependent symbol with no value: the op that makes it is
+    refused with its module and what to do, not a TypeError from deep inside capture."""
+    with pytest.raises(autotp.CaptureError) as info:
+        autotp.capture(_MaskedSelect(), (torch.randn(8, 4),))
+    message = str(info.value)
+    assert "aten.index.Tensor (node index) at _MaskedSelect.forward()" in message
+    assert "depends on tensor values (u0" in message and "what to do: compute with sizes fixed" in message
