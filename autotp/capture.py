@@ -30,7 +30,7 @@ from autotp import ops
 from autotp.arguments import _node_outputs, map_tensor_arguments, op_args, tensor_arguments
 from autotp.dynamic import DynamicDim, export_spec, size_expression, size_hint
 from autotp.graph import BUFFER, CONSTANT, INPUT, OP, PARAMETER, OpGraph, OpNode, ParameterInfo, TensorInfo
-from autotp.grad_regions import inline_grad_regions
+from autotp.regions import RegionError, inline_regions
 
 __all__ = ["capture", "CaptureError", "normalize_inputs", "concrete", "op_args", "map_tensor_arguments",
            "tensor_arguments"]
@@ -242,7 +242,7 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, spec: Any = None
         try:
             with _quiet_fake_tensor_errors() if fall_back else contextlib.nullcontext():
                 # gradients on: under the caller's no_grad, the model's own no_grad blocks would leave no
-                # trace in the graph (autotp/grad_regions.py), and their parameters would take gradients
+                # trace in the graph (autotp/regions.py), and their parameters would take gradients
                 with torch.enable_grad():
                     exported = torch.export.export(model, args, kwargs, dynamic_shapes=spec, strict=False)
         except Exception as err:  # noqa: BLE001 - re-raised with context
@@ -266,7 +266,7 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, spec: Any = None
 # what a higher-order op in the exported graph stands for in the user's code, and what to do about it
 _HIGHER_ORDER = {
     "wrap_with_autocast": (
-        "a torch.autocast region inside forward()",
+        "a torch.autocast region with autocast on inside forward() (autocast off is inlined)",
         "cast explicitly in forward() (x.to(dtype)) or build the model in the dtype it should compute in"),
     "cond": ("torch.cond (a branch on tensor values)",
              "branch on shapes or config flags instead, so one branch is traced"),
@@ -325,9 +325,13 @@ def _check_data_dependent_sizes(exported: torch.export.ExportedProgram, model: t
 
 
 def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.Module) -> OpGraph:
-    """Build the OpGraph of an ``ExportedProgram`` traced from ``model`` (its ``no_grad`` blocks are
-    inlined into its graph first: ``autotp/grad_regions.py``)."""
-    renamed = inline_grad_regions(exported.graph_module)
+    """Build the OpGraph of an ``ExportedProgram`` traced from ``model`` (its ``no_grad`` and
+    autocast-off blocks are inlined into its graph first: ``autotp/regions.py``)."""
+    try:
+        renamed = inline_regions(exported.graph_module)
+    except RegionError as err:
+        raise CaptureError(f"autotp cannot place {err}.\n  what to do: write the block as plain tensor operations "
+                           f"(one grad mode or autocast switch at a time)") from None
     for spec in exported.graph_signature.output_specs:  # outputs the inlining renamed (it stays valid)
         if renamed.get(getattr(spec.arg, "name", None)):
             spec.arg.name = renamed[spec.arg.name]

@@ -292,7 +292,7 @@ ARCHS: tuple[Arch, ...] = (
          dict(vocab_size=32064, hidden_size=4096, intermediate_size=6400, num_attention_heads=32,
               num_key_value_heads=8, num_local_experts=16, num_experts_per_tok=2, max_position_embeddings=131072,
               attention_bias=True, lm_head_bias=True, tie_word_embeddings=False),
-         # its router picks the experts under torch.no_grad() (autotp/grad_regions.py)
+         # its router picks the experts under torch.no_grad() (autotp/regions.py)
          _tiny_decoder(num_local_experts=4, num_experts_per_tok=2, attention_bias=True, lm_head_bias=True),
          extra_tp={**{f"self_attn.{k}": v for k, v in _QKVO.items()}, "self_attn.o_proj": "rowwise"}),
     Arch("gpt_oss", "gpt-oss-20b", "MoE", "GptOssConfig", "GptOssForCausalLM",

@@ -87,10 +87,10 @@ def test_the_zoo_deepseek_v3_row_is_exact():
     assert sharded >= total // 2, result
 
 
-@pytest.mark.slow  # the mechanism is in the default suite: tests/test_grad_regions.py
+@pytest.mark.slow  # the mechanism is in the default suite: tests/test_regions.py
 def test_the_zoo_phimoe_row_is_megatron_quality_and_exact():
     """PhiMoE's router picks the experts under ``torch.no_grad()`` inside ``forward()`` (refused at
-    capture before ``autotp/grad_regions.py``): at Phi-3.5-MoE widths the plan is Megatron-quality, and
+    capture before ``autotp/regions.py``): at Phi-3.5-MoE widths the plan is Megatron-quality, and
     the tiny model's step is exact on 2 ranks."""
     from benchmarks import zoo
 

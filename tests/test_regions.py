@@ -1,7 +1,7 @@
 """Blocks under ``torch.no_grad()`` inside ``forward()`` (PhiMoE's router does this): inlined into
-the graph with their operands read through ``detach`` (``autotp/grad_regions.py``), then planned and
+the graph with their operands read through ``detach`` (``autotp/regions.py``), then planned and
 placed like any other op. The parallel step equals one process's, gradients that do not exist
-there included."""
+there included. Blocks with autocast switched off are inlined as they are; autocast on is refused."""
 
 from __future__ import annotations
 
@@ -76,8 +76,29 @@ class _ClampedInPlace(_NoGradGate):
         return self.down(F.gelu(hidden))
 
 
+class _AutocastOff(_NoGradGate):
+    """A scale computed with autocast switched off (as rotary tables are, in float32): its gate takes
+    gradients as any other layer."""
+
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=False):
+            scale = self.gate(x.float()).sigmoid().mean(-1, keepdim=True)
+        return self.down(F.gelu(self.up(x)) * scale.to(x.dtype))
+
+
+class _Nested(_NoGradGate):
+    """``torch.no_grad()`` around an autocast-off block."""
+
+    def forward(self, x):
+        with torch.no_grad():
+            with torch.autocast("cpu", enabled=False):
+                scale = self.gate(x).sigmoid()
+        return self.down(F.gelu(self.up(x))) * scale.mean()
+
+
 @pytest.mark.parametrize("cls, grad_mode", [(_NoGradGate, torch.enable_grad), (_GradBackOn, torch.enable_grad),
-                                            (_ClampedInPlace, torch.enable_grad), (_NoGradGate, torch.no_grad)])
+                                            (_ClampedInPlace, torch.enable_grad), (_NoGradGate, torch.no_grad),
+                                            (_Nested, torch.enable_grad)])
 def test_a_no_grad_block_is_planned_and_the_step_equals_one_process(cls, grad_mode):
     """``grad_mode``: the mode autotp is called in (under ``no_grad`` the model's own blocks would leave
     no trace in the export: capture turns gradients on)."""
@@ -155,3 +176,40 @@ def test_a_write_into_a_parameter_inside_forward_is_refused_until_it_has_run():
     model(torch.randn(2, 8))
     graph = autotp.capture(model, (torch.randn(2, 8),))
     assert not any(n.target.startswith("aten.div_") for n in graph.nodes)
+
+
+def test_an_autocast_off_block_is_inlined_as_it_is_and_the_step_equals_one_process():
+    torch.manual_seed(0)
+    model = _AutocastOff()
+    x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(1))
+    graph = autotp.capture(model, (x,))
+    assert not any("wrap_with" in n.target or n.target == "aten.detach.default" for n in graph.nodes)
+    assert all(n.requires_grad for n in graph.nodes if n.module_path == "gate" and n.target.startswith("aten.linear"))
+    plan = _sharded_plan(graph)
+    ref = model(x)
+    ref.pow(2).sum().backward()
+    for out, grads in run_threads(_step, 2, graph, plan, model, x):
+        torch.testing.assert_close(out, ref.detach(), rtol=1e-5, atol=1e-6)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6)
+
+
+class _AutocastOnInside(_NoGradGate):
+    def forward(self, x):
+        with torch.no_grad():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                scale = self.gate(x).sigmoid().float()
+        return self.down(F.gelu(self.up(x))) * scale.mean()
+
+
+def test_a_region_inside_another_is_inlined_and_autocast_on_inside_one_is_refused():
+    """no_grad around an autocast-off block: both inlined (the gate computes without a gradient);
+    autocast on inside a no_grad block: refused naming both regions."""
+    graph = autotp.capture(_Nested(), (torch.randn(2, 8, 64),))
+    assert not any("wrap_with" in n.target for n in graph.nodes)
+    assert not any(n.requires_grad for n in graph.nodes if n.module_path == "gate")
+    with pytest.raises(autotp.CaptureError) as info:
+        autotp.capture(_AutocastOnInside(), (torch.randn(2, 8, 64),))
+    message = str(info.value)
+    assert "the wrap_with_set_grad_enabled region" in message and "(wrap_with_autocast)" in message
+    assert "what to do" in message
