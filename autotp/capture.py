@@ -303,25 +303,30 @@ def _check_higher_order_ops(exported: torch.export.ExportedProgram, model: torch
 
 def _check_data_dependent_sizes(exported: torch.export.ExportedProgram, model: torch.nn.Module) -> None:
     """A tensor whose size the trace could only name by a data-dependent symbol (``u0``: sizes read
-    from tensor values by ``.tolist()``, ``nonzero``, a boolean mask) has no size to price or split:
-    refuse the first op that makes one, by name."""
+    from tensor values by ``.tolist()``, ``nonzero``, a boolean mask) has no size to price or split,
+    and a value read into Python (``.item()``) would differ between ranks' pieces: refuse the first op
+    that makes either, by name."""
+    scalars = (torch.SymInt, torch.SymFloat, torch.SymBool)
     for node in exported.graph.nodes:
         val = node.meta.get("val")
         for value in val if isinstance(val, (tuple, list)) else (val,):
-            if not isinstance(value, torch.Tensor):
-                continue
-            unknown = [str(s) for s in value.shape if isinstance(s, torch.SymInt) and s.node.hint is None]
-            if not unknown:
+            if isinstance(value, scalars) and value.node.hint is None:
+                what = (f"reads a tensor's value into Python ({value}: .item(), .tolist()), and a plan runs the "
+                        f"same ops on every rank's piece, where that value differs")
+            elif isinstance(value, torch.Tensor) and any(
+                    isinstance(s, torch.SymInt) and s.node.hint is None for s in value.shape):
+                unknown = [str(s) for s in value.shape if isinstance(s, torch.SymInt) and s.node.hint is None]
+                what = (f"its output's size {list(value.shape)} depends on tensor values ({', '.join(unknown)}: "
+                        f"sizes read from a tensor by .tolist() or .item(), or made by nonzero or a boolean mask), "
+                        f"and a plan prices and splits sizes it knows")
+            else:
                 continue
             path, mtype, _ = _module_info(node)
             where = f"module {path!r} ({mtype})" if path else f"{type(model).__name__}.forward()"
             raise CaptureError(
-                f"autotp cannot plan {node.target} (node {node.name}) at {where}: its output's size "
-                f"{list(value.shape)} depends on tensor values ({', '.join(unknown)}: sizes read from a tensor "
-                f"by .tolist() or .item(), or made by nonzero or a boolean mask), and a plan prices and "
-                f"splits sizes it knows.\n  what to do: compute with sizes fixed by the inputs' shapes (for "
-                f"experts, a batched or padded implementation rather than splitting the tokens by the counts "
-                f"the router gives each expert).")
+                f"autotp cannot plan {node.target} (node {node.name}) at {where}: {what}.\n  what to do: compute "
+                f"with tensors and with sizes fixed by the inputs' shapes (for experts, a batched or padded "
+                f"implementation rather than splitting the tokens by the counts the router gives each expert).")
 
 
 def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.Module) -> OpGraph:

@@ -133,4 +133,12 @@ def _seen_outside(output, env: dict, operands: dict):
     while node.op == "call_function" and writes_first_argument(str(node.target)) and node.args \
             and isinstance(node.args[0], torch.fx.Node):
         node = node.args[0]
-    return operands[node] if node in operands else env[output]
+    if node not in operands or not _same_layout(output, operands[node]):
+        return env[output]  # a write that reshaped the alias (unsqueeze_, t_) is seen through the alias only
+    return operands[node]
+
+
+def _same_layout(a: torch.fx.Node, b) -> bool:
+    va, vb = a.meta.get("val"), getattr(b, "meta", {}).get("val")
+    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape
+            and va.stride() == vb.stride() and va.storage_offset() == vb.storage_offset())

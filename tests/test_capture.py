@@ -272,4 +272,16 @@ def test_a_size_that_depends_on_tensor_values_is_a_capture_error_naming_the_op()
         autotp.capture(_MaskedSelect(), (torch.randn(8, 4),))
     message = str(info.value)
     assert "aten.index.Tensor (node index) at _MaskedSelect.forward()" in message
-    assert "depends on tensor values (u0" in message and "what to do: compute with sizes fixed" in message
+    assert "depends on tensor values (u0" in message and "what to do: compute with tensors and with sizes fixed" in message
+
+
+class _ItemScalar(nn.Module):
+    def forward(self, x):
+        return x * (x > 0).sum().item()  # a value read into Python: each rank's piece has its own
+
+
+def test_a_value_read_from_a_tensor_into_python_is_a_capture_error_naming_the_op():
+    with pytest.raises(autotp.CaptureError) as info:
+        autotp.capture(_ItemScalar(), (torch.randn(8, 4),))
+    message = str(info.value)
+    assert "at _ItemScalar.forward(): reads a tensor's value into Python (u0" in message and "what to do" in message

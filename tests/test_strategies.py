@@ -684,25 +684,28 @@ class MaskedWrites(nn.Module):
         first_two[x.sum(-1) > 0] = 0.0      # over the first two
         last_two[:, x[0] > 0] = 0.0         # over the last two
         rows[torch.tensor([0, 2])] = 0.0    # integer indices: DTensor's rule
-        return every, first_two, last_two, rows
+        pairs = x.clone()
+        pairs[x[:, 0, 0] > 0, x[0, :, 0] > 0] = 0.0  # two masks: their positions pair up
+        return every, first_two, last_two, rows, pairs
 
 
 def test_a_boolean_mask_splits_only_with_the_dims_it_covers():
     """A mask at entry i of ``index_put`` covers as many dims as it has (DTensor's rule counts one,
     and splits ``x`` along dims the mask covers with the mask whole: the mask's shape then does not
-    match the piece); the dims it covers split with it, the others with it whole. Every strategy
-    exact on (2,) and (2, 2)."""
+    match the piece); the dims it covers split with it, the others with it whole; two masks (each
+    a list of positions, paired up) keep the op whole. Every strategy exact on (2,) and (2, 2)."""
     x = torch.randn(4, 6, 8)
     g = _capture(MaskedWrites(), (x,))
     ops_ = _ops(g, "aten.index_put_.default")
-    assert len(ops_) == 4
-    every, first_two, last_two, rows = [set(_strs(g, op, (2,))) for op in ops_]
+    assert len(ops_) == 5
+    every, first_two, last_two, rows, pairs = [set(_strs(g, op, (2,))) for op in ops_]
     assert {"(S(0), S(0), R) -> S(0)", "(S(1), S(1), R) -> S(1)", "(S(2), S(2), R) -> S(2)"} <= every
     assert "(S(2), R, R) -> S(2)" not in every  # the mask whole against a piece of x: refused
     assert "(P, R, P) -> P" in every  # linear in x and the value together
     assert {"(S(1), S(1), R) -> S(1)", "(S(2), R, R) -> S(2)"} <= first_two
     assert {"(S(0), R, R) -> S(0)", "(S(2), S(1), R) -> S(2)"} <= last_two
     assert "(S(1), R, R) -> S(1)" in rows
+    assert pairs == {"(R, R, R, R) -> R", "(P, R, R, P) -> P"}  # a rank's share of one list pairs with none
     values = _full_values(g, (x,))
     assert _check_every_strategy(g, values, (2,), {"aten.index_put_.default"}) >= 12
     assert _check_every_strategy(g, values, (2, 2), {"aten.index_put_.default"}) > 0

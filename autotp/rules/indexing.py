@@ -7,7 +7,9 @@ the elements of its piece that its piece of the mask selects), and along a dim t
 cover with the mask whole. The values must be one value (broadcast to every selected element):
 otherwise the k-th selected element takes the k-th value, and a rank cannot tell which are its
 own. Partial sums of ``x`` and the values together give partial sums. Integer indices alone are
-left to DTensor's rule (:mod:`autotp.dtensor_rules`); masks beside integer indices run whole.
+left to DTensor's rule (:mod:`autotp.dtensor_rules`); a mask beside integer indices or another
+mask runs whole (each index becomes a list of positions, and the lists pair up element by element:
+a rank's share of one list does not pair with another's).
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ def index_put_choices(node: OpNode, n: int) -> Optional[list[AxisChoice]]:
         return None
     infos = node.input_infos
     covered: dict[int, tuple[int, int]] = {}  # dim of x -> (input index of the mask, dim of the mask)
-    dim, masks, integers = 0, False, False
+    dim, masks, integers = 0, 0, False
     for entry in indices:
         if isinstance(entry, TensorArg) and infos[entry.index].dtype == "bool":
-            masks = True
+            masks += 1
             for j in range(infos[entry.index].ndim):
                 covered[dim + j] = (entry.index, j)
             dim += infos[entry.index].ndim
@@ -46,8 +48,8 @@ def index_put_choices(node: OpNode, n: int) -> Optional[list[AxisChoice]]:
     choices: list[AxisChoice] = [((R,) * k, R)]
     if node.output.is_float:  # linear in x and the values together: summands of both, a summand out
         choices.append((tuple(P if i in (0, values.index) else R for i in range(k)), P))
-    if integers or math.prod(infos[values.index].shape) != 1:  # masks and integer indices: whole
-        return choices
+    if integers or masks > 1 or math.prod(infos[values.index].shape) != 1:
+        return choices  # masks beside integer indices or other masks (their positions pair up): whole
     x = infos[0]
     for d in range(x.ndim):
         if not divisible(x.shape[d], n):
