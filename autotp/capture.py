@@ -30,16 +30,14 @@ from autotp import ops
 from autotp.arguments import _node_outputs, map_tensor_arguments, op_args, tensor_arguments
 from autotp.dynamic import DynamicDim, export_spec, size_expression, size_hint
 from autotp.graph import BUFFER, CONSTANT, INPUT, OP, PARAMETER, OpGraph, OpNode, ParameterInfo, TensorInfo
+from autotp.refusals import (CaptureError, check_data_dependent_sizes, check_higher_order_ops, check_operand_dtypes,
+                             check_parameter_writes, check_written_arguments, module_info)
 from autotp.regions import RegionError, inline_regions
 
 __all__ = ["capture", "CaptureError", "normalize_inputs", "concrete", "op_args", "map_tensor_arguments",
            "tensor_arguments"]
 
 aten = torch.ops.aten
-
-class CaptureError(RuntimeError):
-    """The model could not be captured; the message says what failed and what to do."""
-
 
 def normalize_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Turn the user's example inputs into ``(args, kwargs)`` or raise a clear ``TypeError``.
@@ -154,17 +152,6 @@ def _flops(node: torch.fx.Node) -> float:
         return 0.0
 
 
-def _module_info(node: torch.fx.Node) -> tuple[str, str, tuple[str, ...]]:
-    stack = node.meta.get("nn_module_stack") or {}
-    entries = list(stack.values())
-    if not entries:
-        return "", "", ()
-    paths = tuple(str(e[0]) for e in entries)
-    last_type = entries[-1][1]
-    type_name = last_type if isinstance(last_type, str) else getattr(last_type, "__qualname__", str(last_type))
-    return paths[-1], type_name.rsplit(".", 1)[-1], paths
-
-
 # torch.export sets process-wide state while it traces (fx's stack-trace switch below, patched
 # functions), and a model with its parameters on meta has its buffers swapped for the trace: two
 # threads tracing at once would see each other's. One trace at a time.
@@ -263,19 +250,6 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, spec: Any = None
         return graph_from_exported(exported, model)
 
 
-# what a higher-order op in the exported graph stands for in the user's code, and what to do about it
-_HIGHER_ORDER = {
-    "wrap_with_autocast": (
-        "a torch.autocast region with autocast on inside forward() (autocast off is inlined)",
-        "cast explicitly in forward() (x.to(dtype)) or build the model in the dtype it should compute in"),
-    "cond": ("torch.cond (a branch on tensor values)",
-             "branch on shapes or config flags instead, so one branch is traced"),
-    "while_loop": ("torch.while_loop (a loop on tensor values)", "unroll the loop to a static count"),
-    "map": ("torch.map over a tensor", "write the loop over a static count"),
-    "scan": ("torch.scan", "write the loop over a static count"),
-}
-
-
 def _returns_its_input(target: str, node: torch.fx.Node, inputs: list[TensorInfo], outs: tuple) -> bool:
     """A cast to the dtype (and device) the tensor already has returns the tensor itself: no kernel,
     no bytes (``x.to(x.dtype)``, which models write to be safe; ``copy=True`` copies)."""
@@ -285,48 +259,6 @@ def _returns_its_input(target: str, node: torch.fx.Node, inputs: list[TensorInfo
     if not isinstance(val, torch.Tensor) or not isinstance(src, torch.Tensor) or val.device != src.device:
         return False
     return not op_args(node).get("copy", False)
-
-
-def _check_higher_order_ops(exported: torch.export.ExportedProgram, model: torch.nn.Module) -> None:
-    """autotp places ATen ops; a higher-order op holds a subgraph it cannot place: refuse it by name."""
-    for node in exported.graph.nodes:
-        if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
-            name = node.target.name()
-            construct, todo = _HIGHER_ORDER.get(name, (
-                f"the higher-order op {name}", "rewrite that part of forward() as plain tensor operations"))
-            path, mtype, _ = _module_info(node)
-            where = f"module {path!r} ({mtype})" if path else f"{type(model).__name__}.forward()"
-            raise CaptureError(
-                f"autotp cannot place {construct}: torch.export keeps it as the higher-order op {name} "
-                f"(node {node.name}), at {where}.\n  what to do: {todo}.")
-
-
-def _check_data_dependent_sizes(exported: torch.export.ExportedProgram, model: torch.nn.Module) -> None:
-    """A tensor whose size the trace could only name by a data-dependent symbol (``u0``: sizes read
-    from tensor values by ``.tolist()``, ``nonzero``, a boolean mask) has no size to price or split,
-    and a value read into Python (``.item()``) would differ between ranks' pieces: refuse the first op
-    that makes either, by name."""
-    scalars = (torch.SymInt, torch.SymFloat, torch.SymBool)
-    for node in exported.graph.nodes:
-        val = node.meta.get("val")
-        for value in val if isinstance(val, (tuple, list)) else (val,):
-            if isinstance(value, scalars) and value.node.hint is None:
-                what = (f"reads a tensor's value into Python ({value}: .item(), .tolist()), and a plan runs the "
-                        f"same ops on every rank's piece, where that value differs")
-            elif isinstance(value, torch.Tensor) and any(
-                    isinstance(s, torch.SymInt) and s.node.hint is None for s in value.shape):
-                unknown = [str(s) for s in value.shape if isinstance(s, torch.SymInt) and s.node.hint is None]
-                what = (f"its output's size {list(value.shape)} depends on tensor values ({', '.join(unknown)}: "
-                        f"sizes read from a tensor by .tolist() or .item(), or made by nonzero or a boolean mask), "
-                        f"and a plan prices and splits sizes it knows")
-            else:
-                continue
-            path, mtype, _ = _module_info(node)
-            where = f"module {path!r} ({mtype})" if path else f"{type(model).__name__}.forward()"
-            raise CaptureError(
-                f"autotp cannot plan {node.target} (node {node.name}) at {where}: {what}.\n  what to do: compute "
-                f"with tensors and with sizes fixed by the inputs' shapes (for experts, a batched or padded "
-                f"implementation rather than splitting the tokens by the counts the router gives each expert).")
 
 
 def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.Module) -> OpGraph:
@@ -340,8 +272,8 @@ def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.
     for spec in exported.graph_signature.output_specs:  # outputs the inlining renamed (it stays valid)
         if renamed.get(getattr(spec.arg, "name", None)):
             spec.arg.name = renamed[spec.arg.name]
-    _check_higher_order_ops(exported, model)
-    _check_data_dependent_sizes(exported, model)
+    check_higher_order_ops(exported, model)
+    check_data_dependent_sizes(exported, model)
     sig = exported.graph_signature
     kinds = {spec.arg.name: spec for spec in sig.input_specs if hasattr(spec.arg, "name")}
 
@@ -393,7 +325,7 @@ def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.
                 symbolic[node.name] = dims
             nodes.append(OpNode(node.name, role, role, (), (), outs, param_fqn=fqn, requires_grad=needs_grad))
         elif node.op == "call_function":
-            _check_written_arguments(node)
+            check_written_arguments(node)
             outs = _node_outputs(node)
             if not outs:
                 continue  # assertions and other ops that return no tensor
@@ -411,7 +343,7 @@ def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.
                     srcs.append(src)
                     src_infos.append(infos[src][0])
             is_view = target in ops.VIEW or _returns_its_input(target, node, src_infos, outs)
-            path, mtype, stack = _module_info(node)
+            path, mtype, stack = module_info(node)
             needs_grad = (any(grad.get(s, False) for s in srcs) and any(o.is_float for o in outs)
                           and target not in ops.NO_GRADIENT)
             grad[node.name] = needs_grad
@@ -437,54 +369,14 @@ def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.
         else:
             raise CaptureError(f"unexpected node {node.name} of kind {node.op!r} in the exported graph; "
                                "higher-order ops and submodule calls are not supported yet")
-    _check_operand_dtypes(nodes)
+    check_operand_dtypes(nodes)
     graph = OpGraph(
         nodes=tuple(nodes), outputs=tuple(outputs), parameters=tuple(parameters),
         model_type=type(model).__name__, exported=exported, alias_placeholders=rename,
         dynamic=tuple(dynamic), symbolic=symbolic,
     )
-    _check_parameter_writes(graph)
+    check_parameter_writes(graph)
     return graph
-
-
-def _check_written_arguments(node: torch.fx.Node) -> None:
-    """An op that writes into an argument other than its first tensor (``out=``, ``_foreach_mul_``'s
-    list): the planner follows writes in place into the first tensor only, so it is refused."""
-    from autotp.aliasing import written_elsewhere
-
-    if not isinstance(node.target, torch._ops.OpOverload):
-        return
-    argument = written_elsewhere(str(node.target))
-    if argument is None:
-        return
-    path, mtype, _ = _module_info(node)
-    where = f"module {path!r} ({mtype})" if path else "forward()"
-    raise CaptureError(
-        f"{node.target} (node {node.name}) at {where} writes into its argument {argument!r}: autotp follows "
-        f"writes in place only into an op's first argument, where it is one tensor (add_, copy_, index_put_).\n  what to do: use the form "
-        f"that returns its result (y = torch.mul(a, 2) rather than out=y; a loop of mul_ rather than "
-        f"torch._foreach_mul_).")
-
-
-def _check_parameter_writes(graph: OpGraph) -> None:
-    """A write in place into a parameter inside ``forward()`` (under ``no_grad``: autograd refuses it
-    otherwise) is state the trace cannot keep: code that rescales weights once (RWKV on its first
-    call in eval mode) is traced as a rescale on every call."""
-    from autotp.aliasing import storage_roots, writes_in_place
-
-    root = storage_roots(graph)
-    for node in graph.nodes:
-        target = graph[root[node.name]]
-        if writes_in_place(node) and target.role == PARAMETER:
-            where = f"module {node.module_path!r} ({node.module_type})" if node.module_path else "forward()"
-            raise CaptureError(
-                f"{node.target} (node {node.name}) at {where} writes into the parameter {target.param_fqn!r} "
-                f"inside forward(): autotp splits parameters once and does not follow writes into them, and a "
-                f"write forward() makes once (RWKV rescales its weights on its first call in eval mode) would "
-                f"be traced as a write on every call.\n  what to do: change the parameter before autotp sees "
-                f"the model (for a one-time rescale, call the model once first; for nn.Embedding(max_norm=...), "
-                f"renormalize the weight once and drop max_norm), or compute a new tensor instead of writing "
-                f"in place.")
 
 
 def _dynamic_dims(node: torch.fx.Node, ranges: Any) -> list[DynamicDim]:
@@ -506,17 +398,3 @@ def _finite(bound: Any) -> int | None:
     from torch.utils._sympy.numbers import int_oo
 
     return None if bound in (int_oo, -int_oo) or not bound.is_number or not bound.is_finite else int(bound)
-
-
-def _check_operand_dtypes(nodes: list[OpNode]) -> None:
-    """Tracing with fake tensors lets ``x.double() @ w.float()`` through; the real kernel would refuse it."""
-    for node in nodes:
-        if node.target in ops.SAME_DTYPE and len({i.dtype for i in node.input_infos}) > 1:
-            raise CaptureError(
-                f"{node.target} at {node.module_path or 'the model'} (node {node.name}) gets operands of dtypes "
-                f"{[i.dtype for i in node.input_infos]}; expected one dtype: give example inputs of the dtype the "
-                f"model computes in")
-        if node.target == "aten.embedding.default" and len(node.input_infos) > 1 and node.input_infos[1].is_float:
-            raise CaptureError(
-                f"embedding at {node.module_path or 'the model'} (node {node.name}) gets indices of dtype "
-                f"{node.input_infos[1].dtype}; expected integer token ids (torch.long)")
