@@ -187,16 +187,18 @@ def _read(plan: list[tuple[str, Path, torch.Tensor]], placements: dict) -> None:
 
 
 def _load_entry(f: Any, key: str, ranges, local: torch.Tensor, copied: bool) -> None:
-    """Fill ``local`` with the piece ``ranges`` (None: whole) of ``key`` in the open file ``f``: copied
-    into it where ``copied`` (:func:`_copied`), else the piece read, kept as it is where it can be."""
-    if copied and ranges is not None:
+    """Fill ``local`` with the piece ``ranges`` (None: whole) of ``key`` in the open file ``f``: where
+    it is not ``copied`` (:func:`_copied`) and is one block of the file's pages in ``local``'s dtype and
+    on its device, ``local`` takes those pages; else it is copied in (:func:`_copy_piece`)."""
+    if not copied and (ranges is None or all(len(r) == 1 for r in ranges)):
+        piece = f.get_slice(key)[tuple(slice(a, b) for ((a, b),) in ranges)] if ranges else f.get_tensor(key)
+        if piece.dtype == local.dtype and piece.is_contiguous() and piece.device == local.device:
+            local.set_(piece)  # the file's pages, mapped privately: no copy; a write copies its page
+            return
+    if ranges is None:
+        local.copy_(f.get_tensor(key))  # to another device, or converting the dtype as it copies
+    else:
         _copy_piece(f.get_slice(key), ranges, local)
-        return
-    piece = _read_piece(f.get_slice(key), ranges) if ranges else f.get_tensor(key)
-    if not copied and piece.dtype == local.dtype and piece.is_contiguous() and piece.device == local.device:
-        local.set_(piece)  # the file's pages, mapped privately: no copy; a write copies its page
-        return
-    local.copy_(piece)  # to another device, or converting the dtype as it copies
 
 
 def _shard(value: torch.Tensor) -> torch.Tensor:
@@ -352,17 +354,6 @@ def _copy_piece(sliced: Any, ranges: tuple, local: torch.Tensor) -> None:
         local.narrow(d, start, hi - lo).copy_(sliced[tuple(slice(a, b) for ((a, b),) in ranges[:d]) + (slice(lo, hi),)
                                                      + tuple(slice(a, b) for ((a, b),) in ranges[d + 1:])])
         start += hi - lo
-
-
-def _read_piece(sliced: Any, ranges: tuple) -> torch.Tensor:
-    """The piece ``ranges`` (per dim, its ranges: several where a blocked split cuts it) of a file's tensor."""
-    multi = [d for d, r in enumerate(ranges) if len(r) > 1]
-    if not multi:
-        return sliced[tuple(slice(a, b) for ((a, b),) in ranges)]
-    (d,) = multi  # a blocked split cuts one dim (autotp.strategies refuses a dim split twice)
-    parts = [sliced[tuple(slice(a, b) for ((a, b),) in ranges[:d]) + (slice(lo, hi),)
-                    + tuple(slice(a, b) for ((a, b),) in ranges[d + 1:])] for lo, hi in ranges[d]]
-    return torch.cat(parts, dim=d)
 
 
 def _ranges(value: Any, meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...]]], placements=None):
