@@ -98,11 +98,28 @@ def _explain_export_failure(err: BaseException) -> str:
                      "side effects on tensors, no .item()/.tolist() used for control flow")
     construct = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return (
-        f"autotp could not capture the model with torch.export (non-strict).\n"
-        f"  what failed: {construct[:300]}\n"
-        f"  what to do: " + "; ".join(hints) + "\n"
-        f"  original error: {text[:2000]}"
+        f"what to do: " + "; ".join(hints) + "\n"
+        f"  autotp could not capture the model with torch.export (non-strict): {type(err).__name__}: "
+        f"{construct[:300]}\n"
+        f"  (the original error is this error's __cause__, its traceback in .original_traceback; "
+        f"AUTOTP_FULL_TRACEBACK=1 prints it too)"
     )
+
+
+def capture_error(err: BaseException) -> CaptureError:
+    """The CaptureError for a failed ``torch.export``: what to do first; the original error as its
+    ``__cause__``, printed as one line (export's traceback, hundreds of lines on every rank, is kept
+    as text in ``original_traceback``, and printed in full with ``AUTOTP_FULL_TRACEBACK=1``)."""
+    import os
+    import traceback
+
+    error = CaptureError(_explain_export_failure(err))
+    error.original_traceback = "".join(traceback.format_exception(err))
+    if os.environ.get("AUTOTP_FULL_TRACEBACK") != "1":
+        err.__traceback__ = None
+        err.__cause__, err.__context__, err.__suppress_context__ = None, None, True
+    error.__cause__ = err
+    return error
 
 
 def _symbolic_dims(node: torch.fx.Node) -> tuple[tuple[str | None, ...], ...] | None:
@@ -158,7 +175,8 @@ def _flops(node: torch.fx.Node) -> float:
 _EXPORT_LOCK = threading.RLock()
 
 
-def capture(model: torch.nn.Module, example_inputs: Any, dynamic_dims: Any = False) -> OpGraph:
+def capture(model: torch.nn.Module, example_inputs: Any, dynamic_dims: Any = False,
+            training: bool | None = None) -> OpGraph:
     """Trace ``model`` on ``example_inputs`` and return its :class:`OpGraph`.
 
     ``example_inputs`` is what ``model(*example_inputs)`` would be called with (a tuple, a single
@@ -167,9 +185,14 @@ def capture(model: torch.nn.Module, example_inputs: Any, dynamic_dims: Any = Fal
     moved there for the trace alone. ``dynamic_dims`` (:func:`autotp.dynamic.export_spec`): False
     traces every size as the example's; None traces the batch and sequence dims as symbols, which
     the graph then records (``OpGraph.dynamic``, ``OpGraph.symbolic``); a dict names the dims.
+    ``training``: trace the model in train (True) or eval (False) mode, every submodule's flag put
+    back afterwards; None (default) traces it in the mode it is in. ``OpGraph.training`` records it.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model is a {type(model).__name__}; expected a torch.nn.Module")
+    if training is not None and any(m.training != training for m in model.modules()):
+        with in_mode(model, training):
+            return capture(model, example_inputs, dynamic_dims)
     args, kwargs = normalize_inputs(example_inputs)
     spec = export_spec(model, args, kwargs, dynamic_dims)
     with _EXPORT_LOCK:
@@ -178,6 +201,19 @@ def capture(model: torch.nn.Module, example_inputs: Any, dynamic_dims: Any = Fal
             with _buffers_on_meta(model):
                 return _capture(model, args, kwargs, spec, dynamic_dims is None)
         return _capture(model, args, kwargs, spec, dynamic_dims is None)
+
+
+@contextlib.contextmanager
+def in_mode(model: torch.nn.Module, training: bool) -> Iterator[None]:
+    """``model`` in train or eval mode for the block; every submodule's own flag restored after (a
+    model the user left half in eval, a frozen norm, stays as it was)."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.train(training)
+    try:
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
 
 
 def _meta_parameters(model: torch.nn.Module) -> bool:
@@ -234,7 +270,7 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, spec: Any = None
                     exported = torch.export.export(model, args, kwargs, dynamic_shapes=spec, strict=False)
         except Exception as err:  # noqa: BLE001 - re-raised with context
             if spec is None or not fall_back:
-                raise CaptureError(_explain_export_failure(err)) from err
+                raise capture_error(err)
             # dims autotp chose, not the user: a model that traces only at fixed sizes runs at those
             # fresh input tensors: the failed trace left its symbolic sizes memoized on these
             args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, (args, kwargs))
@@ -373,7 +409,7 @@ def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.
     graph = OpGraph(
         nodes=tuple(nodes), outputs=tuple(outputs), parameters=tuple(parameters),
         model_type=type(model).__name__, exported=exported, alias_placeholders=rename,
-        dynamic=tuple(dynamic), symbolic=symbolic,
+        dynamic=tuple(dynamic), symbolic=symbolic, training=bool(model.training),
     )
     check_parameter_writes(graph)
     return graph

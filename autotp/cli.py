@@ -25,30 +25,76 @@ def parse_mesh(text: str) -> tuple[int, ...]:
 
 
 def load_factory(spec: str) -> Callable[[], Any]:
-    """``"package.module:function"`` → the function (the current directory is importable)."""
+    """``"package.module:function"`` or ``"path/to/file.py:function"`` → the function (the current
+    directory is importable, and a file's own directory while it is imported)."""
     if ":" not in spec:
-        raise SystemExit(f"autotp plan: {spec!r} is not MODULE:FACTORY (e.g. examples.models:llama3_8b)")
-    module_name, attr = spec.split(":", 1)
+        raise SystemExit(f"autotp plan: {spec!r} is not MODULE:FACTORY or FILE.py:FACTORY "
+                         f"(e.g. examples.models:llama3_8b or ./my_models.py:build)")
+    module_name, attr = spec.rsplit(":", 1)
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise SystemExit(f"autotp plan: cannot import module {module_name!r}: {err}") from err
+    if module_name.endswith(".py") or os.sep in module_name or "/" in module_name:
+        module = _import_file(module_name)
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as err:
+            raise SystemExit(f"autotp plan: cannot import module {module_name!r}: {err} (for a file give its path, "
+                             f"e.g. ./{module_name.replace('.', '/')}.py:{attr})") from err
     try:
         return getattr(module, attr)
     except AttributeError:
         raise SystemExit(f"autotp plan: module {module_name!r} has no {attr!r}") from None
 
 
+def _import_file(path: str) -> Any:
+    import importlib.util
+
+    full = os.path.abspath(path)
+    if not os.path.isfile(full):
+        raise SystemExit(f"autotp plan: no file {path!r} (from {os.getcwd()})")
+    name = "autotp_factory_" + os.path.splitext(os.path.basename(full))[0]
+    spec = importlib.util.spec_from_file_location(name, full)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    sys.path.insert(0, os.path.dirname(full))  # the file's own imports of its neighbours
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(os.path.dirname(full))
+    return module
+
+
+def build_model(spec: str) -> tuple[Any, Any]:
+    """Call the factory ``spec`` names; its ``(model, example_inputs)``, or a clear exit."""
+    import torch
+
+    factory = load_factory(spec)
+    if not callable(factory):
+        raise SystemExit(f"autotp plan: {spec} is a {type(factory).__name__}, not a function returning "
+                         f"(model, example_inputs)")
+    try:
+        built = factory()
+    except TypeError as err:
+        if "argument" not in str(err):
+            raise
+        raise SystemExit(f"autotp plan: {spec} could not be called with no arguments ({err}); the CLI calls the "
+                         f"factory as factory(): give its arguments defaults") from err
+    if not (isinstance(built, tuple) and len(built) == 2):
+        what = f"a tuple of {len(built)}" if isinstance(built, tuple) else f"a {type(built).__name__}"
+        raise SystemExit(f"autotp plan: {spec} returned {what}; expected (model, example_inputs): a torch.nn.Module "
+                         f"and the inputs model(*example_inputs) is called with")
+    model, example_inputs = built
+    if not isinstance(model, torch.nn.Module):
+        raise SystemExit(f"autotp plan: {spec} returned ({type(model).__name__}, ...); its first item must be the "
+                         f"model, a torch.nn.Module")
+    return model, example_inputs
+
+
 def run_plan(args: argparse.Namespace) -> int:
     import autotp
 
-    factory = load_factory(args.factory)
-    built = factory()
-    if not (isinstance(built, tuple) and len(built) == 2):
-        raise SystemExit(f"autotp plan: {args.factory} returned {type(built).__name__}; expected (model, example_inputs)")
-    model, example_inputs = built
+    model, example_inputs = build_model(args.factory)
     names = tuple(args.axis_names.split(",")) if args.axis_names else None
     from autotp.mesh import MeshSpec
 
@@ -93,11 +139,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="plan a model on a mesh and print the report")
-    p.add_argument("factory", help="MODULE:FACTORY, a function returning (model, example_inputs)")
+    p.add_argument("factory", help="MODULE:FACTORY or FILE.py:FACTORY, a function of no arguments returning "
+                                   "(model, example_inputs)")
     p.add_argument("--mesh", type=parse_mesh, required=True, help="mesh shape: 8 or 2x4")
     p.add_argument("--axis-names", default=None, help="comma-separated axis names (default tp, or dp,tp for 2 axes)")
-    p.add_argument("--hardware", default="h100-sxm", help="built-in profile name or a profile JSON path")
-    p.add_argument("--mode", choices=("train", "inference"), default="train")
+    p.add_argument("--hardware", default=None,
+                   help="built-in profile name (h100-sxm, a100-sxm, a100-pcie, cpu-gloo) or a profile JSON path "
+                        "(default: h100-sxm, as autotp.plan; autotp.parallelize defaults to the profile of the "
+                        "mesh's device, cpu-gloo on CPU; the report says which priced the plan)")
+    p.add_argument("--mode", choices=("train", "inference"), default="train",
+                   help="train: the model traced in the mode its factory left it in, forward and backward priced; "
+                        "inference: traced in eval mode (no dropout), forward only (default train)")
     p.add_argument("--memory-budget", default=None, help="bytes per device, e.g. 40GB or 16GiB")
     p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit in seconds")
     p.add_argument("--pin", action="append", default=[], metavar="PARAM=PLACEMENTS",

@@ -218,6 +218,7 @@ class OpGraph:
     # symbolic size its outputs' dims as expressions in those symbols (None: static)
     dynamic: tuple[Any, ...] = ()
     symbolic: Mapping[str, tuple[tuple[Any, ...], ...]] = field(default_factory=dict, repr=False, compare=False)
+    training: bool = True  # the model's mode when traced (train: dropout drops, batch norm updates its statistics)
     _index: Mapping[str, int] = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
     _consumers: Mapping[str, tuple[str, ...]] = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
 

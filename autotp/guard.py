@@ -34,7 +34,9 @@ from torch import nn
 
 from autotp.dynamic import Divisibility, DynamicDim, compiled, in_input_terms, size_expression, size_hint
 
-__all__ = ["InputSpec", "InputGuard"]
+__all__ = ["InputSpec", "InputGuard", "SameOnEveryRank", "fingerprint", "DEFAULT_INPUT_CHECKS"]
+
+DEFAULT_INPUT_CHECKS = 8  # calls of each graph whose inputs are compared across the ranks
 
 
 @dataclass(frozen=True)
@@ -62,11 +64,12 @@ class InputGuard(nn.Module):
 
     def __init__(self, specs: tuple[InputSpec, ...], dynamic: tuple[DynamicDim, ...] = (),
                  divisibility: tuple[Divisibility, ...] = (), tensor_positions: tuple[int, ...] | None = None,
-                 recorded: Any = None) -> None:
+                 recorded: Any = None, same_on_ranks: "SameOnEveryRank | None" = None) -> None:
         """``tensor_positions``: which of the inputs the specs describe (default: the first ones);
         ``recorded``: export's own check of all the inputs (``ExportedProgram.module()._guards_fn``),
-        run after autotp's."""
+        run after autotp's; ``same_on_ranks``: the check that every rank was given the same inputs."""
         super().__init__()
+        self.same_on_ranks = same_on_ranks
         self.specs = tuple(specs)
         self.positions = tuple(range(len(self.specs))) if tensor_positions is None else tuple(tensor_positions)
         self.recorded = recorded
@@ -115,6 +118,8 @@ class InputGuard(nn.Module):
                 raise ValueError(f"{what}, but the plan splits it over {req.divisor} ranks (tensor {req.tensor}) and "
                                  f"needs a multiple of {req.divisor}; pad the input to a multiple of {req.divisor}, "
                                  f"or plan with a mesh that does not split this dim")
+        if self.same_on_ranks is not None:
+            self.same_on_ranks(tuple(spec.name for spec in self.specs), inputs)
         if self.recorded is not None:
             try:
                 self.recorded(*args)
@@ -122,6 +127,70 @@ class InputGuard(nn.Module):
                 raise ValueError(f"the inputs break a condition on sizes that the model's code relies on (the trace "
                                  f"followed one branch of it): {err}; call autotp.parallelize with example inputs "
                                  f"that meet the condition you run with, or dynamic_dims=False") from None
+
+
+def fingerprint(x: torch.Tensor) -> torch.Tensor:
+    """Three int64 numbers of ``x``'s bits: their sum, and sums weighted by position along the first
+    and the last dim (a batch in another order differs). Integer arithmetic, so equal inputs give
+    equal numbers on every rank whatever the order of the sums; no copy of the input is made."""
+    x = x.detach()
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    if x.dtype == torch.bool:
+        x = x.view(torch.uint8)
+    if x.is_floating_point():
+        x = x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+    rows = x.reshape(x.shape[0] if x.ndim else 1, -1)
+    cols = x.reshape(-1, x.shape[-1] if x.ndim else 1)
+    by_row = rows.sum(1, dtype=torch.int64)
+    by_col = cols.sum(0, dtype=torch.int64)
+    w_row = torch.arange(1, by_row.numel() + 1, device=x.device, dtype=torch.int64)
+    w_col = torch.arange(1, by_col.numel() + 1, device=x.device, dtype=torch.int64)
+    return torch.stack([by_row.sum(), (by_row * w_row).sum(), (by_col * w_col).sum()])
+
+
+class SameOnEveryRank:
+    """Raises, on every rank, where the ranks of ``mesh`` were given different inputs: each input's
+    :func:`fingerprint`, gathered along each mesh axis in turn (every rank ends with every rank's,
+    ``len(inputs) * 24`` bytes a rank), compared. ``calls``: how many calls to check (None: all).
+    Not run under ``torch.compile`` (a host read of the result would break the graph)."""
+
+    def __init__(self, mesh: Any, calls: int | None) -> None:
+        self.mesh, self.remaining = mesh, calls
+
+    def __call__(self, names: tuple[str, ...], inputs: list[torch.Tensor]) -> None:
+        if torch.compiler.is_compiling() or self.remaining == 0 or not inputs:
+            return
+        if self.remaining is not None:
+            self.remaining -= 1
+        import torch.distributed as dist
+
+        table = torch.stack([fingerprint(x) for x in inputs])
+        for axis in range(self.mesh.ndim):  # table[c_last, ..., c_0] after the gathers
+            parts = [torch.empty_like(table) for _ in range(self.mesh.size(axis))]
+            dist.all_gather(parts, table, group=self.mesh.get_group(axis))
+            table = torch.stack(parts)
+        table = table.permute(*reversed(range(self.mesh.ndim)), self.mesh.ndim, self.mesh.ndim + 1).cpu()
+        ranks = self.mesh.mesh.reshape(-1).tolist()  # global ranks in coordinate order
+        prints = table.reshape(len(ranks), len(inputs), -1).tolist()
+        for k, name in enumerate(names):
+            groups: dict[tuple, list[int]] = {}
+            for rank, values in zip(ranks, prints):
+                groups.setdefault(tuple(values[k]), []).append(rank)
+            if len(groups) > 1:
+                raise ValueError(_differ(name, sorted(groups.values(), key=lambda g: (-len(g), g))))
+
+
+def _differ(name: str, groups: list[list[int]]) -> str:
+    if len(groups) == 2 and len(groups[0]) == len(groups[1]) == 1:
+        what = f"rank {groups[0][0]} and rank {groups[1][0]} hold different values"
+    else:
+        what = (f"ranks {', '.join(map(str, groups[0]))} agree; " +
+                "; ".join(f"ranks {', '.join(map(str, g))} hold other values" for g in groups[1:]))
+    return (f"input {name!r} is not the same on every rank of the mesh: {what}. Every rank must be given the "
+            f"whole, same input (the plan reads each rank's share of it): seed the data the same on every rank, "
+            f"or load it on one rank and broadcast it; autotp.parallelize(..., check_inputs=False) turns this "
+            f"check off")
 
 
 _AGAIN = "call autotp.parallelize again with example inputs of this shape"

@@ -24,7 +24,10 @@ from torch import nn
 from cost_models import optimizer_spec
 
 from autotp.capture import capture
+from autotp.costing import MODES
+from autotp.guard import DEFAULT_INPUT_CHECKS
 from autotp.mesh import MeshSpec
+from autotp.module import ModeSwitch, ParallelModule, meta_copy
 from autotp.meta import unfillable_state
 from autotp.plan import Plan, PlanError
 from autotp.planner import plan_graph, resolve_hardware
@@ -81,7 +84,8 @@ def _from_first_rank(mesh, payload: list[Any]) -> list[Any]:
 
 
 def _agreed_plan(graph, spec: MeshSpec, mesh, hardware: Any, mode: str, memory_budget: Any, capture_s: float,
-                 optimizer: Any = "adamw", recompute: Optional[bool] = None) -> Plan:
+                 optimizer: Any = "adamw", recompute: Optional[bool] = None, keep: Any = None,
+                 hardware_source: Optional[str] = None) -> Plan:
     """The rank at the mesh's first coordinate plans; its plan (or its error) reaches every rank by a
     broadcast along each axis in turn (from coordinate 0 of that axis), and every rank returns it."""
     coordinate = mesh.get_coordinate()
@@ -91,7 +95,7 @@ def _agreed_plan(graph, spec: MeshSpec, mesh, hardware: Any, mode: str, memory_b
     if all(c == 0 for c in coordinate):
         try:
             plan = plan_graph(graph, spec, hardware, mode, memory_budget, capture_s=capture_s, optimizer=optimizer,
-                              recompute=recompute)
+                              recompute=recompute, keep=keep, hardware_source=hardware_source)
             payload = [("plan", plan.to_json())]
         except MemoryBudgetError as err:
             payload, error = [("budget", str(err), err.minimum_bytes)], err
@@ -114,8 +118,9 @@ def _agreed_plan(graph, spec: MeshSpec, mesh, hardware: Any, mode: str, memory_b
 
 
 def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional[Plan] = None, hardware: Any = None,
-                mode: str = "train", memory_budget: Any = None, dynamic_dims: Any = None, optimizer: Any = "adamw",
-                recompute: Optional[bool] = None) -> torch.fx.GraphModule:
+                mode: Optional[str] = None, memory_budget: Any = None, dynamic_dims: Any = None,
+                optimizer: Any = "adamw", recompute: Optional[bool] = None,
+                check_inputs: Any = DEFAULT_INPUT_CHECKS) -> ParallelModule:
     """Return a module that computes what ``model`` computes, sharded over ``mesh`` as planned.
 
     ``mesh`` must be a ``DeviceMesh`` over a live process group (every rank calls this with the same
@@ -125,6 +130,17 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
     ``memory_budget``, ``optimizer`` and ``recompute`` (see :func:`autotp.plan`), which every rank
     receives. The result's parameters are DTensor shards under the model's own names; ``result.plan``
     is the plan used. Layers the plan recomputes run under ``torch.utils.checkpoint``.
+
+    ``mode``: ``"train"`` traces the model in the mode it is in, ``"inference"`` in eval mode; the
+    result starts in that mode, and its ``train()`` / ``eval()`` switch what the model's would
+    (dropout, batch norm; the first switch to the other mode traces it, collectively:
+    :mod:`autotp.module`). Default: the given plan's mode, else ``"train"``. The result owns its
+    tensors: training it never changes ``model`` (``del model`` frees the model's memory).
+
+    Every rank must be given the same inputs (each reads its share of them itself):
+    ``check_inputs`` compares a checksum of each input over the ranks on the first calls (an int:
+    that many calls of each mode, default 8; True: every call; False: never) and raises on every
+    rank, naming the input and the ranks that differ (:mod:`autotp.guard`).
 
     The result runs at other sizes of the inputs' dynamic dims without planning again:
     ``dynamic_dims=None`` (default) makes the batch and sequence dims dynamic where the model allows
@@ -140,6 +156,24 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"parallelize needs a DeviceMesh over a live process group, got {type(mesh).__name__}; "
                         "to plan without processes call autotp.plan(model, (8,), example_inputs)")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model is a {type(model).__name__}; expected a torch.nn.Module")
+    if mesh.get_coordinate() is None:
+        import torch.distributed as dist
+
+        raise ValueError(f"this process (global rank {dist.get_rank()} of {dist.get_world_size()}) is not in the mesh "
+                         f"{mesh.mesh.tolist()}; every rank that calls autotp.parallelize must be in it: build the "
+                         f"mesh over all the processes (init_device_mesh with the world size, e.g. torchrun "
+                         f"--nproc-per-node {mesh.mesh.numel()}), or call parallelize on the mesh's ranks only")
+    if mode is None:
+        mode = plan.mode if isinstance(plan, Plan) else "train"
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: expected one of {MODES}")
+    if isinstance(plan, Plan) and plan.mode != mode:
+        raise PlanError(f"the plan is a {plan.mode} plan (made with mode={plan.mode!r}), and parallelize was asked "
+                        f"for mode={mode!r}; leave mode out to use the plan as it is, or plan again with "
+                        f"mode={mode!r}")
+    check_inputs = _input_checks(check_inputs)
     spec = MeshSpec.of(mesh)
     device = _device_type(model)
     if device is not None and device not in ("meta", mesh.device_type):
@@ -149,17 +183,25 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
     check_recompute(recompute)
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"plan is a {type(plan).__name__}; expected an autotp Plan (autotp.plan or autotp.load_plan)")
+    source = None
     if plan is None:
         if hardware is None:
             name = torch.cuda.get_device_name() if mesh.device_type == "cuda" else None
             hardware = default_hardware(mesh.device_type, name)
+            source = (f"built-in profile, the default of autotp.parallelize for a {mesh.device_type} mesh"
+                      + (f" ({name})" if name else "") + " (no hardware given; measure this machine with "
+                      "`autotp profile` for figures that describe it)")
         resolve_hardware(hardware)  # a bad profile is refused on every rank, before the capture
     if plan is not None and dynamic_dims is None:
         # trace as the plan was traced: a plan made with static sizes fits the static graph (a symbolic
         # trace may keep ops, such as full-range slices, that a static one drops)
         dynamic_dims = None if plan.dynamic_dims else False
+    # the mode the module starts in: eval for inference, else the model's own
+    training = False if mode == "inference" else bool(model.training)
+    # the mode traced now: the plan's, where a plan says (it was made for that graph)
+    traced = plan.training if plan is not None and plan.training is not None else training
     t0 = time.perf_counter()
-    graph = capture(model, example_inputs, dynamic_dims)  # a CaptureError says what failed, as it is
+    graph = capture(model, example_inputs, dynamic_dims, training=traced)  # a CaptureError says what failed
     unfillable = unfillable_state(model, graph.exported.constants)
     if unfillable:
         raise ValueError(f"the model is on the meta device, and nothing could give these their values: "
@@ -167,8 +209,21 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
                          f"buffers made for real)")
     if plan is None:
         plan = _agreed_plan(graph, spec, mesh, hardware, mode, memory_budget, time.perf_counter() - t0, optimizer,
-                            recompute)
+                            recompute, hardware_source=source)
     plan.check_matches(graph, spec)
     # dropout masks: one base seed for all ranks, the first rank's (autotp.dropout)
     seed = _from_first_rank(mesh, [torch.initial_seed()])[0] if has_active_dropout(graph) else None
-    return build_parallel_module(graph, plan, mesh, model, seed)
+    switch = ModeSwitch(meta_copy(model), example_inputs, dynamic_dims, mesh, memory_budget, recompute)
+    module = build_parallel_module(graph, plan, mesh, model, seed, switch, check_inputs)
+    return module.train(training)
+
+
+def _input_checks(value: Any) -> Optional[int]:
+    """``check_inputs`` as the number of calls to check (None: every call)."""
+    if value is True:
+        return None
+    if value is False:
+        return 0
+    if isinstance(value, int) and value >= 0:
+        return value
+    raise ValueError(f"check_inputs={value!r}: expected True (every call), False (never) or a number of first calls")

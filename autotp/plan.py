@@ -27,7 +27,7 @@ from autotp.mesh import MeshSpec
 from autotp.placement import Strategy, dim_divisor, format_placements
 from autotp.program import Collective
 
-__all__ = ["Plan", "PredictedTime", "MemoryPerDevice", "SolveStats", "ModuleChoice", "load_plan", "PlanError"]
+__all__ = ["Plan", "PlannedInput", "PredictedTime", "MemoryPerDevice", "SolveStats", "ModuleChoice", "load_plan", "PlanError"]
 
 SCHEMA = "autotp.plan/1"
 _TIMING_FIELDS = ("capture_s", "strategies_s", "solve_s")
@@ -107,6 +107,15 @@ class UnevenSplit:
 
 
 @dataclass(frozen=True)
+class PlannedInput:
+    """A user input of the example the plan was traced with: its name, shape and dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
 class NodeChoice:
     name: str
     target: str
@@ -136,6 +145,11 @@ class Plan:
     optimizer: OptimizerSpec = OptimizerSpec()
     # parameters split unevenly (whole heads or rows the ranks do not divide), for the report
     uneven: tuple[UnevenSplit, ...] = ()
+    # how the model was traced: its mode (True: train; None in a plan saved before this was kept) and
+    # its example inputs; and where the hardware profile came from (given, or which default)
+    training: Optional[bool] = None
+    inputs: tuple[PlannedInput, ...] = ()
+    hardware_source: str = "given"
     _strategies: Mapping[str, Strategy] = field(default=None, repr=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -198,6 +212,9 @@ class Plan:
             "recompute": list(self.recompute),
             "optimizer": asdict(self.optimizer),
             "uneven": [asdict(u) for u in self.uneven],
+            "training": self.training,
+            "inputs": [asdict(i) for i in self.inputs],
+            "hardware_source": self.hardware_source,
         }
 
     def to_json(self) -> str:
@@ -230,6 +247,9 @@ class Plan:
                 optimizer=_optimizer(d.get("optimizer", {})),
                 uneven=tuple(UnevenSplit(u["parameter"], tuple(u["shape"]), u["placement"], u["mesh_axis"],
                                          tuple(u["units"])) for u in d.get("uneven", ())),
+                training=d.get("training"),
+                inputs=tuple(PlannedInput(i["name"], tuple(i["shape"]), i["dtype"]) for i in d.get("inputs", ())),
+                hardware_source=d.get("hardware_source", "given"),
             )
         except (KeyError, TypeError, IndexError) as err:
             raise PlanError(f"plan file is missing or has a malformed field: {err}") from err
@@ -247,15 +267,11 @@ class Plan:
         for planned in self.nodes:  # a plan edited by hand may split dims the mesh does not divide
             self._check_even(planned.name, planned.target, self._strategies[planned.name].output,
                              planned.shape, mesh)
-        for i, (planned, node) in enumerate(zip(self.nodes, graph.nodes)):
-            if (planned.name, planned.target, tuple(planned.shape)) != (node.name, node.target, node.outputs[0].shape):
-                raise PlanError(
-                    f"the plan was made for another model: node {i} differs; the plan has {planned.name} "
-                    f"({planned.target}, shape {list(planned.shape)}), the model has {node.name} "
-                    f"({node.target}, shape {list(node.outputs[0].shape)})")
-        if len(graph.nodes) != len(self.nodes):
-            raise PlanError(f"the plan was made for another model: it has {len(self.nodes)} nodes, "
-                            f"the model has {len(graph.nodes)}")
+        differs = next((i for i, (planned, node) in enumerate(zip(self.nodes, graph.nodes))
+                        if (planned.name, planned.target, tuple(planned.shape))
+                        != (node.name, node.target, node.outputs[0].shape)), None)
+        if differs is not None or len(graph.nodes) != len(self.nodes):
+            raise PlanError(self._difference(graph, differs))
         for node in graph.nodes:
             strat = self._strategies[node.name]
             for placements, info in zip(strat.inputs, node.input_infos):
@@ -268,6 +284,36 @@ class Plan:
             if unknown:
                 raise PlanError(f"the plan recomputes {', '.join(unknown)}, which the model does not have as layers "
                                 f"of a stack of identical layers (those are: {', '.join(sorted(layers)) or 'none'})")
+
+    def _difference(self, graph: OpGraph, i: Optional[int]) -> str:
+        """Why ``graph`` is not the graph this plan was made for, in a user's words: the model's class,
+        its mode, its example inputs, or the first module whose ops differ."""
+        head = "the plan was made for another model"
+        if self.model_type and graph.model_type and self.model_type != graph.model_type:
+            return f"{head}: the plan is for a {self.model_type}, the model is a {graph.model_type}; plan this model"
+        if self.training is not None and self.training != graph.training:
+            made, now = ("train", "eval") if self.training else ("eval", "train")
+            return (f"the plan was traced with the model in {made} mode, and the model was traced in {now} mode "
+                    f"(dropout and batch norm differ between the two); call model.{made}() before parallelize, or "
+                    f"plan the model in {now} mode")
+        given = {n.name: n.outputs[0] for n in graph.nodes if n.role == "input"}
+        for planned in self.inputs:
+            info = given.get(planned.name)
+            if info is None:
+                return (f"{head}: the plan was traced with an input {planned.name!r}, which these example inputs "
+                        f"do not have (they have {', '.join(given) or 'none'}); pass the inputs the plan was made with")
+            if tuple(info.shape) != tuple(planned.shape) or info.dtype != planned.dtype:
+                return (f"the plan was made for input {planned.name!r} of shape {list(planned.shape)} "
+                        f"({planned.dtype}), but the example gives shape {list(info.shape)} ({info.dtype}); "
+                        f"give parallelize example inputs of the plan's shapes, or plan again for these")
+        if i is None:
+            return (f"{head}: it has {len(self.nodes)} nodes, the model has {len(graph.nodes)} (the same first "
+                    f"{min(len(self.nodes), len(graph.nodes))}); plan this model again")
+        planned, node = self.nodes[i], graph.nodes[i]
+        where = node.module_path or planned.module or "the model's top level"
+        return (f"{head}: the first difference is in module {where!r} (node {i}): the plan has {planned.name} "
+                f"({planned.target}, shape {list(planned.shape)}), the model has {node.name} ({node.target}, shape "
+                f"{list(node.outputs[0].shape)}); plan this model again")
 
     @staticmethod
     def _check_even(name: str, target: str, placements, shape, mesh: MeshSpec) -> None:

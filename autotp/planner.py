@@ -13,15 +13,15 @@ import time
 from typing import Any, Collection, Mapping, Optional, Sequence
 
 import torch
-from cost_models import HardwareProfile, load_profile, optimizer_spec
+from cost_models import HardwareProfile, builtin_profile_names, load_profile, optimizer_spec
 
 from autotp.capture import capture
 from autotp.costing import MODES, CostModel
 from autotp.dynamic import requirements
-from autotp.graph import OpGraph
+from autotp.graph import INPUT, OpGraph
 from autotp.mesh import MeshSpec
 from autotp.placement import Strategy, format_placements, parse_placements, piece_sizes
-from autotp.plan import MemoryPerDevice, NodeChoice, Plan, PredictedTime, SolveStats, UnevenSplit, module_choices
+from autotp.plan import MemoryPerDevice, NodeChoice, Plan, PlannedInput, PredictedTime, SolveStats, UnevenSplit, module_choices
 from autotp.program import Collective, LocalCopy, program
 from autotp.recompute import check_recompute, layer_chains, recompute_saved_bytes, recomputed_nodes
 from autotp.solver import solve
@@ -66,9 +66,21 @@ def resolve_hardware(hardware: Any) -> HardwareProfile:
     return load_profile(hardware)
 
 
+def hardware_origin(hardware: Any) -> str:
+    """Where a profile came from, for the report: the default, a built-in profile or a file."""
+    if hardware is None:
+        return f"the default of autotp.plan and the CLI (no hardware given; pass hardware= for another machine)"
+    if isinstance(hardware, HardwareProfile):
+        return "given as a HardwareProfile"
+    if isinstance(hardware, str) and hardware in builtin_profile_names():
+        return "built-in profile, given"
+    return f"profile file {str(hardware)!r}, given"
+
+
 def _apply_pins(graph: OpGraph, spec: MeshSpec, rep: Mapping[str, str], strat_rep: dict[str, list],
-                pin: Optional[Mapping[str, str]]) -> None:
-    """Keep only the strategies that give each pinned parameter its pinned placements."""
+                pin: Optional[Mapping[str, str]], readers: bool = True) -> None:
+    """Keep only the strategies that give each pinned parameter its pinned placements, and, with
+    ``readers``, the strategies of the ops that read it that compute with that shard."""
     if not pin:
         return
     wanted: dict[str, tuple] = {}
@@ -97,7 +109,7 @@ def _apply_pins(graph: OpGraph, spec: MeshSpec, rep: Mapping[str, str], strat_re
                              f"(shape {list(graph[node].output.shape)}) on mesh {spec}; it can take {options}")
         strat_rep[node] = kept
         # the ops that read the weight compute with that shard (a pin is a layout, not only storage)
-        for consumer in graph.consumers(node):
+        for consumer in graph.consumers(node) if readers else ():
             c = rep[consumer]
             ks = [k for k, src in enumerate(graph[consumer].inputs) if src == node]
             reading = [s for s in strat_rep[c] if all(s.inputs[k] == placements for k in ks)]
@@ -127,8 +139,12 @@ def predicted_time(graph: OpGraph, chosen: Mapping[str, Strategy], spec: MeshSpe
 def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "train",
                memory_budget: Any = None, time_limit_s: float = 60.0, capture_s: float = 0.0,
                pin: Optional[Mapping[str, str]] = None, optimizer: Any = "adamw",
-               recompute: Optional[bool] = None) -> Plan:
-    """Plan an already captured graph (see :func:`plan`)."""
+               recompute: Optional[bool] = None, hardware_source: Optional[str] = None,
+               keep: Optional[Mapping[str, str]] = None) -> Plan:
+    """Plan an already captured graph (see :func:`plan`). ``hardware_source`` says in the report where
+    the profile came from (default: "given", or the default of :func:`plan` when ``hardware`` is None).
+    ``keep``: placements the parameters must be stored with, as ``pin`` but leaving the ops that read
+    them free to redistribute them (another mode's graph of a module whose weights are in place)."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: expected one of {MODES}")
     check_recompute(recompute)
@@ -144,6 +160,7 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
     reps = [n for n in graph.nodes if rep[n.name] == n.name]
     strat_rep = all_strategies(graph, spec.shape, reps)
     _apply_pins(graph, spec, rep, strat_rep, pin)
+    _apply_pins(graph, spec, rep, strat_rep, keep, readers=False)
     if mode == "train":  # replicated ops that pass partial gradients on (Rg)
         strat_rep = partial_gradient_variants(graph, spec.ndim, rep, strat_rep)
     strategies = {n.name: strat_rep[rep[n.name]] for n in graph.nodes}
@@ -187,6 +204,10 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
         divisibility=requirements(graph.symbolic, graph.nodes, chosen, spec.shape),
         recompute=tuple(layer.path for layer in layers), optimizer=optimizer,
         uneven=uneven_splits(graph, chosen, spec),
+        training=graph.training,
+        inputs=tuple(PlannedInput(n.name, tuple(n.outputs[0].shape), n.outputs[0].dtype)
+                     for n in graph.nodes if n.role == INPUT),
+        hardware_source=hardware_source or hardware_origin(hardware),
     )
 
 
@@ -209,7 +230,8 @@ def plan(model: torch.nn.Module, mesh: Any, example_inputs: Any, hardware: Any =
 
     ``mesh`` is a ``DeviceMesh`` or a shape such as ``(8,)`` or ``(2, 4)`` (no processes needed);
     ``hardware`` a built-in profile name, a profile JSON path or a ``HardwareProfile`` (default
-    ``"h100-sxm"``); ``mode`` ``"train"`` or ``"inference"``; ``memory_budget`` bytes per device
+    ``"h100-sxm"``, whatever the machine: the report says so); ``mode`` ``"train"`` (the model traced in
+    the mode it is in) or ``"inference"`` (traced in eval mode, no backward priced); ``memory_budget`` bytes per device
     (a number or a string like ``"40GB"``; default: the profile's device memory). ``pin`` fixes the
     placements of chosen parameters, and the ops that read them compute with those shards, e.g.
     ``{"layers.0.mlp.up_proj.weight": "S(0)"}`` (colwise); the solver decides the rest.
@@ -229,6 +251,7 @@ def plan(model: torch.nn.Module, mesh: Any, example_inputs: Any, hardware: Any =
     resolve_hardware(hardware)
     parse_bytes(memory_budget)
     t0 = time.perf_counter()
-    graph = capture(model, example_inputs, dynamic_dims)
+    # an inference plan is of the model in eval mode (no dropout; batch norm reads its statistics)
+    graph = capture(model, example_inputs, dynamic_dims, training=False if mode == "inference" else None)
     return plan_graph(graph, mesh, hardware, mode, memory_budget, time_limit_s, capture_s=time.perf_counter() - t0,
                       pin=pin, optimizer=optimizer, recompute=recompute)

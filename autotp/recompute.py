@@ -164,9 +164,11 @@ class Recompute(nn.Module):
             return checkpoint(self.body, *args, use_reentrant=False, context_fn=self._context)
 
 
-def apply_recompute(gm: torch.fx.GraphModule, layer_of: dict[torch.fx.Node, str]) -> torch.fx.GraphModule:
+def apply_recompute(gm: torch.fx.GraphModule, layer_of: dict[torch.fx.Node, str],
+                    prefix: str = "") -> torch.fx.GraphModule:
     """Move the nodes of each layer (``layer_of``: fx node → layer path) into a :class:`Recompute`
-    submodule called where the layer's first node was; the rest of the graph reads its outputs."""
+    submodule called where the layer's first node was; the rest of the graph reads its outputs.
+    ``prefix`` starts the submodules' names (a second graph of the same module names its own)."""
     by_layer: dict[str, list[torch.fx.Node]] = {}
     for node in gm.graph.nodes:
         if node in layer_of:
@@ -188,7 +190,7 @@ def apply_recompute(gm: torch.fx.GraphModule, layer_of: dict[torch.fx.Node, str]
         from autotp.dropout import ShardedDropout  # noqa: PLC0415 - dropout imports nothing of this
 
         dropouts = [m for m in body.modules() if isinstance(m, ShardedDropout)]
-        name = f"autotp_recompute_{i}"
+        name = f"autotp_{prefix}recompute_{i}"
         gm.add_module(name, Recompute(body, path, dropouts))
         order = {n: j for j, n in enumerate(gm.graph.nodes)}
         last_input = max(inputs, key=order.__getitem__, default=None)

@@ -99,13 +99,36 @@ def recompute_line(plan: "Plan") -> str:
             f"{_t(plan.time.recompute_s)} per step (forward compute again and {len(again)} collectives)")
 
 
+def header_lines(plan: "Plan") -> list[str]:
+    """The plan's first lines: the model, mesh and mode; the hardware profile and where it came from;
+    how the model was traced (its mode, static or dynamic sizes)."""
+    traced = {True: "in train mode", False: "in eval mode", None: "in an unrecorded mode"}[plan.training]
+    sizes = ("sizes static (the example's; autotp.parallelize traces the batch and sequence dims as dynamic "
+             "by default)" if not plan.dynamic_dims else
+             f"{len(plan.dynamic_dims)} dynamic dims (below), the others static")
+    inputs = ", ".join(f"{i.name} {list(i.shape)} {i.dtype}" for i in plan.inputs)
+    return [
+        f"autotp plan: {plan.model_type} on mesh {plan.mesh}, {plan.mode} mode",
+        f"Hardware: {plan.hardware.name}, {plan.hardware_source}",
+        f"Traced: the model {traced}, {sizes}" + (f"; inputs {inputs}" if inputs else ""),
+    ]
+
+
+def memory_line(plan: "Plan") -> str:
+    mem = plan.memory
+    budget = f" of {format_bytes(mem.budget_bytes)} budget" if mem.budget_bytes else ""
+    if plan.mode != "train":  # no backward: no gradients, no optimizer, activations only while they are read
+        return (f"Memory per device: {format_bytes(mem.total_bytes)}{budget} (parameters "
+                f"{format_bytes(mem.parameters_bytes)}, activations {format_bytes(mem.activations_bytes)}; inference: "
+                f"no gradients, no optimizer state)")
+    return (f"Memory per device: {format_bytes(mem.total_bytes)}{budget} (parameters {format_bytes(mem.parameters_bytes)}, "
+            f"gradients {format_bytes(mem.gradients_bytes)}, optimizer {format_bytes(mem.optimizer_bytes)} "
+            f"({plan.optimizer.describe()}), activations {format_bytes(mem.activations_bytes)})")
+
+
 def _text(plan: "Plan") -> str:
     mem, t, st = plan.memory, plan.time, plan.stats
-    lines = [
-        f"autotp plan: {plan.model_type} on mesh {plan.mesh}, {plan.mode} mode, hardware {plan.hardware.name}",
-        "",
-        "Modules",
-    ]
+    lines = header_lines(plan) + ["", "Modules"]
     lines += _table(_MODULE_HEADERS, _module_rows(plan))
     lines += ["", "Collectives per step"]
     rows = _collective_rows(plan)
@@ -121,14 +144,13 @@ def _text(plan: "Plan") -> str:
     if plan.dynamic_dims:
         lines += ["", "Dynamic dims (sizes other than the example's run without planning again)"]
         lines += [f"  {line}" for line in dynamic_lines(plan)]
-    budget = f" of {format_bytes(mem.budget_bytes)} budget" if mem.budget_bytes else ""
+    step = "step (forward and backward)" if plan.mode == "train" else "forward"
     lines += [
         "",
-        f"Predicted step time: {_t(t.total_s)} (compute {_t(t.compute_s)}, communication {_t(t.communication_s)}, local copies included)",
-        f"Memory per device: {format_bytes(mem.total_bytes)}{budget} (parameters {format_bytes(mem.parameters_bytes)}, gradients "
-        f"{format_bytes(mem.gradients_bytes)}, optimizer {format_bytes(mem.optimizer_bytes)} ({plan.optimizer.describe()}), "
-        f"activations {format_bytes(mem.activations_bytes)})",
-        recompute_line(plan),
+        f"Predicted {step} time: {_t(t.total_s)} (compute {_t(t.compute_s)}, communication {_t(t.communication_s)}, "
+        f"local copies included)",
+        memory_line(plan),
+        *([recompute_line(plan)] if plan.mode == "train" else []),
         f"Solve: {st.solver}, {st.status}; {st.variables} variables, {st.constraints} constraints, "
         f"{st.representatives} of {st.nodes} nodes to decide after layer tying and merging; " + (
             f"capture {st.capture_s:.2f} s, strategies {st.strategies_s:.2f} s, solve {st.solve_s:.2f} s"
@@ -147,7 +169,8 @@ def _html(plan: "Plan") -> str:
     summary = "".join(f"<p>{html.escape(line)}</p>" for line in text if line.startswith(("Predicted", "Memory", "Recompute", "Solve")))
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>autotp plan</title></head><body>"
-        f"<h1>{html.escape(text[0])}</h1><h2>Modules</h2>"
+        f"<h1>{html.escape(text[0])}</h1>" + "".join(f"<p>{html.escape(line)}</p>" for line in text[1:3])
+        + "<h2>Modules</h2>"
         + table(_MODULE_HEADERS, _module_rows(plan))
         + "<h2>Collectives per step</h2>" + table(["phase", "kind", "axis", "count", "bytes"], _collective_rows(plan))
         + summary + "</body></html>"

@@ -30,7 +30,8 @@ from autotp.collectives import GradAllReduce, MaskedEmbedding, RedistributeStep,
 from autotp.dropout import ShardedDropout
 from autotp.dynamic import requirements
 from autotp.graph import OpGraph
-from autotp.guard import InputGuard, InputSpec
+from autotp.guard import InputGuard, InputSpec, SameOnEveryRank
+from autotp.module import ModeSwitch, ParallelModule
 from autotp.placement import Placement, dim_pieces, local_shape, piece_range, piece_sizes
 from autotp.plan import Plan
 from autotp.program import OUTPUT, reads
@@ -40,7 +41,7 @@ from autotp.rules.blocks import cut_blocks, local_cut_arguments, slice_range
 from autotp.rules.reductions import reduced_dims
 from autotp.shards import as_dtensor, block_index, local_shard
 
-__all__ = ["build_parallel_module", "has_active_dropout"]
+__all__ = ["build_parallel_module", "build_graph", "has_active_dropout"]
 
 aten = torch.ops.aten
 
@@ -63,14 +64,21 @@ def _set(root: nn.Module, fqn: str, value: Any, kind: str, persistent: bool = Tr
 
 class _Builder:
     def __init__(self, graph: OpGraph, plan: Plan, mesh: DeviceMesh, model: nn.Module,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, existing: ParallelModule | None = None, prefix: str = "",
+                 check_inputs: int | None = 0) -> None:
+        """``existing``: build only a graph, over that module's parameters and buffers (the graph of
+        another mode, :mod:`autotp.module`), naming its own submodules with ``prefix``.
+        ``check_inputs``: how many calls compare the inputs across the ranks (None: every call)."""
         self.g, self.plan, self.mesh, self.model = graph, plan, mesh, model
+        self.check_inputs = check_inputs
+        self.existing, self.prefix = existing, prefix
         self.ep = graph.exported
         self.mesh_shape = tuple(int(n) for n in mesh.mesh.shape)
         self.coordinate = mesh.get_coordinate()
         self.axis_names = plan.mesh.axis_names
         self.groups = [mesh.get_group(a) for a in range(len(self.mesh_shape))]
-        self.root = nn.Module()
+        self.root = nn.Module() if existing is None else existing
+        self.added: list[str] = []  # the submodules this build added to the root
         self.fx = torch.fx.Graph()
         self.local: dict[str, torch.fx.Node] = {}  # producer name -> its local value
         self.sizes: dict[str, torch.fx.Node] = {}  # symbolic size node -> its value (a global size)
@@ -104,6 +112,10 @@ class _Builder:
                                     dtype=full.dtype, device=device)
             else:
                 local = local_shard(full, placements, self.coordinate, self.mesh_shape)
+                if local.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
+                    # a replicated parameter would be the model's own tensor: the parallel module owns
+                    # its values, and training it leaves the model as it was (never half-changed)
+                    local = local.clone()
             dt = as_dtensor(local, self.mesh, placements, full.shape)
             param = nn.Parameter(dt, requires_grad=params[p.fqn].requires_grad)
             param._autotp_placements = placements  # type: ignore[attr-defined]
@@ -125,9 +137,10 @@ class _Builder:
     # -- reads ---------------------------------------------------------------------------------
 
     def _add_module(self, module: nn.Module, prefix: str) -> str:
-        name = f"autotp_{prefix}_{self.n_modules}"
+        name = f"autotp_{self.prefix}{prefix}_{self.n_modules}"
         self.n_modules += 1
         self.root.add_module(name, module)
+        self.added.append(name)
         return name
 
     def read(self, producer: str, q, grad_axes: tuple[int, ...], base: torch.fx.Node | None = None,
@@ -183,7 +196,7 @@ class _Builder:
         (:func:`block_permutation`), or, ``inverse``, put back from it. A constant index, made here."""
         key = (axis, p, shape[p.dim], inverse)
         if key not in self.order_buffers:
-            self.order_buffers[key] = name = f"_autotp_order_{len(self.order_buffers)}"
+            self.order_buffers[key] = name = f"_autotp_{self.prefix}order_{len(self.order_buffers)}"
             index = block_index(p, self.mesh_shape[axis], shape[p.dim], inverse)
             self.root.register_buffer(name, index.to(torch.device(self.mesh.device_type)), persistent=False)
         index = self.fx.get_attr(self.order_buffers[key])
@@ -192,7 +205,51 @@ class _Builder:
     # -- graph ---------------------------------------------------------------------------------
 
     def build(self) -> torch.fx.GraphModule:
-        self.register_state()
+        if self.existing is None:
+            self.register_state()
+        else:
+            self.placements = dict(self.existing.autotp_placements)
+        self.build_graph()
+        if self.existing is None:
+            gm = ParallelModule(self.root, self.fx, class_name="AutotpParallelModule")
+            # GraphModule copies only what the graph touches: register tied names and unused state too
+            present = set(dict(gm.named_parameters(remove_duplicate=False))) | set(dict(gm.named_buffers()))
+            for name, param in self.root.named_parameters(remove_duplicate=False):
+                if name not in present:
+                    _set(gm, name, param, "parameter")
+            persistent = set(self.model.state_dict().keys())
+            for name, buf in self.root.named_buffers():
+                # GraphModule re-registers the buffers it reads as persistent: restore the model's choice
+                _set(gm, name, buf, "buffer", persistent=name in persistent)
+        else:
+            gm = torch.fx.GraphModule(self.root, self.fx)  # a module over the existing one's state, for a while
+        # export's own module: its codegen (the inputs' pytree) and its input guards (emit_guard)
+        unlifted = self.ep.module()
+        gm.graph._codegen = unlifted.graph._codegen
+        guard = getattr(gm, self.guard_name, None)
+        if guard is not None:
+            guard.recorded = getattr(unlifted, "_guards_fn", None)
+        gm.recompile()
+        if self.existing is None:
+            # by name on the module, where they outlive .to() and .half() (which make new parameters)
+            gm.autotp_placements = dict(self.placements)  # type: ignore[assignment]
+        if self.layer_of:
+            apply_recompute(gm, {n: self.layer_of[n.name] for n in gm.graph.nodes if n.name in self.layer_of},
+                            prefix=self.prefix)
+        if self.existing is not None:  # the layers' modules go to the existing module; moved ones leave it
+            for name in self.added:
+                if not hasattr(gm, name):
+                    delattr(self.existing, name)
+            for name, child in gm.named_children():
+                if not hasattr(self.existing, name):
+                    self.existing.add_module(name, child)
+        return gm
+
+    @property
+    def guard_name(self) -> str:
+        return f"autotp_{self.prefix}input_guard"
+
+    def build_graph(self) -> None:
         sig = self.ep.graph_signature
         specs = {s.arg.name: s for s in sig.input_specs if hasattr(s.arg, "name")}
         alias = dict(self.g.alias_placeholders)
@@ -244,27 +301,6 @@ class _Builder:
                     self.tag_since(tail, layer)
             elif node.op == "output":
                 self.emit_output(node, alias)
-        gm = torch.fx.GraphModule(self.root, self.fx, class_name="AutotpParallelModule")
-        # GraphModule copies only what the graph touches: register tied names and unused state too
-        present = set(dict(gm.named_parameters(remove_duplicate=False))) | set(dict(gm.named_buffers()))
-        for name, param in self.root.named_parameters(remove_duplicate=False):
-            if name not in present:
-                _set(gm, name, param, "parameter")
-        persistent = set(self.model.state_dict().keys())
-        for name, buf in self.root.named_buffers():
-            # GraphModule re-registers the buffers it reads as persistent: restore the model's choice
-            _set(gm, name, buf, "buffer", persistent=name in persistent)
-        # export's own module: its codegen (the inputs' pytree) and its input guards (emit_guard)
-        unlifted = self.ep.module()
-        gm.graph._codegen = unlifted.graph._codegen
-        if hasattr(gm, "autotp_input_guard"):
-            gm.autotp_input_guard.recorded = getattr(unlifted, "_guards_fn", None)
-        gm.recompile()
-        # by name on the module, where they outlive .to() and .half() (which make new parameters)
-        gm.autotp_placements = dict(self.placements)  # type: ignore[assignment]
-        if self.layer_of:
-            apply_recompute(gm, {n: self.layer_of[n.name] for n in gm.graph.nodes if n.name in self.layer_of})
-        return gm
 
     def tag_since(self, tail: torch.fx.Node, layer: str) -> None:
         """The fx nodes added after ``tail`` run in recomputed ``layer``."""
@@ -281,10 +317,12 @@ class _Builder:
         tensors = [i for i, (_, spec) in enumerate(user_inputs) if spec is not None]
         if tensors:
             divisibility = requirements(self.g.symbolic, self.g.nodes, self.plan.strategies, self.mesh_shape)
+            same = SameOnEveryRank(self.mesh, self.check_inputs) if self.check_inputs != 0 else None
             guard = InputGuard(tuple(user_inputs[i][1] for i in tensors), self.g.dynamic, divisibility,
-                               tensor_positions=tuple(tensors))
-            self.root.add_module("autotp_input_guard", guard)
-            self.fx.call_module("autotp_input_guard", tuple(node for node, _ in user_inputs))
+                               tensor_positions=tuple(tensors), same_on_ranks=same)
+            self.root.add_module(self.guard_name, guard)
+            self.added.append(self.guard_name)
+            self.fx.call_module(self.guard_name, tuple(node for node, _ in user_inputs))
 
     def emit(self, node: torch.fx.Node, alias: dict[str, str]) -> None:
         op = self.g[node.name]
@@ -480,9 +518,38 @@ def has_active_dropout(graph: OpGraph) -> bool:
 
 
 def build_parallel_module(graph: OpGraph, plan: Plan, mesh: DeviceMesh, model: nn.Module,
-                          seed: int | None = None) -> torch.fx.GraphModule:
+                          seed: int | None = None, switch: ModeSwitch | None = None,
+                          check_inputs: int | None = 0) -> ParallelModule:
     """The rewritten module for this rank (see the module docstring). ``seed``: the base seed of the
-    dropout masks (:mod:`autotp.dropout`), equal on every rank; default ``torch.initial_seed()``."""
-    gm = _Builder(graph, plan, mesh, model, seed).build()
-    gm.plan = plan  # type: ignore[attr-defined]
+    dropout masks (:mod:`autotp.dropout`), equal on every rank; default ``torch.initial_seed()``.
+    ``switch``: how to make the graph of the model's other mode when ``train()``/``eval()`` asks for
+    it (:mod:`autotp.module`); without it the module runs the traced mode only. ``check_inputs``: how
+    many calls of each graph compare the inputs across the ranks (:class:`autotp.guard.SameOnEveryRank`;
+    None: every call; default none, ``autotp.parallelize`` checks its first calls)."""
+    gm = _Builder(graph, plan, mesh, model, seed, check_inputs=check_inputs).build()
+    gm._autotp_init(graph, plan, switch, check_inputs)
     return gm
+
+
+def build_graph(graph: OpGraph, plan: Plan, mesh: DeviceMesh, module: ParallelModule, seed: int | None = None,
+                prefix: str = "") -> torch.fx.Graph:
+    """The graph of ``graph`` (another mode of ``module``'s model) over ``module``'s parameters and
+    buffers, its own submodules added to ``module`` under names that start with ``prefix``."""
+    for name, const in graph.exported.constants.items():
+        target = "_autotp_constants." + name.replace(".", "_")
+        if isinstance(const, torch.Tensor) and not _has(module, target):
+            if const.is_meta:
+                raise NotImplementedError(f"the model in this mode reads the constant {name}, which it did not read "
+                                          f"when it was parallelized; parallelize it in this mode")
+            _set(module, target, const.detach().to(torch.device(mesh.device_type)).clone(), "buffer",
+                 persistent=False)
+    return _Builder(graph, plan, mesh, module, seed, existing=module, prefix=prefix,
+                    check_inputs=module.autotp_check_inputs).build().graph
+
+
+def _has(module: nn.Module, target: str) -> bool:
+    try:
+        module.get_buffer(target)
+        return True
+    except AttributeError:
+        return False

@@ -145,6 +145,20 @@ def _one_rank_outcomes(mesh):
     out["call_other_dtype"] = _attempt(mesh, gpt2, lambda: gpt2_pm(gpt2_ids.int()))
     out["call_same_shape"] = tuple(gpt2_pm(gpt2_ids.flip(0)).logits.shape)
 
+    # a plan made in one mode: an inference plan asked to train is refused; a train plan given a model
+    # in eval mode builds the graph it was made for and switches to eval, as model.eval() would
+    inference_plan = autotp.plan(model, (1,), (x,), hardware="cpu-gloo", mode="inference")
+    out["inference_plan_mode_train"] = _attempt(
+        mesh, model, lambda: autotp.parallelize(model, mesh, (x,), plan=inference_plan, mode="train"))
+    drop, drop_x = _dropout_mlp(), torch.randn(4, 16)
+    drop_plan = autotp.plan(drop, (1,), (drop_x,), hardware="cpu-gloo")
+    drop.eval()
+    pm_eval = autotp.parallelize(drop, mesh, (drop_x,), plan=drop_plan)
+    out["train_plan_eval_model"] = {"training": pm_eval.training,
+                                    "matches": torch.equal(pm_eval(drop_x), drop(drop_x)),
+                                    "graph_mode": pm_eval.graph_training}
+    drop.train()
+
     # the control: the same calls with fitting inputs and the right plan succeed
     good_plan = autotp.plan(model, (1,), (x,), hardware="cpu-gloo")
     before = _snapshot(model)
@@ -152,6 +166,11 @@ def _one_rank_outcomes(mesh):
     out["control"] = {"matches": torch.allclose(pm(x), model(x), rtol=1e-5, atol=1e-6),
                       "changes": _unchanged(model, before)}
     return out
+
+
+def _dropout_mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.5), torch.nn.Linear(32, 16))
 
 
 def _three_rank_cases(rank, world):
@@ -181,6 +200,25 @@ def _three_rank_outcomes(mesh, world):
     return out
 
 
+def _outside_the_mesh(rank, world):
+    """A (2,) mesh in a world of 3 (``torchrun --nproc-per-node 3`` with a 2-rank mesh): the third rank
+    is refused, naming itself and the mesh."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh("cpu", [0, 1], mesh_dim_names=("tp",))
+    if rank != 2:
+        return None
+    model, inputs = models.mlp()
+    before = _snapshot(model)
+    with _TURNS:  # no CollectiveLog: it names the mesh's groups, which this rank is not in
+        try:
+            autotp.parallelize(model, mesh, inputs, hardware="cpu-gloo")
+            error, message = None, ""
+        except Exception as err:  # noqa: BLE001 - recorded for the test to judge
+            error, message = type(err).__name__, str(err)
+    return {"error": error, "message": message, "changes": _unchanged(model, before)}
+
+
 @pytest.fixture(scope="module")
 def one_rank():
     return run_threads(_one_rank_cases, 1)[0]
@@ -189,6 +227,23 @@ def one_rank():
 @pytest.fixture(scope="module")
 def three_ranks():
     return run_threads(_three_rank_cases, 3)
+
+
+def test_a_rank_outside_the_mesh_is_refused_naming_it():
+    outcome = run_threads(_outside_the_mesh, 3)[2]
+    assert outcome["error"] == "ValueError", outcome
+    assert "global rank 2 of 3" in outcome["message"] and "is not in the mesh [0, 1]" in outcome["message"]
+    assert not outcome["changes"]
+
+
+def test_an_inference_plan_asked_to_train_is_refused_naming_both_modes(one_rank):
+    _assert_refused(one_rank["inference_plan_mode_train"], "PlanError", "inference plan", "mode='train'")
+
+
+def test_a_train_plan_with_the_model_in_eval_runs_it_in_eval_mode(one_rank):
+    """The plan was traced in train mode: the module is built for it and switched to eval (the model's
+    own mode), so dropout is off and it equals the model; it was "node 96 differs" before."""
+    assert one_rank["train_plan_eval_model"] == {"training": False, "matches": True, "graph_mode": False}
 
 
 def _assert_refused(outcome: dict, error: str, *fragments: str) -> None:
@@ -254,9 +309,8 @@ def test_plan_for_other_input_shapes_names_the_input(one_rank):
 
 @pytest.mark.parametrize("case", ["plan_gpt_on_llama", "loaded_plan_gpt_on_llama"])
 def test_plan_for_another_architecture(one_rank, case):
-    # both start with the token embedding; GPT's second parameter is its position embedding
-    _assert_refused(one_rank[case], "PlanError", "another model", "p_embed_positions_weight",
-                    "p_layers_0_input_layernorm_weight")
+    # the plan names the class it was made for: the error says so before any node
+    _assert_refused(one_rank[case], "PlanError", "another model", "a GPT,", "a Llama;")
 
 
 def test_plan_for_another_mesh_names_both_meshes(one_rank):

@@ -97,11 +97,14 @@ def _parallelize(model, mesh, inp, factory, world, mode, budget=None):
     import autotp
 
     budget = budget if budget is not None else _BUDGET[(factory, world, mode)]
+    # the input check of the first calls (an all_gather of checksums, tests/test_modes.py) is off: these
+    # runs compare what CommDebugMode sees with the plan's collectives alone
     try:
-        return autotp.parallelize(model, mesh, inp, hardware="cpu-gloo", mode=mode, memory_budget=budget)
+        return autotp.parallelize(model, mesh, inp, hardware="cpu-gloo", mode=mode, memory_budget=budget,
+                                  check_inputs=False)
     except autotp.MemoryBudgetError as err:  # the minimum moved: take the new one, plus 5 %
         return autotp.parallelize(model, mesh, inp, hardware="cpu-gloo", mode=mode,
-                                  memory_budget=int(err.minimum_bytes * 1.05) + 1)
+                                  memory_budget=int(err.minimum_bytes * 1.05) + 1, check_inputs=False)
 
 
 def _prepare(factory, world, mode):
