@@ -123,7 +123,13 @@ def run_plan(args: argparse.Namespace) -> int:
     except (autotp.MemoryBudgetError, ValueError) as err:
         print(f"autotp plan: {err}", file=sys.stderr)
         return 2
-    print(plan.report())
+    print(plan.report(explain=args.explain == "*"))
+    if args.explain not in (None, "*"):
+        try:
+            print("\n" + str(plan.explain(args.explain)))
+        except ValueError as err:
+            print(f"autotp plan: --explain {args.explain}: {err}", file=sys.stderr)
+            return 2
     if args.json:
         plan.save(args.json)
         print(f"\nplan written to {args.json}")
@@ -166,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", choices=("auto", "all", "off"), default="auto",
                    help="activation recompute of repeated layers: chosen by the planner when memory is short "
                         "(auto), every repeated layer (all), or none (off)")
+    p.add_argument("--explain", nargs="?", const="*", default=None, metavar="MODULE",
+                   help="after the report, why modules stay replicated: each placement their largest weight could "
+                        "have, priced by solving again (all replicated modules, repeated layers once; or MODULE)")
     p.add_argument("--json", default=None, help="write the plan as JSON to this path")
     p.add_argument("--html", default=None, help="write the report as HTML to this path")
     p.set_defaults(run=run_plan)

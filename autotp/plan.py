@@ -151,6 +151,8 @@ class Plan:
     inputs: tuple[PlannedInput, ...] = ()
     hardware_source: str = "given"
     _strategies: Mapping[str, Strategy] = field(default=None, repr=False)  # type: ignore[assignment]
+    # the captured graph and the planner's arguments, for explain() (a plan made in this process)
+    _context: Optional[Mapping[str, Any]] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self._strategies is None:
@@ -185,10 +187,19 @@ class Plan:
             counts[(c.phase, c.kind)] = counts.get((c.phase, c.kind), 0) + 1
         return counts
 
-    def report(self, fmt: str = "text") -> str:
+    def report(self, fmt: str = "text", explain: bool = False) -> str:
+        """The plan as text, "json" or "html"; ``explain``: the text ends with :meth:`explain` of the
+        modules left replicated (repeated layers once), each placement they could have, priced."""
         from autotp.report import render
 
-        return render(self, fmt)
+        return render(self, fmt, explain)
+
+    def explain(self, module: str):
+        """Why ``module`` is split as it is: each placement its largest weight could have, with the step
+        time, collectives and memory of the best plan that stores it so (:mod:`autotp.explain`)."""
+        from autotp.explain import explain
+
+        return explain(self, module)
 
     # -- persistence ---------------------------------------------------------------------------
 

@@ -69,7 +69,7 @@ def resolve_hardware(hardware: Any) -> HardwareProfile:
 def hardware_origin(hardware: Any) -> str:
     """Where a profile came from, for the report: the default, a built-in profile or a file."""
     if hardware is None:
-        return f"the default of autotp.plan and the CLI (no hardware given; pass hardware= for another machine)"
+        return f"the default of autotp.plan and the CLI (no hardware given: --hardware or hardware= names another profile or a profile file)"
     if isinstance(hardware, HardwareProfile):
         return "given as a HardwareProfile"
     if isinstance(hardware, str) and hardware in builtin_profile_names():
@@ -140,11 +140,12 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
                memory_budget: Any = None, time_limit_s: float = 60.0, capture_s: float = 0.0,
                pin: Optional[Mapping[str, str]] = None, optimizer: Any = "adamw",
                recompute: Optional[bool] = None, hardware_source: Optional[str] = None,
-               keep: Optional[Mapping[str, str]] = None) -> Plan:
+               keep: Optional[Mapping[str, str]] = None, explainable: bool = True) -> Plan:
     """Plan an already captured graph (see :func:`plan`). ``hardware_source`` says in the report where
     the profile came from (default: "given", or the default of :func:`plan` when ``hardware`` is None).
     ``keep``: placements the parameters must be stored with, as ``pin`` but leaving the ops that read
-    them free to redistribute them (another mode's graph of a module whose weights are in place)."""
+    them free to redistribute them (another mode's graph of a module whose weights are in place).
+    ``explainable``: the plan keeps the graph and these arguments for ``plan.explain`` (in memory only)."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: expected one of {MODES}")
     check_recompute(recompute)
@@ -192,7 +193,7 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
         constraints=solution.constraints, representatives=solution.representatives, nodes=len(graph.nodes),
         capture_s=capture_s, strategies_s=strategies_s, solve_s=solution.seconds,
     )
-    return Plan(
+    result = Plan(
         model_type=graph.model_type, mesh=spec, mode=mode, hardware=profile,
         nodes=tuple(NodeChoice(n.name, n.target, n.module_path, n.outputs[0].shape, str(chosen[n.name]))
                     for n in graph.nodes),
@@ -209,6 +210,12 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
                      for n in graph.nodes if n.role == INPUT),
         hardware_source=hardware_source or hardware_origin(hardware),
     )
+    if explainable:  # what plan.explain solves again with (autotp.explain); never saved
+        object.__setattr__(result, "_context", {
+            "graph": graph, "mesh": spec, "hardware": profile, "mode": mode, "budget": budget,
+            "time_limit_s": time_limit_s, "pin": dict(pin or {}), "optimizer": optimizer, "recompute": recompute,
+            "keep": keep})
+    return result
 
 
 def uneven_splits(graph: OpGraph, chosen: Mapping[str, Strategy], spec: MeshSpec) -> tuple[UnevenSplit, ...]:

@@ -177,9 +177,16 @@ def _html(plan: "Plan") -> str:
     )
 
 
-def render(plan: "Plan", fmt: str = "text") -> str:
-    """``fmt``: "text" (the table a person reads), "json" (the saved plan) or "html"."""
+def render(plan: "Plan", fmt: str = "text", explain: bool = False) -> str:
+    """``fmt``: "text" (the table a person reads), "json" (the saved plan) or "html"; ``explain``: the
+    text ends with why the replicated modules are (:func:`autotp.explain.explain_replicated`)."""
     if fmt == "text":
+        if explain:
+            from autotp.explain import explain_replicated
+
+            why = explain_replicated(plan)
+            return _text(plan) + "\n\nWhy these modules stay replicated\n" + (
+                "\n".join(str(e) for e in why) if why else "(no module with weights is replicated)")
         return _text(plan)
     if fmt == "json":
         return json.dumps(plan.to_dict(), indent=1)

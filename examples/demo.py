@@ -1,7 +1,10 @@
 """The main job on CPU: plan a small GPT for 2 ranks, train it on 2 gloo processes, compare.
 
 ``make demo`` runs this. It prints the plan report, then the loss of each training step for the
-parallel run next to a single-process run of the original model, and the step times.
+parallel run next to a single-process run of the original model, and the step times; last, the
+plan's predicted forward and backward next to the one measured here. The built-in ``cpu-gloo``
+profile was measured on another 2-core machine: the demo says how far this one is from it, and
+how to measure a profile of this one (``autotp profile``).
 """
 
 from __future__ import annotations
@@ -14,18 +17,28 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import autotp  # noqa: E402
-from examples.train_gpt import build, train, train_parallel  # noqa: E402
+from examples.train_gpt import build, loss_of, train  # noqa: E402
 from examples.ranks import run_ranks  # noqa: E402
 
 WORLD, STEPS = 2, 5
 
 
-def _rank_main(rank: int, world: int, plan_json: str) -> tuple[list[float], list[float]]:
+def _rank_main(rank: int, world: int, plan_json: str) -> tuple[list[float], list[float], float]:
+    import time
+
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    losses, times, _ = train_parallel(mesh, STEPS, plan=autotp.Plan.from_json(plan_json))
-    return losses, times
+    model, inputs, targets = build("cpu")
+    pmodel = autotp.parallelize(model, mesh, inputs, plan=autotp.Plan.from_json(plan_json))
+    losses, times = train(pmodel, inputs, targets, STEPS)
+    # what the plan predicts: the model's forward and backward (no loss, no optimizer step)
+    spent = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        pmodel(*inputs).float().pow(2).mean().backward()
+        spent.append(time.perf_counter() - t0)
+    return losses, times, sorted(spent)[1]
 
 
 def main() -> None:
@@ -34,7 +47,7 @@ def main() -> None:
     plan = autotp.plan(meta_model, (WORLD,), meta_inputs, hardware="cpu-gloo")
     print(plan.report())
     print(f"\nTraining {STEPS} steps on {WORLD} gloo processes (CPU) ...")
-    parallel_losses, parallel_times = run_ranks(_rank_main, WORLD, plan.to_json())[0]
+    parallel_losses, parallel_times, measured_s = run_ranks(_rank_main, WORLD, plan.to_json())[0]
 
     model, inputs, targets = build("cpu")
     single_losses, single_times = train(model, inputs, targets, STEPS)
@@ -46,6 +59,13 @@ def main() -> None:
               f"{single_times[i] * 1e3:>14.1f}")
     worst = max(abs(a - b) / abs(b) for a, b in zip(parallel_losses, single_losses))
     print(f"\nlargest relative loss difference: {worst:.2e} ({'match' if worst < 1e-4 else 'MISMATCH'})")
+    predicted_s = plan.predicted_time().total_s
+    print(f"\nPredicted forward and backward: {predicted_s * 1e3:.1f} ms with the built-in {plan.hardware.name} profile, "
+          f"which was measured on another 2-core machine; measured here: {measured_s * 1e3:.1f} ms, "
+          f"{measured_s / predicted_s:.1f}x the prediction. For figures that describe this machine, measure it "
+          f"(about a minute) and plan with its profile:\n"
+          f"  .venv/bin/autotp profile --nproc 2 -o here.json\n"
+          f"  .venv/bin/autotp plan examples.train_gpt:model_and_inputs --mesh 2 --hardware here.json")
     if worst >= 1e-4:
         sys.exit(1)
 

@@ -38,6 +38,12 @@ def build(device: str = "cpu", seed: int = 0) -> tuple[torch.nn.Module, tuple[to
     return model, (tokens[:, :-1],), tokens[:, 1:]
 
 
+def model_and_inputs() -> tuple[torch.nn.Module, tuple[torch.Tensor]]:
+    """The model (on meta) and its example inputs, as ``autotp plan examples.train_gpt:model_and_inputs`` takes them."""
+    model, inputs, _ = build("meta")
+    return model, inputs
+
+
 def loss_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))  # logits (B, T, V)
 

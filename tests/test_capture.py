@@ -285,3 +285,23 @@ def test_a_value_read_from_a_tensor_into_python_is_a_capture_error_naming_the_op
         autotp.capture(_ItemScalar(), (torch.randn(8, 4),))
     message = str(info.value)
     assert "at _ItemScalar.forward(): reads a tensor's value into Python (u0" in message and "what to do" in message
+
+
+def test_a_capture_error_leads_with_what_to_do_and_keeps_exports_traceback_off_the_screen():
+    """A Hugging Face model left with use_cache=True (its default): the message's first line is what to
+    do; the original error is the __cause__, printed as one line, its traceback kept as text. Each rank
+    printed two chained tracebacks of about 100 lines before."""
+    import traceback
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                                       bos_token_id=0, eos_token_id=0))
+    with pytest.raises(autotp.CaptureError) as info:
+        autotp.capture(model, (torch.zeros(1, 8, dtype=torch.long),))
+    err = info.value
+    assert str(err).startswith("what to do: build the model with use_cache=False")
+    assert isinstance(err.__cause__, Exception) and err.__cause__.__traceback__ is None
+    assert "Traceback" in err.original_traceback and "DynamicCache" in err.original_traceback
+    printed = "".join(traceback.format_exception(err))
+    assert printed.count("Traceback (most recent call last)") == 1 and len(printed.splitlines()) < 40

@@ -96,7 +96,7 @@ def test_a_profile_file_drives_plan_and_cli(tmp_path, capsys):
     assert "colwise" in fast_plan.module_styles().values()
     assert set(slow_plan.module_styles().values()) == {"replicate"}
     assert main(["plan", "examples.models:tiny_gpt", "--mesh", "2", "--hardware", str(path)]) == 0
-    assert "hardware slow-links" in capsys.readouterr().out
+    assert f"Hardware: slow-links, profile file {str(path)!r}, given" in capsys.readouterr().out
 
 
 def test_dynamic_flag_lists_the_dynamic_dims(tmp_path, capsys):
@@ -106,3 +106,94 @@ def test_dynamic_flag_lists_the_dynamic_dims(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "Dynamic dims" in printed and "input_ids dim 0: example 2, any size >= 2" in printed
     assert [(d.input, d.dim) for d in autotp.load_plan(out).dynamic_dims] == [("input_ids", 0), ("input_ids", 1)]
+
+
+_USER_FILE = '''
+import torch
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.drop, self.down = torch.nn.Linear(16, 64), torch.nn.Dropout(0.1), torch.nn.Linear(64, 16)
+
+    def forward(self, x):
+        return self.down(self.drop(self.up(x)))
+
+
+def build():
+    return Net(), (torch.randn(4, 16),)
+
+
+def only_a_model():
+    return Net()
+
+
+def needs_an_argument(width):
+    return Net(), (torch.randn(4, width),)
+'''
+
+
+def test_a_factory_in_a_file_of_ones_own(tmp_path, capsys, monkeypatch):
+    """``autotp plan ./my_models.py:build`` from the user's folder (it was a TypeError about relative
+    imports); --mode inference traces in eval mode (no dropout node left active); the header says which
+    hardware priced the plan and that it is the default."""
+    (tmp_path / "my_models.py").write_text(_USER_FILE)
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "./my_models.py:build", "--mesh", "2", "--mode", "inference"]) == 0
+    printed = capsys.readouterr().out
+    assert "Hardware: h100-sxm, the default of autotp.plan and the CLI (no hardware given" in printed
+    assert "Traced: the model in eval mode" in printed
+    assert main(["plan", "my_models.py:build", "--mesh", "2", "--hardware", "cpu-gloo"]) == 0
+    printed = capsys.readouterr().out
+    assert "Hardware: cpu-gloo, built-in profile, given" in printed and "Traced: the model in train mode" in printed
+
+
+@pytest.mark.parametrize("factory, fragment", [
+    ("only_a_model", "returned a Net; expected (model, example_inputs)"),
+    ("needs_an_argument", "could not be called with no arguments"),
+    ("missing", "has no 'missing'"),
+])
+def test_a_factory_that_does_not_fit_is_named(tmp_path, monkeypatch, factory, fragment):
+    (tmp_path / "my_models.py").write_text(_USER_FILE)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as err:
+        main(["plan", f"./my_models.py:{factory}", "--mesh", "2"])
+    assert fragment in str(err.value)
+
+
+def test_help_names_the_default_hardware(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default: h100-sxm" in text and "cpu-gloo on CPU" in text and "eval mode" in text
+
+
+def test_an_inference_report_has_no_backward_no_optimizer_no_gradients(capsys):
+    assert main(["plan", "examples.models:tiny_llama", "--mesh", "2", "--hardware", "cpu-gloo",
+                 "--mode", "inference"]) == 0
+    printed = capsys.readouterr().out
+    memory = next(line for line in printed.splitlines() if line.startswith("Memory per device"))
+    assert "no gradients, no optimizer state" in memory and "adamw" not in printed
+    assert "Predicted forward time" in printed and "Recompute" not in printed and "backward" not in printed.lower()
+
+
+def test_explain_prices_each_placement_of_a_replicated_weight(capsys):
+    """Every alternative costs at least what the chosen placement does (the plan is the optimum), and the
+    explained module's chosen row is the plan's own figures."""
+    assert main(["plan", "examples.models:mlp", "--mesh", "2", "--hardware", "cpu-gloo", "--explain", "layers.0.up_proj"]) == 0
+    assert "layers.0.up_proj: replicate, weight layers.0.up_proj.weight [256, 64] stored R" in capsys.readouterr().out
+    model, inputs = __import__("examples.models", fromlist=["x"]).tiny_llama(device="meta", n_layer=1)
+    plan = autotp.plan(model, (2,), inputs, hardware="cpu-gloo")
+    why = plan.explain("layers.0.mlp.up_proj")
+    chosen = [a for a in why.alternatives if a.chosen]
+    assert len(chosen) == 1 and chosen[0].placement == plan.parameter_placements["layers.0.mlp.up_proj.weight"]
+    assert chosen[0].step_s == plan.predicted_time().total_s
+    others = [a for a in why.alternatives if not a.chosen and not a.refused]
+    assert others and all(a.step_s >= chosen[0].step_s * (1 - 1e-9) for a in others)
+    assert {a.placement for a in why.alternatives} >= {"R", "S(0)", "S(1)"}
+    assert "Why these modules stay replicated" in plan.report(explain=True)
+    with pytest.raises(autotp.PlanError, match="loaded from a file"):
+        autotp.Plan.from_json(plan.to_json()).explain("layers.0.mlp.up_proj")
+    with pytest.raises(ValueError, match="no parameters of its own"):
+        plan.explain("layers.0")

@@ -192,3 +192,23 @@ def test_batch_norm_updates_its_statistics_in_train_mode_and_reads_them_in_eval(
         # eval reads the running statistics: a batch of one repeated row is not normalized to zero
         assert out["norm_eval_of_one_row"] < 1e-5
         assert out["norm_stats_unchanged_in_eval"] == 1
+
+
+def test_the_input_fingerprint_sees_values_and_their_order():
+    """What the ranks compare: equal inputs give equal numbers (NaNs too: bits, not values), and another
+    value, a batch in another order, or a row's elements in another order give other numbers."""
+    from autotp.guard import fingerprint
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 1000, (4, 32), generator=g)
+    x = torch.randn(4, 8, 16, generator=g)
+    x[0, 0, 0] = float("nan")
+    assert torch.equal(fingerprint(ids), fingerprint(ids.clone()))
+    assert torch.equal(fingerprint(x), fingerprint(x.clone()))
+    changed = ids.clone()
+    changed[3, 31] += 1
+    for other in (changed, ids.flip(0), ids.flip(1), ids[[1, 0, 2, 3]]):
+        assert not torch.equal(fingerprint(ids), fingerprint(other))
+    assert not torch.equal(fingerprint(x), fingerprint(x.flip(0)))
+    for t in (x.bfloat16(), x > 0, torch.tensor(3.0), torch.zeros(0, 4), torch.randn(3, 2, dtype=torch.complex64)):
+        assert fingerprint(t).shape == (3,) and fingerprint(t).dtype == torch.int64
