@@ -18,7 +18,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
+import os
 import threading
+import traceback
 import warnings
 from typing import Any, Iterator
 
@@ -98,7 +100,7 @@ def _explain_export_failure(err: BaseException) -> str:
                      "side effects on tensors, no .item()/.tolist() used for control flow")
     construct = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return (
-        f"what to do: " + "; ".join(hints) + "\n"
+        "what to do: " + "; ".join(hints) + "\n"
         f"  autotp could not capture the model with torch.export (non-strict): {type(err).__name__}: "
         f"{construct[:300]}\n"
         f"  (the original error is this error's __cause__, its traceback in .original_traceback; "
@@ -110,9 +112,6 @@ def capture_error(err: BaseException) -> CaptureError:
     """The CaptureError for a failed ``torch.export``: what to do first; the original error as its
     ``__cause__``, printed as one line (export's traceback, hundreds of lines on every rank, is kept
     as text in ``original_traceback``, and printed in full with ``AUTOTP_FULL_TRACEBACK=1``)."""
-    import os
-    import traceback
-
     error = CaptureError(_explain_export_failure(err))
     error.original_traceback = "".join(traceback.format_exception(err))
     if os.environ.get("AUTOTP_FULL_TRACEBACK") != "1":

@@ -7,7 +7,9 @@ its collectives and its memory per device, or why no plan has it (the memory bud
 ops cannot read). The chosen placement is the cheapest that fits, so every row costs at least as
 much: the table says by how much, which is the question a user asks of a module left replicated.
 
-It needs the captured graph, which a plan made in this process keeps (not saved to JSON).
+It needs the captured graph, which a plan made by ``autotp.plan`` keeps while it lives (never saved
+to JSON; the capture refers to the model's tensors, so a plan of a real model keeps them alive: plan
+a model on meta, as the examples do, to hold nothing).
 """
 
 from __future__ import annotations
@@ -69,8 +71,9 @@ def explain(plan: "Plan", module: str) -> Explanation:
 
     context = plan._context
     if context is None:
-        raise PlanError("explain needs the captured model: this plan was loaded from a file; plan the model again "
-                        "with autotp.plan in this process")
+        raise PlanError("explain needs the captured model, which this plan does not keep: it was loaded from a file "
+                        "or made by autotp.parallelize (whose module must not keep the model's tensors); plan the "
+                        "model with autotp.plan in this process")
     graph = context["graph"]
     params = [p for p in graph.parameters if p.fqn.rpartition(".")[0] == module]
     if not params:

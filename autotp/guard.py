@@ -131,8 +131,9 @@ class InputGuard(nn.Module):
 
 def fingerprint(x: torch.Tensor) -> torch.Tensor:
     """Three int64 numbers of ``x``'s bits: their sum, and sums weighted by position along the first
-    dim and, over the first 256 rows of the last dim, along the last (a batch in another order differs). Integer arithmetic, so equal inputs give
-    equal numbers on every rank whatever the order of the sums; no copy of the input is made."""
+    dim and (over the first 256 rows) along the last, so a batch in another order differs. Integer
+    arithmetic: equal inputs give equal numbers on every rank whatever the order of the sums (NaNs
+    too); no copy of the input is made."""
     x = x.detach()
     if x.is_complex():
         x = torch.view_as_real(x)

@@ -26,8 +26,16 @@ from typing import Any, Optional
 import torch
 import torch.fx
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["ParallelModule", "ModeSwitch", "meta_copy", "op_signature"]
+from autotp.graph import OpGraph
+from autotp.placement import Placement, local_shape
+from autotp.plan import Plan
+from autotp.rewrite import GraphRewrite, constant_name
+from autotp.shards import as_dtensor, local_shard
+
+__all__ = ["ParallelModule", "ModeSwitch", "build_parallel_module", "build_graph", "register_state", "meta_copy",
+           "op_signature"]
 
 
 def meta_copy(model: nn.Module) -> Optional[nn.Module]:
@@ -66,8 +74,7 @@ class ModeSwitch:
         model in mode ``training``."""
         from autotp.capture import capture
         from autotp.mesh import MeshSpec
-        from autotp.parallel import _agreed_plan, _from_first_rank
-        from autotp.rewrite import build_graph, has_active_dropout
+        from autotp.parallel import _agreed_plan, dropout_seed
 
         if self.skeleton is None:
             raise RuntimeError(f"this parallel module runs the model in {_mode(module.graph_training)} mode only: "
@@ -85,8 +92,8 @@ class ModeSwitch:
             plan = _agreed_plan(graph, spec, self.mesh, first.hardware, first.mode, self.memory_budget, 0.0,
                                 first.optimizer, self.recompute, keep=pins, hardware_source=first.hardware_source)
         plan.check_matches(graph, spec)
-        seed = _from_first_rank(self.mesh, [torch.initial_seed()])[0] if has_active_dropout(graph) else None
-        fx_graph = build_graph(graph, plan, self.mesh, module, seed, prefix=_mode(training) + "_")
+        fx_graph = build_graph(graph, plan, self.mesh, module, dropout_seed(self.mesh, graph),
+                               prefix=_mode(training) + "_")
         return fx_graph, plan, op_signature(graph)
 
 
@@ -111,17 +118,24 @@ _DEVICE = re.compile(r"device\(type='[^']*'(, index=\d+)?\)")
 class ParallelModule(torch.fx.GraphModule):
     """What ``autotp.parallelize`` returns (module docstring). Besides the ``GraphModule``, it has
     ``plan`` (the plan of the graph that runs now), ``plans`` (per mode, ``True`` for train, the plans
-    made so far) and ``autotp_placements``."""
+    made so far), ``graph_training`` (the mode of the graph that runs now) and ``autotp_placements``."""
 
     def _autotp_init(self, graph: Any, plan: Any, switch: Optional[ModeSwitch], check_inputs: Optional[int]) -> None:
-        """Called once by the rewrite: the graph just built is the one of the traced mode."""
+        """Called once when built: the graph just built is the one of the traced mode. Per mode: the fx
+        graph, its plan and its ops (:func:`op_signature`)."""
         self.autotp_check_inputs = check_inputs
         self.graph_training = bool(graph.training)
-        self.autotp_ops = op_signature(graph)
-        self._autotp_modes = {self.graph_training: (self.graph, plan, self.autotp_ops)}
+        self._autotp_modes = {self.graph_training: (self.graph, plan, op_signature(graph))}
         self._autotp_switch = switch
-        self.plan = plan
         nn.Module.train(self, self.graph_training)
+
+    @property
+    def plan(self) -> Any:
+        return self._autotp_modes[self.graph_training][1]
+
+    @property
+    def autotp_ops(self) -> tuple:
+        return self._autotp_modes[self.graph_training][2]
 
     @property
     def plans(self) -> dict[bool, Any]:
@@ -138,7 +152,127 @@ class ParallelModule(torch.fx.GraphModule):
                                        f"model in {_mode(self.graph_training)} mode only; build it with "
                                        f"autotp.parallelize to switch it to {_mode(mode)} mode")
                 modes[mode] = self._autotp_switch.graph_for(self, mode)
-            graph, plan, ops = modes[mode]
-            self.graph = graph  # recompiles forward
-            self.plan, self.autotp_ops, self.graph_training = plan, ops, mode
+            self.graph = modes[mode][0]  # recompiles forward
+            self.graph_training = mode
         return nn.Module.train(self, mode)
+
+
+# -- building ----------------------------------------------------------------------------------------
+
+def _set(root: nn.Module, fqn: str, value: Any, kind: str, persistent: bool = True) -> None:
+    *path, leaf = fqn.split(".")
+    mod = root
+    for part in path:
+        if not hasattr(mod, part):
+            mod.add_module(part, nn.Module())
+        mod = getattr(mod, part)
+    if kind == "parameter":
+        mod.register_parameter(leaf, value)
+    else:
+        if leaf in mod._buffers:
+            del mod._buffers[leaf]
+            mod._non_persistent_buffers_set.discard(leaf)
+        mod.register_buffer(leaf, value, persistent=persistent)
+
+
+def register_state(root: nn.Module, graph: OpGraph, plan: Plan, mesh: DeviceMesh,
+                   model: nn.Module) -> dict[str, tuple[Placement, ...]]:
+    """This rank's state on ``root``: parameters as DTensors of its shard, buffers and constants as
+    they are, each a copy (the module owns its tensors: training it leaves ``model`` as it was). A
+    parameter on the meta device gets an uninitialized shard of its local shape on the mesh's device
+    (never its full size); a buffer on meta an uninitialized tensor (``autotp.load_weights`` fills
+    both). Returns autotp's placements of every parameter name (tied names too)."""
+    mesh_shape, coordinate = tuple(int(n) for n in mesh.mesh.shape), mesh.get_coordinate()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    device = torch.device(mesh.device_type)
+    placements_of: dict[str, tuple[Placement, ...]] = {}
+    for p in graph.parameters:
+        full = params[p.fqn].detach()
+        placements = plan.strategy(p.node).output
+        if full.is_meta:
+            local = torch.empty(local_shape(full.shape, placements, mesh_shape, coordinate), dtype=full.dtype,
+                                device=device)
+        else:
+            local = local_shard(full, placements, coordinate, mesh_shape)
+            if local.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
+                local = local.clone()  # a replicated parameter would be the model's own tensor
+        param = nn.Parameter(as_dtensor(local, mesh, placements, full.shape), requires_grad=params[p.fqn].requires_grad)
+        param._autotp_placements = placements  # type: ignore[attr-defined]
+        for name in (p.fqn, *p.aliases):
+            placements_of[name] = placements
+            _set(root, name, param, "parameter")
+    persistent = set(model.state_dict().keys())
+    buffers = dict(model.named_buffers())
+    for name, buf in buffers.items():
+        value = torch.empty_like(buf, device=device) if buf.is_meta else buf.detach().to(device).clone()
+        _set(root, name, value, "buffer", persistent=name in persistent)
+    for name, const in graph.exported.constants.items():
+        if isinstance(const, torch.Tensor):
+            # export lifts non-persistent buffers as constants; a model traced on meta has them real
+            value = buffers[name] if const.is_meta and name in buffers else const
+            _set(root, constant_name(name), value.detach().to(device).clone(), "buffer", persistent=False)
+    return placements_of
+
+
+def build_parallel_module(graph: OpGraph, plan: Plan, mesh: DeviceMesh, model: nn.Module,
+                          seed: int | None = None, switch: ModeSwitch | None = None,
+                          check_inputs: int | None = 0) -> ParallelModule:
+    """The parallel module of this rank: its state (:func:`register_state`) and the graph of
+    :class:`autotp.rewrite.GraphRewrite`. ``seed``: the base seed of the dropout masks
+    (:mod:`autotp.dropout`), equal on every rank; default ``torch.initial_seed()``. ``switch``: how to
+    make the graph of the model's other mode when ``train()``/``eval()`` asks for it; without it the
+    module runs the traced mode only. ``check_inputs``: how many calls of each graph compare the inputs
+    across the ranks (:class:`autotp.guard.SameOnEveryRank`; None: every call; default none,
+    ``autotp.parallelize`` checks its first calls)."""
+    root = nn.Module()
+    placements = register_state(root, graph, plan, mesh, model)
+    rewrite = GraphRewrite(graph, plan, mesh, root, seed, check_inputs=check_inputs)
+    rewrite.emit()
+    gm = ParallelModule(root, rewrite.fx, class_name="AutotpParallelModule")
+    # GraphModule copies only what the graph touches: register tied names and unused state too
+    present = set(dict(gm.named_parameters(remove_duplicate=False))) | set(dict(gm.named_buffers()))
+    for name, param in root.named_parameters(remove_duplicate=False):
+        if name not in present:
+            _set(gm, name, param, "parameter")
+    persistent = set(model.state_dict().keys())
+    for name, buf in root.named_buffers():
+        # GraphModule re-registers the buffers it reads as persistent: restore the model's choice
+        _set(gm, name, buf, "buffer", persistent=name in persistent)
+    # by name on the module, where they outlive .to() and .half() (which make new parameters)
+    gm.autotp_placements = placements  # type: ignore[assignment]
+    rewrite.finish(gm)
+    gm._autotp_init(graph, plan, switch, check_inputs)
+    return gm
+
+
+def build_graph(graph: OpGraph, plan: Plan, mesh: DeviceMesh, module: ParallelModule, seed: int | None = None,
+                prefix: str = "") -> torch.fx.Graph:
+    """The graph of ``graph`` (another mode of ``module``'s model) over ``module``'s parameters and
+    buffers, its own submodules added to ``module`` under names that start with ``prefix``."""
+    for name, const in graph.exported.constants.items():
+        target = constant_name(name)
+        if isinstance(const, torch.Tensor) and not _has_buffer(module, target):
+            if const.is_meta:
+                raise NotImplementedError(f"the model in this mode reads the constant {name}, which it did not read "
+                                          f"when it was parallelized; parallelize it in this mode")
+            _set(module, target, const.detach().to(torch.device(mesh.device_type)).clone(), "buffer",
+                 persistent=False)
+    rewrite = GraphRewrite(graph, plan, mesh, module, seed, prefix=prefix, check_inputs=module.autotp_check_inputs)
+    rewrite.emit()
+    gm = rewrite.finish(torch.fx.GraphModule(module, rewrite.fx))  # over the module's state, for a while
+    # the recomputed layers' modules go to the module; the ones moved into them leave it
+    for name in rewrite.added:
+        if not hasattr(gm, name):
+            delattr(module, name)
+    for name, child in gm.named_children():
+        if not hasattr(module, name):
+            module.add_module(name, child)
+    return gm.graph
+
+
+def _has_buffer(module: nn.Module, target: str) -> bool:
+    try:
+        module.get_buffer(target)
+        return True
+    except AttributeError:
+        return False

@@ -27,12 +27,12 @@ from autotp.capture import capture
 from autotp.costing import MODES
 from autotp.guard import DEFAULT_INPUT_CHECKS
 from autotp.mesh import MeshSpec
-from autotp.module import ModeSwitch, ParallelModule, meta_copy
+from autotp.module import ModeSwitch, ParallelModule, build_parallel_module, meta_copy
 from autotp.meta import unfillable_state
 from autotp.plan import Plan, PlanError
 from autotp.planner import plan_graph, resolve_hardware
 from autotp.recompute import check_recompute
-from autotp.rewrite import build_parallel_module, has_active_dropout
+from autotp.rewrite import has_active_dropout
 from autotp.solver import MemoryBudgetError
 
 __all__ = ["parallelize", "default_hardware"]
@@ -94,8 +94,10 @@ def _agreed_plan(graph, spec: MeshSpec, mesh, hardware: Any, mode: str, memory_b
     error: Optional[BaseException] = None
     if all(c == 0 for c in coordinate):
         try:
+            # not explainable: the plan would keep the capture, which holds the model's tensors (the
+            # parallel module keeps its plan, and `del model` must free the model)
             plan = plan_graph(graph, spec, hardware, mode, memory_budget, capture_s=capture_s, optimizer=optimizer,
-                              recompute=recompute, keep=keep, hardware_source=hardware_source)
+                              recompute=recompute, keep=keep, hardware_source=hardware_source, explainable=False)
             payload = [("plan", plan.to_json())]
         except MemoryBudgetError as err:
             payload, error = [("budget", str(err), err.minimum_bytes)], err
@@ -211,11 +213,16 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
         plan = _agreed_plan(graph, spec, mesh, hardware, mode, memory_budget, time.perf_counter() - t0, optimizer,
                             recompute, hardware_source=source)
     plan.check_matches(graph, spec)
-    # dropout masks: one base seed for all ranks, the first rank's (autotp.dropout)
-    seed = _from_first_rank(mesh, [torch.initial_seed()])[0] if has_active_dropout(graph) else None
+    seed = dropout_seed(mesh, graph)
     switch = ModeSwitch(meta_copy(model), example_inputs, dynamic_dims, mesh, memory_budget, recompute)
     module = build_parallel_module(graph, plan, mesh, model, seed, switch, check_inputs)
     return module.train(training)
+
+
+def dropout_seed(mesh, graph) -> Optional[int]:
+    """The base seed of the dropout masks, the first rank's on every rank (:mod:`autotp.dropout`);
+    None (and no broadcast) for a graph that drops nothing."""
+    return _from_first_rank(mesh, [torch.initial_seed()])[0] if has_active_dropout(graph) else None
 
 
 def _input_checks(value: Any) -> Optional[int]:

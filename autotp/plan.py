@@ -22,7 +22,7 @@ from cost_models import HardwareProfile, OptimizerSpec
 
 from autotp import ops
 from autotp.dynamic import Divisibility, DynamicDim
-from autotp.graph import OpGraph, PARAMETER
+from autotp.graph import INPUT, OpGraph, PARAMETER
 from autotp.mesh import MeshSpec
 from autotp.placement import Strategy, dim_divisor, format_placements
 from autotp.program import Collective
@@ -307,7 +307,7 @@ class Plan:
             return (f"the plan was traced with the model in {made} mode, and the model was traced in {now} mode "
                     f"(dropout and batch norm differ between the two); call model.{made}() before parallelize, or "
                     f"plan the model in {now} mode")
-        given = {n.name: n.outputs[0] for n in graph.nodes if n.role == "input"}
+        given = {n.name: n.outputs[0] for n in graph.nodes if n.role == INPUT}
         for planned in self.inputs:
             info = given.get(planned.name)
             if info is None:

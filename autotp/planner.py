@@ -69,7 +69,8 @@ def resolve_hardware(hardware: Any) -> HardwareProfile:
 def hardware_origin(hardware: Any) -> str:
     """Where a profile came from, for the report: the default, a built-in profile or a file."""
     if hardware is None:
-        return f"the default of autotp.plan and the CLI (no hardware given: --hardware or hardware= names another profile or a profile file)"
+        return ("the default of autotp.plan and the CLI (no hardware given: --hardware or hardware= names another "
+                "profile or a profile file)")
     if isinstance(hardware, HardwareProfile):
         return "given as a HardwareProfile"
     if isinstance(hardware, str) and hardware in builtin_profile_names():

@@ -1,7 +1,7 @@
-"""Rewrite: an exported graph and its Plan → a ``torch.fx.GraphModule`` that runs on local shards.
+"""Rewrite: an exported graph and its Plan → the ``torch.fx`` graph of one rank, on local shards.
 
-The module's parameters are DTensors with the planned placements, registered under the model's
-own names (its ``state_dict`` keys equal the model's). Its graph runs every op on the local shard
+The graph reads the parallel module's parameters (DTensors with the planned placements, under the
+model's own names: :mod:`autotp.module` registers them) and runs every op on the local shard
 (shape arguments rewritten to local shapes, a row-split embedding as a masked lookup, dropout with
 masks that follow the shards: :mod:`autotp.dropout`), the layers the plan recomputes run under
 ``torch.utils.checkpoint`` (:mod:`autotp.recompute`), and it holds
@@ -31,7 +31,6 @@ from autotp.dropout import ShardedDropout
 from autotp.dynamic import requirements
 from autotp.graph import OpGraph
 from autotp.guard import InputGuard, InputSpec, SameOnEveryRank
-from autotp.module import ModeSwitch, ParallelModule
 from autotp.placement import Placement, dim_pieces, local_shape, piece_range, piece_sizes
 from autotp.plan import Plan
 from autotp.program import OUTPUT, reads
@@ -39,45 +38,37 @@ from autotp.recompute import apply_recompute, recomputed_nodes
 from autotp.redistribute import conversion, fused_axes, reduced_axes
 from autotp.rules.blocks import cut_blocks, local_cut_arguments, slice_range
 from autotp.rules.reductions import reduced_dims
-from autotp.shards import as_dtensor, block_index, local_shard
+from autotp.shards import block_index
 
-__all__ = ["build_parallel_module", "build_graph", "has_active_dropout"]
+__all__ = ["GraphRewrite", "has_active_dropout", "constant_name"]
 
 aten = torch.ops.aten
 
 
-def _set(root: nn.Module, fqn: str, value: Any, kind: str, persistent: bool = True) -> None:
-    *path, leaf = fqn.split(".")
-    mod = root
-    for part in path:
-        if not hasattr(mod, part):
-            mod.add_module(part, nn.Module())
-        mod = getattr(mod, part)
-    if kind == "parameter":
-        mod.register_parameter(leaf, value)
-    else:
-        if leaf in mod._buffers:
-            del mod._buffers[leaf]
-            mod._non_persistent_buffers_set.discard(leaf)
-        mod.register_buffer(leaf, value, persistent=persistent)
+def constant_name(name: str) -> str:
+    """Where the parallel module holds the exported program's constant ``name`` (a lifted tensor)."""
+    return "_autotp_constants." + name.replace(".", "_")
 
 
-class _Builder:
-    def __init__(self, graph: OpGraph, plan: Plan, mesh: DeviceMesh, model: nn.Module,
-                 seed: int | None = None, existing: ParallelModule | None = None, prefix: str = "",
-                 check_inputs: int | None = 0) -> None:
-        """``existing``: build only a graph, over that module's parameters and buffers (the graph of
-        another mode, :mod:`autotp.module`), naming its own submodules with ``prefix``.
-        ``check_inputs``: how many calls compare the inputs across the ranks (None: every call)."""
-        self.g, self.plan, self.mesh, self.model = graph, plan, mesh, model
+class GraphRewrite:
+    """The graph of one rank, emitted over ``root``: a module that already holds the parameters,
+    buffers and constants under their names (:func:`autotp.module.register_state`). The submodules
+    the graph calls (collectives, dropout, the input guard, recomputed layers) are added to ``root``
+    under names that start with ``prefix`` (another mode's graph of the same module names its own).
+    ``check_inputs``: how many calls compare the inputs across the ranks (None: every call).
+
+    ``emit()`` builds ``self.fx``; ``finish(gm)`` completes a GraphModule made on it."""
+
+    def __init__(self, graph: OpGraph, plan: Plan, mesh: DeviceMesh, root: nn.Module,
+                 seed: int | None = None, prefix: str = "", check_inputs: int | None = 0) -> None:
+        self.g, self.plan, self.mesh, self.root = graph, plan, mesh, root
         self.check_inputs = check_inputs
-        self.existing, self.prefix = existing, prefix
+        self.prefix = prefix
         self.ep = graph.exported
         self.mesh_shape = tuple(int(n) for n in mesh.mesh.shape)
         self.coordinate = mesh.get_coordinate()
         self.axis_names = plan.mesh.axis_names
         self.groups = [mesh.get_group(a) for a in range(len(self.mesh_shape))]
-        self.root = nn.Module() if existing is None else existing
         self.added: list[str] = []  # the submodules this build added to the root
         self.fx = torch.fx.Graph()
         self.local: dict[str, torch.fx.Node] = {}  # producer name -> its local value
@@ -91,48 +82,9 @@ class _Builder:
         self.recomputed = recomputed_nodes(graph, plan.recompute)  # node -> the recomputed layer it is in
         self.layer_of: dict[str, str] = {}  # fx node name -> the recomputed layer it runs in
         self.size_layer: dict[str, str] = {}  # exported size node -> the recomputed layer it is computed in
-        self.placements: dict[str, tuple[Placement, ...]] = {}  # parameter name -> autotp's placements
         program_reads = reads(graph, plan.strategies, plan.mesh, train)
         self.grad_axes = {(r.consumer, r.index): r.grad_axes for r in program_reads}
         self.read_keys = {(r.consumer, r.index): r.value for r in program_reads}  # what reads share
-
-    # -- state ---------------------------------------------------------------------------------
-
-    def register_state(self) -> None:
-        """Parameters as DTensors of this rank's shard, buffers and constants as they are. A parameter
-        on the meta device gets an uninitialized shard of its local shape on the mesh's device (never
-        its full size); a buffer on meta an uninitialized tensor (``autotp.load_weights`` fills both)."""
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        device = torch.device(self.mesh.device_type)
-        for p in self.g.parameters:
-            full = params[p.fqn].detach()
-            placements = self.plan.strategy(p.node).output
-            if full.is_meta:
-                local = torch.empty(local_shape(full.shape, placements, self.mesh_shape, self.coordinate),
-                                    dtype=full.dtype, device=device)
-            else:
-                local = local_shard(full, placements, self.coordinate, self.mesh_shape)
-                if local.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
-                    # a replicated parameter would be the model's own tensor: the parallel module owns
-                    # its values, and training it leaves the model as it was (never half-changed)
-                    local = local.clone()
-            dt = as_dtensor(local, self.mesh, placements, full.shape)
-            param = nn.Parameter(dt, requires_grad=params[p.fqn].requires_grad)
-            param._autotp_placements = placements  # type: ignore[attr-defined]
-            for name in (p.fqn, *p.aliases):
-                self.placements[name] = placements
-                _set(self.root, name, param, "parameter")
-        persistent = set(self.model.state_dict().keys())
-        buffers = dict(self.model.named_buffers())
-        for name, buf in buffers.items():
-            value = torch.empty_like(buf, device=device) if buf.is_meta else buf.detach().to(device).clone()
-            _set(self.root, name, value, "buffer", persistent=name in persistent)
-        for name, const in self.ep.constants.items():
-            if isinstance(const, torch.Tensor):
-                # export lifts non-persistent buffers as constants; a model traced on meta has them real
-                value = buffers[name] if const.is_meta and name in buffers else const
-                _set(self.root, "_autotp_constants." + name.replace(".", "_"), value.detach().to(device).clone(),
-                     "buffer", persistent=False)
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -204,52 +156,27 @@ class _Builder:
 
     # -- graph ---------------------------------------------------------------------------------
 
-    def build(self) -> torch.fx.GraphModule:
-        if self.existing is None:
-            self.register_state()
-        else:
-            self.placements = dict(self.existing.autotp_placements)
-        self.build_graph()
-        if self.existing is None:
-            gm = ParallelModule(self.root, self.fx, class_name="AutotpParallelModule")
-            # GraphModule copies only what the graph touches: register tied names and unused state too
-            present = set(dict(gm.named_parameters(remove_duplicate=False))) | set(dict(gm.named_buffers()))
-            for name, param in self.root.named_parameters(remove_duplicate=False):
-                if name not in present:
-                    _set(gm, name, param, "parameter")
-            persistent = set(self.model.state_dict().keys())
-            for name, buf in self.root.named_buffers():
-                # GraphModule re-registers the buffers it reads as persistent: restore the model's choice
-                _set(gm, name, buf, "buffer", persistent=name in persistent)
-        else:
-            gm = torch.fx.GraphModule(self.root, self.fx)  # a module over the existing one's state, for a while
-        # export's own module: its codegen (the inputs' pytree) and its input guards (emit_guard)
+    def finish(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        """``gm`` (made on ``self.fx``) with export's codegen (the inputs' pytree) and input guards
+        (:meth:`emit_guard`), recompiled, and the layers the plan recomputes moved into their
+        checkpointed submodules (:func:`autotp.recompute.apply_recompute`)."""
         unlifted = self.ep.module()
         gm.graph._codegen = unlifted.graph._codegen
         guard = getattr(gm, self.guard_name, None)
         if guard is not None:
             guard.recorded = getattr(unlifted, "_guards_fn", None)
         gm.recompile()
-        if self.existing is None:
-            # by name on the module, where they outlive .to() and .half() (which make new parameters)
-            gm.autotp_placements = dict(self.placements)  # type: ignore[assignment]
         if self.layer_of:
             apply_recompute(gm, {n: self.layer_of[n.name] for n in gm.graph.nodes if n.name in self.layer_of},
                             prefix=self.prefix)
-        if self.existing is not None:  # the layers' modules go to the existing module; moved ones leave it
-            for name in self.added:
-                if not hasattr(gm, name):
-                    delattr(self.existing, name)
-            for name, child in gm.named_children():
-                if not hasattr(self.existing, name):
-                    self.existing.add_module(name, child)
         return gm
 
     @property
     def guard_name(self) -> str:
         return f"autotp_{self.prefix}input_guard"
 
-    def build_graph(self) -> None:
+    def emit(self) -> None:
+        """The graph, node by node from the exported one, into ``self.fx``."""
         sig = self.ep.graph_signature
         specs = {s.arg.name: s for s in sig.input_specs if hasattr(s.arg, "name")}
         alias = dict(self.g.alias_placeholders)
@@ -275,7 +202,7 @@ class _Builder:
                 elif kind == "BUFFER":
                     self.local[node.name] = self.fx.get_attr(spec.target)
                 else:
-                    self.local[node.name] = self.fx.get_attr("_autotp_constants." + spec.target.replace(".", "_"))
+                    self.local[node.name] = self.fx.get_attr(constant_name(spec.target))
             elif node.op == "call_function":
                 if node.name not in self.g and _is_size(node):
                     tail = self.fx._root.prev
@@ -295,7 +222,7 @@ class _Builder:
                                                   f"{list(node.users)}; autotp cannot run it on shards yet")
                     continue
                 tail = self.fx._root.prev  # the last node so far: what emit adds comes after it
-                self.emit(node, alias)
+                self.emit_node(node, alias)
                 layer = self.recomputed.get(node.name)
                 if layer is not None:  # the node and the reads made for it run in its layer's recompute
                     self.tag_since(tail, layer)
@@ -324,7 +251,7 @@ class _Builder:
             self.added.append(self.guard_name)
             self.fx.call_module(self.guard_name, tuple(node for node, _ in user_inputs))
 
-    def emit(self, node: torch.fx.Node, alias: dict[str, str]) -> None:
+    def emit_node(self, node: torch.fx.Node, alias: dict[str, str]) -> None:
         op = self.g[node.name]
         strat = self.plan.strategy(node.name)
         if node.target is operator.getitem:
@@ -513,43 +440,5 @@ def _is_size(node: torch.fx.Node) -> bool:
 def has_active_dropout(graph: OpGraph) -> bool:
     """Whether the graph drops anything at run time (then its ranks must agree on a seed)."""
     return graph.exported is not None and any(
-        n.op == "call_function" and str(n.target) in ops.DROPOUT and _Builder.active_dropout(n.args)
+        n.op == "call_function" and str(n.target) in ops.DROPOUT and GraphRewrite.active_dropout(n.args)
         for n in graph.exported.graph.nodes)
-
-
-def build_parallel_module(graph: OpGraph, plan: Plan, mesh: DeviceMesh, model: nn.Module,
-                          seed: int | None = None, switch: ModeSwitch | None = None,
-                          check_inputs: int | None = 0) -> ParallelModule:
-    """The rewritten module for this rank (see the module docstring). ``seed``: the base seed of the
-    dropout masks (:mod:`autotp.dropout`), equal on every rank; default ``torch.initial_seed()``.
-    ``switch``: how to make the graph of the model's other mode when ``train()``/``eval()`` asks for
-    it (:mod:`autotp.module`); without it the module runs the traced mode only. ``check_inputs``: how
-    many calls of each graph compare the inputs across the ranks (:class:`autotp.guard.SameOnEveryRank`;
-    None: every call; default none, ``autotp.parallelize`` checks its first calls)."""
-    gm = _Builder(graph, plan, mesh, model, seed, check_inputs=check_inputs).build()
-    gm._autotp_init(graph, plan, switch, check_inputs)
-    return gm
-
-
-def build_graph(graph: OpGraph, plan: Plan, mesh: DeviceMesh, module: ParallelModule, seed: int | None = None,
-                prefix: str = "") -> torch.fx.Graph:
-    """The graph of ``graph`` (another mode of ``module``'s model) over ``module``'s parameters and
-    buffers, its own submodules added to ``module`` under names that start with ``prefix``."""
-    for name, const in graph.exported.constants.items():
-        target = "_autotp_constants." + name.replace(".", "_")
-        if isinstance(const, torch.Tensor) and not _has(module, target):
-            if const.is_meta:
-                raise NotImplementedError(f"the model in this mode reads the constant {name}, which it did not read "
-                                          f"when it was parallelized; parallelize it in this mode")
-            _set(module, target, const.detach().to(torch.device(mesh.device_type)).clone(), "buffer",
-                 persistent=False)
-    return _Builder(graph, plan, mesh, module, seed, existing=module, prefix=prefix,
-                    check_inputs=module.autotp_check_inputs).build().graph
-
-
-def _has(module: nn.Module, target: str) -> bool:
-    try:
-        module.get_buffer(target)
-        return True
-    except AttributeError:
-        return False

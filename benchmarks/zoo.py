@@ -529,7 +529,7 @@ def _step(model: torch.nn.Module, inputs: dict) -> tuple[torch.Tensor, dict[str,
 def _rank(rank: int, world: int, graph, plan, model, inputs) -> tuple[torch.Tensor, dict]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.rewrite import build_parallel_module
+    from autotp.module import build_parallel_module
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     return _step(build_parallel_module(graph, plan, mesh, model), inputs)

@@ -60,7 +60,7 @@ class Experts(nn.Module):
 def _rank(rank, world, graph, plan, model, x):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.rewrite import build_parallel_module
+    from autotp.module import build_parallel_module
 
     pm = build_parallel_module(graph, plan, init_device_mesh("cpu", (world,)), model)
     return pm(x).detach()

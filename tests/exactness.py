@@ -10,7 +10,7 @@ from examples.ranks import run_threads
 def _step(rank, world, graph, plan, model, x):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.rewrite import build_parallel_module
+    from autotp.module import build_parallel_module
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     pm = build_parallel_module(graph, plan, mesh, model)

@@ -145,7 +145,7 @@ TINY = {"gpt2": _gpt2, "phi3": _phi3, "mixtral": _mixtral}
 def _full_weights(rank, world, graph, plan, model):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.rewrite import build_parallel_module
+    from autotp.module import build_parallel_module
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     pm = build_parallel_module(graph, plan, mesh, model)
@@ -196,7 +196,7 @@ def _checkpoint_round_trip(rank, world, graph, plan, model, other, directory, un
     import autotp
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.rewrite import build_parallel_module
+    from autotp.module import build_parallel_module
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     saved = build_parallel_module(graph, plan, mesh, model)

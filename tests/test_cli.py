@@ -191,6 +191,10 @@ def test_explain_prices_each_placement_of_a_replicated_weight(capsys):
     assert chosen[0].step_s == plan.predicted_time().total_s
     others = [a for a in why.alternatives if not a.chosen and not a.refused]
     assert others and all(a.step_s >= chosen[0].step_s * (1 - 1e-9) for a in others)
+    # each row is the plan the public pin gives (autotp.plan(pin=...)), not a figure of explain's own
+    pinned = autotp.plan(model, (2,), inputs, hardware="cpu-gloo", pin={"layers.0.mlp.up_proj.weight": others[0].placement})
+    assert others[0].step_s == pinned.predicted_time().total_s
+    assert others[0].memory_bytes == pinned.memory_per_device().total_bytes
     assert {a.placement for a in why.alternatives} >= {"R", "S(0)", "S(1)"}
     assert "Why these modules stay replicated" in plan.report(explain=True)
     with pytest.raises(autotp.PlanError, match="loaded from a file"):

@@ -46,7 +46,7 @@ def _run(rank, world, graph, plan, x, model):
     from torch.distributed.device_mesh import init_device_mesh
 
     from autotp.dropout import ShardedDropout
-    from autotp.rewrite import build_parallel_module
+    from autotp.module import build_parallel_module
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     pm = build_parallel_module(graph, plan, mesh, model, seed=1234)  # (built once: seeding is process-wide)

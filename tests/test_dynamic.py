@@ -57,7 +57,7 @@ def _run_at_sizes(rank, world, name, prepared, sizes):
     """Build from ``prepared``, then per (batch, seq): outputs and gradients against one process."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.rewrite import build_parallel_module
+    from autotp.module import build_parallel_module
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     graph, plan = prepared
@@ -101,7 +101,7 @@ def _refused(rank, world, name, prepared, inputs):
     """Each call must raise before any collective; returns the messages."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.rewrite import build_parallel_module
+    from autotp.module import build_parallel_module
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     graph, plan = prepared
@@ -178,7 +178,7 @@ def test_report_lists_dynamic_dims_and_what_the_plan_needs():
 def _generate(rank, world, prepared, prompt):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.rewrite import build_parallel_module
+    from autotp.module import build_parallel_module
     from examples.generate import NEW_TOKENS, build, greedy
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
@@ -250,7 +250,7 @@ class _Branchy(torch.nn.Module):
 def _branchy(rank, world, graph, plan, model):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.rewrite import build_parallel_module
+    from autotp.module import build_parallel_module
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     pm = build_parallel_module(graph, plan, mesh, model)

@@ -431,7 +431,7 @@ def _load_where_one_rank_sees_another_checkpoint(rank, world, prepared, director
     from torch.distributed.device_mesh import init_device_mesh
 
     import autotp
-    from autotp.rewrite import build_parallel_module
+    from autotp.module import build_parallel_module
 
     graph, plan = prepared
     pm = build_parallel_module(graph, plan, init_device_mesh("cpu", (world,)), copy.deepcopy(model))

@@ -30,7 +30,7 @@ from torch import nn
 
 import autotp
 from autotp.planner import plan_graph
-from autotp.rewrite import build_parallel_module
+from autotp.module import build_parallel_module
 from examples.ranks import run_threads
 from observed import CollectiveLog, assert_as_planned
 

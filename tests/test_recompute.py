@@ -110,7 +110,7 @@ def _run_recompute(rank, world, graph, plan, model, x):
     from torch.distributed.device_mesh import init_device_mesh
 
     from autotp.recompute import Recompute
-    from autotp.rewrite import build_parallel_module
+    from autotp.module import build_parallel_module
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     pm = build_parallel_module(graph, plan, mesh, model)
@@ -141,7 +141,7 @@ def test_recomputing_module_is_exact_and_runs_the_planned_collectives(llama):
 def _run_other_size(rank, world, graph, plan, model, x):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.rewrite import build_parallel_module
+    from autotp.module import build_parallel_module
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     pm = build_parallel_module(graph, plan, mesh, model)
@@ -191,7 +191,7 @@ class _DropStack(nn.Module):
 def _run_dropout(rank, world, graph, plans, model, x):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.rewrite import build_parallel_module
+    from autotp.module import build_parallel_module
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     results = []

@@ -44,7 +44,7 @@ def _step(rank, world, graph, plan, model, x):
     from torch.distributed.device_mesh import init_device_mesh
 
     from autotp.checkpoint import full_tensor
-    from autotp.rewrite import build_parallel_module
+    from autotp.module import build_parallel_module
     from autotp.shards import placements_of
 
     pm = build_parallel_module(graph, plan, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)), model)

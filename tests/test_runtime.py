@@ -129,7 +129,7 @@ def _prepare(factory, world, mode):
 
 
 def _build(model, mesh, prepared):
-    from autotp.rewrite import build_parallel_module
+    from autotp.module import build_parallel_module
 
     graph, plan = prepared
     return build_parallel_module(graph, plan, mesh, model)

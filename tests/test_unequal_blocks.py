@@ -116,7 +116,7 @@ def _pinned_bigcode():
 def _round_trip(rank, world, graph, plan, model, other, directory, safetensors_dir):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.rewrite import build_parallel_module
+    from autotp.module import build_parallel_module
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     saved = build_parallel_module(graph, plan, mesh, model)

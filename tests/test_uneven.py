@@ -101,7 +101,7 @@ def _round_trip(rank, world, graph, plan, model, directory, safetensors_dir):
     from torch.distributed.device_mesh import init_device_mesh
 
     from autotp import checkpoint
-    from autotp.rewrite import build_parallel_module
+    from autotp.module import build_parallel_module
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     # a copy per rank: threaded ranks would otherwise share the replicated tensors, which the rewrite
