@@ -20,6 +20,8 @@ switches after it swap the graph only.
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import re
 from typing import Any, Optional
 
@@ -68,6 +70,8 @@ class ModeSwitch:
         self.mesh = mesh
         self.memory_budget = memory_budget
         self.recompute = recompute
+        # what users read from the model itself (a Hugging Face model's config), kept on the module
+        self.attributes = {name: getattr(skeleton, name, None) for name in _MODEL_ATTRIBUTES}
 
     def graph_for(self, module: "ParallelModule", training: bool) -> tuple[torch.fx.Graph, Any, tuple]:
         """The graph (on ``module``'s state), the plan and the ops (:func:`op_signature`) of ``module``'s
@@ -112,13 +116,24 @@ def op_signature(graph: Any) -> tuple:
                  for x in graph.exported.graph.nodes)
 
 
+@functools.lru_cache(maxsize=64)
+def _input_names(forward: Any) -> tuple[str, ...]:
+    """The inputs a graph's generated ``forward`` takes (export's codegen names them as the model's)."""
+    return tuple(n for n in inspect.signature(forward).parameters if n != "self")
+
+
+_MODEL_ATTRIBUTES = ("config", "generation_config", "name_or_path")
+
 _DEVICE = re.compile(r"device\(type='[^']*'(, index=\d+)?\)")
 
 
 class ParallelModule(torch.fx.GraphModule):
     """What ``autotp.parallelize`` returns (module docstring). Besides the ``GraphModule``, it has
     ``plan`` (the plan of the graph that runs now), ``plans`` (per mode, ``True`` for train, the plans
-    made so far), ``graph_training`` (the mode of the graph that runs now) and ``autotp_placements``."""
+    made so far), ``graph_training`` (the mode of the graph that runs now) and ``autotp_placements``;
+    and what users read from the model: its ``config``, ``generation_config`` and ``name_or_path``
+    where it has them. A keyword argument the trace did not see is a ``TypeError`` that says how to
+    give it to ``autotp.parallelize``."""
 
     def _autotp_init(self, graph: Any, plan: Any, switch: Optional[ModeSwitch], check_inputs: Optional[int]) -> None:
         """Called once when built: the graph just built is the one of the traced mode. Per mode: the fx
@@ -127,7 +142,22 @@ class ParallelModule(torch.fx.GraphModule):
         self.graph_training = bool(graph.training)
         self._autotp_modes = {self.graph_training: (self.graph, plan, op_signature(graph))}
         self._autotp_switch = switch
+        for name in _MODEL_ATTRIBUTES:  # what users read from a Hugging Face model
+            if getattr(switch, "attributes", {}).get(name) is not None:
+                setattr(self, name, switch.attributes[name])
         nn.Module.train(self, self.graph_training)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            inputs = _input_names(type(self).forward)
+            unknown = [k for k in kwargs if k not in inputs]
+            if unknown:
+                traced = ", ".join(inputs)
+                raise TypeError(f"this parallel module was traced with the inputs ({traced}) and was given "
+                                f"{', '.join(unknown)}, which the trace did not see and the plan does not cover; give "
+                                f"them to autotp.parallelize in the example inputs, e.g. example_inputs="
+                                f"{{{', '.join(repr(n) + ': ...' for n in [*inputs, *unknown])}}}")
+        return super().__call__(*args, **kwargs)
 
     @property
     def plan(self) -> Any:

@@ -144,6 +144,9 @@ def _one_rank_outcomes(mesh):
     out["call_other_rank"] = _attempt(mesh, gpt2, lambda: gpt2_pm(gpt2_ids.reshape(8, 8, 8)))
     out["call_other_dtype"] = _attempt(mesh, gpt2, lambda: gpt2_pm(gpt2_ids.int()))
     out["call_same_shape"] = tuple(gpt2_pm(gpt2_ids.flip(0)).logits.shape)
+    out["call_unknown_keyword"] = _attempt(
+        mesh, gpt2, lambda: gpt2_pm(gpt2_ids, attention_mask=torch.ones_like(gpt2_ids)))
+    out["config"] = (gpt2_pm.config.to_dict() == gpt2.config.to_dict(), gpt2_pm.config is gpt2.config)
 
     # a plan made in one mode: an inference plan asked to train is refused; a train plan given a model
     # in eval mode builds the graph it was made for and switches to eval, as model.eval() would
@@ -227,6 +230,14 @@ def one_rank():
 @pytest.fixture(scope="module")
 def three_ranks():
     return run_threads(_three_rank_cases, 3)
+
+
+def test_a_keyword_the_trace_did_not_see_says_how_to_give_it(one_rank):
+    """``pm(ids, attention_mask=mask)`` on a module traced with ids alone was Python's bare "unexpected
+    keyword argument"; the module reads like the model (its config, a copy)."""
+    _assert_refused(one_rank["call_unknown_keyword"], "TypeError", "traced with the inputs (input_ids)",
+                    "attention_mask", "example_inputs={'input_ids': ..., 'attention_mask': ...}")
+    assert one_rank["config"] == (True, False)
 
 
 def test_a_rank_outside_the_mesh_is_refused_naming_it():
