@@ -87,7 +87,8 @@ class ModeSwitch:
         first = module.plan
         graph = capture(self.skeleton, self.example_inputs, self.dynamic_dims, training=training)
         spec = MeshSpec.of(self.mesh)
-        if op_signature(graph) == module.autotp_ops:
+        ops = op_signature(graph)
+        if ops == module.autotp_ops:
             plan = first
         else:
             pins = dict(first.parameter_placements)
@@ -98,7 +99,7 @@ class ModeSwitch:
         plan.check_matches(graph, spec)
         fx_graph = build_graph(graph, plan, self.mesh, module, dropout_seed(self.mesh, graph),
                                prefix=_mode(training) + "_")
-        return fx_graph, plan, op_signature(graph)
+        return fx_graph, plan, ops
 
 
 def _mode(training: bool) -> str:
