@@ -6,19 +6,19 @@
 
 from cost_models import OptimizerSpec
 
-from autotp import checkpoint
-from autotp.capture import CaptureError, capture
-from autotp.graph import OpGraph, OpNode, TensorInfo
-from autotp.plan import Plan, PlanError, load_plan
-from autotp.initialize import init_weights
-from autotp.loading import load_weights
-from autotp.meta import meta_init
 from autotp.parallel import parallelize
-from autotp.planner import plan
-from autotp.program import Collective
-from autotp.rules import register_rule, unregister_rule
-from autotp.rules.check import check_rule
-from autotp.solver import MemoryBudgetError
+from autotp.planning.errors import MemoryBudgetError, PlanError
+from autotp.planning.plan import Plan, load_plan
+from autotp.planning.planner import plan
+from autotp.planning.program import Collective
+from autotp.planning.rules import register_rule, unregister_rule
+from autotp.planning.rules.check import check_rule
+from autotp.tracing.export import CaptureError, capture
+from autotp.tracing.graph import OpGraph, OpNode, TensorInfo
+from autotp.weights import checkpoint
+from autotp.weights.initialize import init_weights
+from autotp.weights.loading import load_weights
+from autotp.weights.meta import meta_init
 
 __all__ = ["capture", "CaptureError", "OpGraph", "OpNode", "TensorInfo", "plan", "Plan", "PlanError", "load_plan",
            "Collective", "MemoryBudgetError", "parallelize", "checkpoint", "load_weights", "meta_init", "init_weights",

@@ -3,7 +3,7 @@
 Every stage that sorts ops by kind (capture: views and gradients; the rules: pointwise, linear in
 a partial sum, factories; the rewrite: shape arguments and dropout; the plan: where a weight
 enters a matmul) reads its set here. Ops are named as ``str(op)`` prints an ``OpOverload``
-(``"aten.view.default"``), which is how :class:`autotp.graph.OpNode` stores its target.
+(``"aten.view.default"``), which is how :class:`autotp.tracing.graph.OpNode` stores its target.
 
 >>> "aten.view.default" in VIEW and "aten.view.default" in SHAPE_ARGUMENT
 True

@@ -4,10 +4,8 @@ Everything is checked before anything is built, and the user's model is only rea
 raises with the model exactly as it was.
 
 One plan for all ranks: every rank captures the model (it needs the graph to build its module),
-but only the mesh's first rank solves; it broadcasts the plan as JSON, or its error, and every
-rank checks the plan against its own graph and builds from it. Ranks can thus never build from
-plans that differ (a solver stopped at its time limit is not deterministic), and a rank-0 error
-(a memory budget no plan meets) is raised on every rank rather than leaving the others waiting.
+but only the mesh's first rank solves (:mod:`autotp.runtime.agreement`); every rank checks the
+plan against its own graph and builds from it.
 
 The hardware a mesh is priced with follows its device type when none is given: ``cpu-gloo`` for
 a CPU mesh; on CUDA, the built-in profile of the device (``default_hardware``).
@@ -23,17 +21,17 @@ from torch import nn
 
 from cost_models import optimizer_spec
 
-from autotp.capture import capture
-from autotp.costing import MODES
-from autotp.guard import DEFAULT_INPUT_CHECKS
 from autotp.mesh import MeshSpec
-from autotp.module import ModeSwitch, ParallelModule, build_parallel_module, meta_copy
-from autotp.meta import unfillable_state
-from autotp.plan import Plan, PlanError
-from autotp.planner import plan_graph, resolve_hardware
-from autotp.recompute import check_recompute
-from autotp.rewrite import has_active_dropout
-from autotp.solver import MemoryBudgetError
+from autotp.planning.costing import MODES
+from autotp.planning.errors import PlanError
+from autotp.planning.plan import Plan
+from autotp.planning.planner import resolve_hardware
+from autotp.planning.recompute import check_recompute
+from autotp.runtime.agreement import agreed_plan, dropout_seed
+from autotp.runtime.guard import DEFAULT_INPUT_CHECKS
+from autotp.runtime.module import ModeSwitch, ParallelModule, build_parallel_module, meta_copy
+from autotp.tracing.export import capture
+from autotp.weights.meta import unfillable_state
 
 __all__ = ["parallelize", "default_hardware"]
 
@@ -68,57 +66,6 @@ def _device_type(model: nn.Module) -> Optional[str]:
     return types.pop() if len(types) == 1 else None
 
 
-_ERRORS = {"PlanError": PlanError, "ValueError": ValueError, "TypeError": TypeError}
-
-
-def _from_first_rank(mesh, payload: list[Any]) -> list[Any]:
-    """The first rank's ``payload`` on every rank: a broadcast along each axis in turn (from
-    coordinate 0 of that axis; ranks at coordinate 0 of the later axes pass it on)."""
-    import torch.distributed as dist
-
-    coordinate = mesh.get_coordinate()
-    for axis in range(mesh.ndim):
-        if all(c == 0 for c in coordinate[axis + 1:]):
-            dist.broadcast_object_list(payload, group=mesh.get_group(axis), group_src=0)
-    return payload
-
-
-def _agreed_plan(graph, spec: MeshSpec, mesh, hardware: Any, mode: str, memory_budget: Any, capture_s: float,
-                 optimizer: Any = "adamw", recompute: Optional[bool] = None, keep: Any = None,
-                 hardware_source: Optional[str] = None) -> Plan:
-    """The rank at the mesh's first coordinate plans; its plan (or its error) reaches every rank by a
-    broadcast along each axis in turn (from coordinate 0 of that axis), and every rank returns it."""
-    coordinate = mesh.get_coordinate()
-    payload: list[Any] = [None]
-    plan = None
-    error: Optional[BaseException] = None
-    if all(c == 0 for c in coordinate):
-        try:
-            # not explainable: the plan would keep the capture, which holds the model's tensors (the
-            # parallel module keeps its plan, and `del model` must free the model)
-            plan = plan_graph(graph, spec, hardware, mode, memory_budget, capture_s=capture_s, optimizer=optimizer,
-                              recompute=recompute, keep=keep, hardware_source=hardware_source, explainable=False)
-            payload = [("plan", plan.to_json())]
-        except MemoryBudgetError as err:
-            payload, error = [("budget", str(err), err.minimum_bytes)], err
-        except (PlanError, ValueError, TypeError) as err:
-            name = type(err).__name__ if type(err).__name__ in _ERRORS else "ValueError"
-            payload, error = [("error", name, str(err))], err
-        except BaseException as err:  # anything else: tell the others, then raise it here
-            payload, error = [("error", "RuntimeError", f"the first rank failed to plan: {type(err).__name__}: {err}")], err
-    payload = _from_first_rank(mesh, payload)
-    if error is not None:
-        raise error
-    kind, *rest = payload[0]
-    if plan is not None:
-        return plan
-    if kind == "plan":
-        return Plan.from_json(rest[0])
-    if kind == "budget":
-        raise MemoryBudgetError(rest[0], rest[1])
-    raise _ERRORS.get(rest[0], RuntimeError)(rest[1])
-
-
 def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional[Plan] = None, hardware: Any = None,
                 mode: Optional[str] = None, memory_budget: Any = None, dynamic_dims: Any = None,
                 optimizer: Any = "adamw", recompute: Optional[bool] = None,
@@ -136,18 +83,18 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
     ``mode``: ``"train"`` traces the model in the mode it is in, ``"inference"`` in eval mode; the
     result starts in that mode, and its ``train()`` / ``eval()`` switch what the model's would
     (dropout, batch norm; the first switch to the other mode traces it, collectively:
-    :mod:`autotp.module`). Default: the given plan's mode, else ``"train"``. The result owns its
+    :mod:`autotp.runtime.module`). Default: the given plan's mode, else ``"train"``. The result owns its
     tensors: training it never changes ``model`` (``del model`` frees the model's memory).
 
     Every rank must be given the same inputs (each reads its share of them itself):
     ``check_inputs`` compares a checksum of each input over the ranks on the first calls (an int:
     that many calls of each mode, default 8; True: every call; False: never) and raises on every
-    rank, naming the input and the ranks that differ (:mod:`autotp.guard`).
+    rank, naming the input and the ranks that differ (:mod:`autotp.runtime.guard`).
 
     The result runs at other sizes of the inputs' dynamic dims without planning again:
     ``dynamic_dims=None`` (default) makes the batch and sequence dims dynamic where the model allows
     (integer inputs: every dim; float inputs: all but the last), ``False`` none, and a dict such as
-    ``{"input_ids": (0, 1)}`` exactly those (:mod:`autotp.dynamic`). The plan is priced at the
+    ``{"input_ids": (0, 1)}`` exactly those (:mod:`autotp.tracing.dynamic`). The plan is priced at the
     example's sizes; ``result.plan.report()`` lists the dynamic dims and what the plan needs of them.
     With a ``plan`` given and ``dynamic_dims`` left at None, the model is traced as the plan was:
     dynamic if it was made with dynamic dims (``autotp.plan(..., dynamic_dims=None)``, ``autotp plan
@@ -210,19 +157,13 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
                          f"{', '.join(unfillable)}; build the model under autotp.meta_init() (parameters on meta, "
                          f"buffers made for real)")
     if plan is None:
-        plan = _agreed_plan(graph, spec, mesh, hardware, mode, memory_budget, time.perf_counter() - t0, optimizer,
+        plan = agreed_plan(graph, spec, mesh, hardware, mode, memory_budget, time.perf_counter() - t0, optimizer,
                             recompute, hardware_source=source)
     plan.check_matches(graph, spec)
     seed = dropout_seed(mesh, graph)
     switch = ModeSwitch(meta_copy(model), example_inputs, dynamic_dims, mesh, memory_budget, recompute)
     module = build_parallel_module(graph, plan, mesh, model, seed, switch, check_inputs)
     return module.train(training)
-
-
-def dropout_seed(mesh, graph) -> Optional[int]:
-    """The base seed of the dropout masks, the first rank's on every rank (:mod:`autotp.dropout`);
-    None (and no broadcast) for a graph that drops nothing."""
-    return _from_first_rank(mesh, [torch.initial_seed()])[0] if has_active_dropout(graph) else None
 
 
 def _input_checks(value: Any) -> Optional[int]:

@@ -21,7 +21,7 @@ on every rank, but its gradient arrives as one partial sum per rank, because the
 and every reader returns its partial gradient unreduced. The backward of a replicated op is linear in
 its output's gradient, so it passes the partial sums on to its own inputs, and one all_reduce (or
 the reduce-scatter of a gather) further up sums them, on a tensor that may be smaller or already
-reduced for other readers (:mod:`autotp.rules.gradients`).
+reduced for other readers (:mod:`autotp.planning.rules.gradients`).
 
 >>> str(Strategy(((R,), (R,)), (Rg,)))
 '(R, R) -> Rg'

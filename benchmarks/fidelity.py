@@ -138,8 +138,8 @@ def predicted_now_s(planned: dict, profile, devices: list, batch: int, seq: int)
     """Each plan's predicted step with the profile's links and the device measured
     just before and just after the steps (the mean of the two predictions): what the cost model
     says once the host's drift in speed since the profile is taken out."""
-    from autotp.costing import CostModel
-    from autotp.planner import predicted_time
+    from autotp.planning.costing import CostModel
+    from autotp.planning.planner import predicted_time
     from autotp.profiling.hardware import device_spec
 
     with torch.device("meta"):
@@ -171,7 +171,7 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "autotp.cli", "profile", "--nproc", "2", "-b", "64K", "-e", "256M",
                         "-f", "4", "-n", "5", "-w", "2", "--no-held-out", "-o", path], check=True,
                        stdout=subprocess.DEVNULL)
-    profile = autotp.planner.resolve_hardware(path)
+    profile = autotp.planning.planner.resolve_hardware(path)
     planned = plans(profile, args.batch, args.seq)
     load_before = os.getloadavg()[0]
     measured = run_ranks(_measure, 2, {k: p.to_json() for k, p in planned.items()}, args.batch, args.seq,

@@ -134,7 +134,7 @@ def build(layers: int):
 def plans(layers: int) -> dict[str, str]:
     """The five plans, as JSON (made once, on the first rank)."""
     import autotp
-    from autotp.planner import plan_graph
+    from autotp.planning.planner import plan_graph
 
     model, inputs = build(layers)
     graph = autotp.capture(model, inputs)

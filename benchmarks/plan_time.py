@@ -8,7 +8,7 @@ columns can be compared side by side.
 
 "tied" is what ``autotp.plan`` does; "old" is the same with ``recompute=False`` (the formulation
 before recompute was a choice). "untied" calls the planner's stages directly with
-an identity representative map (every node its own representative): ``autotp.planner.plan_graph``
+an identity representative map (every node its own representative): ``autotp.planning.planner.plan_graph``
 has no switch for it, so this script repeats its three steps (``find_repeats`` -> ``all_strategies``
 -> ``solver.solve``) with ``rep = {n: n}``.
 
@@ -45,12 +45,12 @@ def one(name: str, variant: str, solver_limit_s: float) -> dict:
     import torch  # noqa: F401
 
     import autotp
-    from autotp.costing import CostModel
+    from autotp.planning.costing import CostModel
     from autotp.mesh import MeshSpec
-    from autotp.planner import plan_graph, predicted_time, resolve_hardware
-    from autotp.solver import solve
-    from autotp.strategies import all_strategies
-    from autotp.tying import find_repeats
+    from autotp.planning.planner import plan_graph, predicted_time, resolve_hardware
+    from autotp.planning.solver import solve
+    from autotp.planning.strategies import all_strategies
+    from autotp.planning.tying import find_repeats
     from examples import models as M
 
     shape, mesh = CONFIGS[name]

@@ -292,7 +292,7 @@ ARCHS: tuple[Arch, ...] = (
          dict(vocab_size=32064, hidden_size=4096, intermediate_size=6400, num_attention_heads=32,
               num_key_value_heads=8, num_local_experts=16, num_experts_per_tok=2, max_position_embeddings=131072,
               attention_bias=True, lm_head_bias=True, tie_word_embeddings=False),
-         # its router picks the experts under torch.no_grad() (autotp/regions.py)
+         # its router picks the experts under torch.no_grad() (autotp/tracing/regions.py)
          _tiny_decoder(num_local_experts=4, num_experts_per_tok=2, attention_bias=True, lm_head_bias=True),
          extra_tp={**{f"self_attn.{k}": v for k, v in _QKVO.items()}, "self_attn.o_proj": "rowwise"}),
     Arch("gpt_oss", "gpt-oss-20b", "MoE", "GptOssConfig", "GptOssForCausalLM",
@@ -469,7 +469,7 @@ def short_error(err: BaseException, width: int = 90) -> str:
 def plan_real(arch: Arch, row: dict) -> None:
     """Fill ``row`` with the real-width columns: 2- and 4-layer plans, and the pinned 4-layer plan."""
     import autotp
-    from autotp.planner import plan_graph
+    from autotp.planning.planner import plan_graph
 
     plans, graphs, models = {}, {}, {}
     for n in (2, 4):
@@ -515,8 +515,8 @@ def _step(model: torch.nn.Module, inputs: dict) -> tuple[torch.Tensor, dict[str,
     out = output_tensor(model(**inputs))
     target = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
     (out.float() - target).pow(2).mean().backward()
-    from autotp.checkpoint import full_tensor
-    from autotp.shards import placements_of
+    from autotp.weights.checkpoint import full_tensor
+    from autotp.runtime.shards import placements_of
 
     grads = {}
     for name, p in model.named_parameters():
@@ -529,7 +529,7 @@ def _step(model: torch.nn.Module, inputs: dict) -> tuple[torch.Tensor, dict[str,
 def _rank(rank: int, world: int, graph, plan, model, inputs) -> tuple[torch.Tensor, dict]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.module import build_parallel_module
+    from autotp.runtime.module import build_parallel_module
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     return _step(build_parallel_module(graph, plan, mesh, model), inputs)
@@ -558,7 +558,7 @@ def compare(got: dict[str, Optional[torch.Tensor]], ref: dict[str, Optional[torc
 def check_exact(arch: Arch, world: int = 2) -> str:
     """The tiny model on ``world`` threaded ranks under a budget that forces sharding, against one process."""
     import autotp
-    from autotp.planner import plan_graph
+    from autotp.planning.planner import plan_graph
 
     model, inputs = build(arch, 2, tiny=True)
     graph = autotp.capture(model, inputs)  # in this thread: torch.export must not trace beside the ranks

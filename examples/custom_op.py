@@ -60,7 +60,7 @@ class Experts(nn.Module):
 def _rank(rank, world, graph, plan, model, x):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.module import build_parallel_module
+    from autotp.runtime.module import build_parallel_module
 
     pm = build_parallel_module(graph, plan, init_device_mesh("cpu", (world,)), model)
     return pm(x).detach()
@@ -75,7 +75,7 @@ def main() -> None:
 
     model, x = Experts(), torch.randn(2, 8, 32)
     graph = autotp.capture(model, (x,))
-    from autotp.planner import plan_graph
+    from autotp.planning.planner import plan_graph
 
     try:  # a budget under the whole model's bytes, so the plan splits the experts
         plan = plan_graph(graph, (2,), "cpu-gloo", "inference", 1.0)

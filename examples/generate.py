@@ -23,7 +23,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autotp  # noqa: E402
-from autotp.report import dynamic_lines  # noqa: E402
+from autotp.planning.report import dynamic_lines  # noqa: E402
 from examples.models import hf_llama  # noqa: E402
 
 PROMPT_TOKENS = 12

@@ -10,14 +10,14 @@ from examples.ranks import run_threads
 def _step(rank, world, graph, plan, model, x):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.module import build_parallel_module
+    from autotp.runtime.module import build_parallel_module
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     pm = build_parallel_module(graph, plan, mesh, model)
     out = pm(x)
     out.pow(2).sum().backward()
-    from autotp.checkpoint import full_tensor
-    from autotp.shards import placements_of
+    from autotp.weights.checkpoint import full_tensor
+    from autotp.runtime.shards import placements_of
 
     return out.detach(), {n: full_tensor(p.grad, placements_of(p)) for n, p in pm.named_parameters()}
 

@@ -7,7 +7,7 @@ bytes) and not by count alone:
 
 - the mesh axis is named from the process group the op runs on (``mesh.get_group(axis)``);
 - the bytes are those of the tensor the collective spans on its axis, as
-  :func:`autotp.program.collectives` counts them: an all_reduce's and a reduce_scatter's input,
+  :func:`autotp.planning.program.collectives` counts them: an all_reduce's and a reduce_scatter's input,
   an all_gather's output, an all_to_all's input times the axis size.
 
 Dispatch modes are per thread, so each rank of ``examples.ranks.run_threads`` records its own

@@ -43,7 +43,7 @@ def test_device_now_prices_each_plan_as_the_planner_does_with_that_device():
     step; with a device half as fast at matmuls every prediction grows."""
     import dataclasses
 
-    from autotp.planner import resolve_hardware
+    from autotp.planning.planner import resolve_hardware
     from autotp.profiling.device import DeviceMeasurement
 
     profile = resolve_hardware("cpu-gloo")
@@ -90,7 +90,7 @@ def test_the_zoo_deepseek_v3_row_is_exact():
 @pytest.mark.slow  # the mechanism is in the default suite: tests/test_regions.py
 def test_the_zoo_phimoe_row_is_megatron_quality_and_exact():
     """PhiMoE's router picks the experts under ``torch.no_grad()`` inside ``forward()`` (refused at
-    capture before ``autotp/regions.py``): at Phi-3.5-MoE widths the plan is Megatron-quality, and
+    capture before ``autotp/tracing/regions.py``): at Phi-3.5-MoE widths the plan is Megatron-quality, and
     the tiny model's step is exact on 2 ranks."""
     from benchmarks import zoo
 

@@ -94,7 +94,7 @@ def test_fused_projections_are_split_in_blocks_at_real_width(name):
     model = REAL[name](2)
     ids = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
     graph = autotp.capture(model, (ids,))
-    from autotp.planner import plan_graph
+    from autotp.planning.planner import plan_graph
 
     plan = plan_graph(graph, (8,), FAST, "train")
     stored = plan.parameter_placements
@@ -130,7 +130,7 @@ def test_a_cut_into_blocks_is_what_finds_them():
             q, k, v = self.proj(x).split(64, dim=-1)
             return self.out(torch.cat([q * k, k, v], dim=-1))
 
-    from autotp.strategies import node_strategies
+    from autotp.planning.strategies import node_strategies
 
     for model, blocked in ((Unfused(), False), (Fused(), True)):
         g = autotp.capture(model, (torch.randn(4, 64),))
@@ -145,7 +145,7 @@ TINY = {"gpt2": _gpt2, "phi3": _phi3, "mixtral": _mixtral}
 def _full_weights(rank, world, graph, plan, model):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.module import build_parallel_module
+    from autotp.runtime.module import build_parallel_module
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     pm = build_parallel_module(graph, plan, mesh, model)
@@ -154,7 +154,7 @@ def _full_weights(rank, world, graph, plan, model):
 
 def _tight_plan(name: str):
     """A tiny model planned on 2 ranks under a budget just above the least any plan needs: it shards."""
-    from autotp.planner import plan_graph
+    from autotp.planning.planner import plan_graph
 
     model = TINY[name]()
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -196,7 +196,7 @@ def _checkpoint_round_trip(rank, world, graph, plan, model, other, directory, un
     import autotp
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.module import build_parallel_module
+    from autotp.runtime.module import build_parallel_module
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     saved = build_parallel_module(graph, plan, mesh, model)
@@ -233,7 +233,7 @@ def test_blocked_weights_survive_a_dcp_checkpoint(tmp_path):
 def test_no_blocks_on_a_dynamic_dim():
     """A cut of a dim whose size varies has no fixed blocks: neither a blocked split nor a cut of one
     is offered there (the example's block count would be wrong at other sizes)."""
-    from autotp.strategies import node_strategies
+    from autotp.planning.strategies import node_strategies
 
     class CutSequence(nn.Module):
         def __init__(self):

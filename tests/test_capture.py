@@ -17,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import autotp
-from autotp.graph import PARAMETER
+from autotp.tracing.graph import PARAMETER
 
 from examples import models as M
 

@@ -1,6 +1,6 @@
 """The runtime's local copies are the ones the cost model prices (``redistribute.step_copies``).
 
-Each redistribution step of the runtime (``autotp.collectives.RedistributeStep``) runs forward and
+Each redistribution step of the runtime (``autotp.runtime.collectives.RedistributeStep``) runs forward and
 backward on a fake process group of 2 ranks, under a dispatch mode that records every kernel that
 writes a new tensor from another one (clone, cat, stack, copy). Their bytes (read plus written)
 must equal the list ``step_copies`` gives, forward and backward, for a tensor whose sharded dim is
@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autotp.collectives import RedistributeStep
 from autotp.placement import P, R, S
-from autotp.redistribute import conversion_steps, step_copies
+from autotp.planning.redistribute import conversion_steps, step_copies
+from autotp.runtime.collectives import RedistributeStep
 
 _COPY_OPS = ("aten.clone.", "aten.cat.", "aten.stack.", "aten.copy.", "aten.copy_.", "aten._to_copy.")
 # collectives that copy their input into a fresh output inside the op, where a dispatch mode does not
@@ -110,8 +110,8 @@ def test_the_functional_all_reduce_clones_its_input(two_fake_ranks):
     input: one copy kernel of the input's bytes, which the profiler sees inside the collective."""
     from torch.profiler import ProfilerActivity, profile
 
-    from autotp.collectives import GradAllReduce
-    from autotp.redistribute import all_reduce_copies
+    from autotp.runtime.collectives import GradAllReduce
+    from autotp.planning.redistribute import all_reduce_copies
 
     x = torch.randn(4, 8, 16)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
@@ -129,8 +129,8 @@ def test_the_functional_all_reduce_clones_its_input(two_fake_ranks):
 
 
 def test_a_gradient_reduction_prices_its_clone():
-    from autotp.costing import CostModel
-    from autotp.graph import TensorInfo
+    from autotp.planning.costing import CostModel
+    from autotp.tracing.graph import TensorInfo
     from autotp.mesh import MeshSpec
     from cost_models import load_profile
 
@@ -143,8 +143,8 @@ def test_a_gradient_reduction_prices_its_clone():
 def test_a_gather_on_a_later_dim_costs_more_than_on_the_first():
     """The cost model sees the copies: the same all_gather costs more on a non-leading dim, by
     exactly the two copy kernels, and nothing more on the first dim."""
-    from autotp.costing import CostModel
-    from autotp.graph import TensorInfo
+    from autotp.planning.costing import CostModel
+    from autotp.tracing.graph import TensorInfo
     from autotp.mesh import MeshSpec
     from cost_models import load_profile
 

@@ -302,8 +302,8 @@ def test_backward_of_a_memory_bound_op_is_priced_on_its_bytes():
     """autotp's costing: the backward of an op without FLOPs moves the output's gradient, each float
     input twice (saved input read, gradient written) and each integer input once; one with FLOPs
     is BACKWARD_FLOP_RATIO kernels like its forward."""
-    from autotp.costing import BACKWARD_FLOP_RATIO, CostModel
-    from autotp.graph import OP, OpNode, TensorInfo
+    from autotp.planning.costing import BACKWARD_FLOP_RATIO, CostModel
+    from autotp.tracing.graph import OP, OpNode, TensorInfo
     from autotp.mesh import MeshSpec
     from autotp.placement import R, Strategy
 

@@ -1,4 +1,4 @@
-"""Dropout in train mode on two ranks (autotp.dropout): one mask per replicated value, independent
+"""Dropout in train mode on two ranks (autotp.runtime.dropout): one mask per replicated value, independent
 masks per shard, the keep rate 1 - p, and gradients that follow the masks applied."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class DropNet(nn.Module):
 
 def _prepare():
     import autotp
-    from autotp.planner import plan_graph
+    from autotp.planning.planner import plan_graph
 
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(1))
     graph = autotp.capture(DropNet().train(), (x,))
@@ -45,8 +45,8 @@ def _run(rank, world, graph, plan, x, model):
     and the gradients."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.dropout import ShardedDropout
-    from autotp.module import build_parallel_module
+    from autotp.runtime.dropout import ShardedDropout
+    from autotp.runtime.module import build_parallel_module
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     pm = build_parallel_module(graph, plan, mesh, model, seed=1234)  # (built once: seeding is process-wide)
@@ -93,8 +93,8 @@ def test_shards_get_independent_masks_and_replicas_one_mask():
 
 
 def test_dropout_off_is_the_plain_op():
-    from autotp.dropout import ShardedDropout
-    from autotp.rewrite import has_active_dropout
+    from autotp.runtime.dropout import ShardedDropout
+    from autotp.runtime.rewrite import has_active_dropout
 
     import autotp
 

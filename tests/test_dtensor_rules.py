@@ -1,6 +1,6 @@
-"""DTensor's op-strategy registry behind ``autotp/dtensor_rules.py``.
+"""DTensor's op-strategy registry behind ``autotp/planning/dtensor_rules.py``.
 
-What the adapter must do (autotp/strategies.py, autotp/dtensor_rules.py docstrings):
+What the adapter must do (autotp/planning/strategies.py, autotp/planning/dtensor_rules.py docstrings):
 
 - an op no own rule covers gets the registry's strategies, filtered to those exact on local shards,
   and every one of them passes the check of tests/test_strategies.py ("local execution is exact":
@@ -21,9 +21,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autotp
-from autotp import dtensor_rules
 from autotp.placement import R, Strategy
-from autotp.strategies import all_strategies, axis_choices, node_strategies
+from autotp.planning import dtensor_rules
+from autotp.planning.strategies import all_strategies, axis_choices, node_strategies
 
 from examples import models as M
 from examples.ranks import run_ranks

@@ -1,4 +1,4 @@
-"""The parallel module at batch and sequence sizes other than the example's (autotp.dynamic).
+"""The parallel module at batch and sequence sizes other than the example's (autotp.tracing.dynamic).
 
 Each model is captured and planned once at its example sizes (batch 4 x 16 tokens) under a memory
 budget that forces sharding, then run on two threaded ranks at other sizes, with no new plan: the
@@ -42,7 +42,7 @@ def _inputs(name: str, batch: int, seq: int) -> tuple:
 def _prepare(name: str, world: int = 2, mode: str = "train", budget_scale: float = 1.05, dynamic_dims=None):
     """``(graph, plan)`` at the example sizes, planned to a budget just above the minimum."""
     import autotp
-    from autotp.planner import plan_graph
+    from autotp.planning.planner import plan_graph
 
     graph = autotp.capture(_model(name), _inputs(name, EXAMPLE["batch"], EXAMPLE["seq"]), dynamic_dims=dynamic_dims)
     # without recompute: these plans are to shard (tests/test_recompute.py runs recompute at other sizes)
@@ -57,7 +57,7 @@ def _run_at_sizes(rank, world, name, prepared, sizes):
     """Build from ``prepared``, then per (batch, seq): outputs and gradients against one process."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.module import build_parallel_module
+    from autotp.runtime.module import build_parallel_module
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     graph, plan = prepared
@@ -101,7 +101,7 @@ def _refused(rank, world, name, prepared, inputs):
     """Each call must raise before any collective; returns the messages."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.module import build_parallel_module
+    from autotp.runtime.module import build_parallel_module
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     graph, plan = prepared
@@ -144,7 +144,7 @@ def test_sizes_the_plan_cannot_split_are_refused_before_any_collective():
     """Where the plan splits a dynamic dim over the 2 ranks, an odd size is refused by name; so is a
     size below the range the trace holds for. Which dim a plan splits is the planner's choice: the
     test reads it from the plan's requirements, and checks that some model here has one on each."""
-    from autotp.dynamic import requirements
+    from autotp.tracing.dynamic import requirements
 
     split = {}
     for name in ("tiny_llama", "hf_bert"):
@@ -178,7 +178,7 @@ def test_report_lists_dynamic_dims_and_what_the_plan_needs():
 def _generate(rank, world, prepared, prompt):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.module import build_parallel_module
+    from autotp.runtime.module import build_parallel_module
     from examples.generate import NEW_TOKENS, build, greedy
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
@@ -191,7 +191,7 @@ def test_greedy_generation_under_inference_mode_equals_one_process():
     """examples/generate.py's loop on two ranks: an inference plan for a 12-token prompt runs every
     length from 12 to 27 under torch.inference_mode() and picks the same tokens as one process."""
     import autotp
-    from autotp.planner import plan_graph
+    from autotp.planning.planner import plan_graph
     from examples.generate import NEW_TOKENS, build, greedy
 
     model, (prompt,) = build()
@@ -250,7 +250,7 @@ class _Branchy(torch.nn.Module):
 def _branchy(rank, world, graph, plan, model):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.module import build_parallel_module
+    from autotp.runtime.module import build_parallel_module
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     pm = build_parallel_module(graph, plan, mesh, model)
@@ -264,7 +264,7 @@ def _branchy(rank, world, graph, plan, model):
 
 def test_conditions_the_trace_recorded_from_the_model_are_checked():
     import autotp
-    from autotp.planner import plan_graph
+    from autotp.planning.planner import plan_graph
 
     graph = autotp.capture(_Branchy(), (torch.ones(4, 16, 8),), dynamic_dims=None)
     plan = plan_graph(graph, (2,), "cpu-gloo", "train")
@@ -287,7 +287,7 @@ def test_a_slice_to_a_dynamic_length_is_not_the_whole_dim():
     """``pos[:T]`` equals ``pos`` at the example's T = 16 only: with T dynamic, splitting the sliced dim
     on both sides would give each rank 8 rows of ``pos`` for 4 rows of ``x`` at T = 8."""
     import autotp
-    from autotp.strategies import all_strategies
+    from autotp.planning.strategies import all_strategies
 
     choices = {}
     for dynamic_dims in (None, False):

@@ -16,10 +16,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autotp
-from autotp.costing import CostModel
 from autotp.mesh import MeshSpec
 from autotp.placement import R, S, Strategy
-from autotp.planner import predicted_time
+from autotp.planning.costing import CostModel
+from autotp.planning.planner import predicted_time
 from cost_models import load_profile
 
 

@@ -11,8 +11,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from autotp.collectives import RedistributeStep
 from autotp.placement import P, R, S
+from autotp.runtime.collectives import RedistributeStep
 from exactness import assert_step_matches_one_process
 
 
@@ -54,7 +54,7 @@ class _ResidualInPlace(nn.Module):
 
 def test_in_place_add_after_a_collective_is_exact():
     import autotp
-    from autotp.planner import plan_graph
+    from autotp.planning.planner import plan_graph
 
     model = _ResidualInPlace()
     x = torch.randn(4, 8, 64, generator=torch.Generator().manual_seed(1))
@@ -102,7 +102,7 @@ def test_the_chain_to_a_write_through_a_view_is_pinned_and_later_reads_are_versi
     attention's read of the keys comes after two writes; the residual ``h += x``, whose result is
     read through the add_ node alone, pins nothing."""
     import autotp
-    from autotp.aliasing import pinned_reads, read_versions
+    from autotp.tracing.aliasing import pinned_reads, read_versions
 
     model = _KeysWrittenThroughViews()
     graph = autotp.capture(model, (torch.randn(2, 8, 32),))
@@ -129,9 +129,9 @@ def test_a_write_through_a_view_of_a_replicated_tensor_lands_where_it_is_read():
     would read the uninitialized keys (NaN or garbage). The plan keeps each write in the storage
     attention reads, and the step is exact."""
     import autotp
-    from autotp.aliasing import pinned_reads
+    from autotp.tracing.aliasing import pinned_reads
     from autotp.placement import plain
-    from autotp.planner import plan_graph
+    from autotp.planning.planner import plan_graph
 
     model = _KeysWrittenThroughViews()
     x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
@@ -179,7 +179,7 @@ def test_writes_through_other_views_land_where_they_are_read(how):
     read through a redistribution made before the writes, or written through a view autotp did not
     know: the reads would see uninitialized memory. Each is exact."""
     import autotp
-    from autotp.planner import plan_graph
+    from autotp.planning.planner import plan_graph
 
     model = _TwoHalves(how)
     x = torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(1))
@@ -206,7 +206,7 @@ class _HalfScaledInPlace(nn.Module):
 
 def test_pins_that_leave_an_in_place_write_no_plan_are_named_not_blamed_on_memory():
     import autotp
-    from autotp.planner import plan_graph
+    from autotp.planning.planner import plan_graph
 
     graph = autotp.capture(_HalfScaledInPlace(), (torch.randn(4, 6, 16),))
     pin = {"a.weight": "S(0)", "b.weight": "S(0)", "o.weight": "S(1)"}

@@ -362,9 +362,9 @@ def test_the_prefetched_bytes_are_the_pieces_span(tmp_path, placements, coordina
     checked against the file's own bytes (each element's value is its index)."""
     from safetensors.torch import save_file
 
-    from autotp import loading
+    from autotp.weights import loading
     from autotp.placement import parse_placements
-    from autotp.shards import local_ranges
+    from autotp.runtime.shards import local_ranges
 
     weight = torch.arange(12 * 10, dtype=torch.float32).reshape(12, 10)
     save_file({"a": torch.ones(3), "w": weight}, tmp_path / "model.safetensors")
@@ -395,9 +395,9 @@ def test_the_shards_faulted_in_early_are_the_ones_pieces_are_copied_into(tmp_pat
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from autotp import loading
+    from autotp.weights import loading
     from autotp.placement import parse_placements
-    from autotp.shards import local_ranges
+    from autotp.runtime.shards import local_ranges
 
     weight = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
     save_file({"w": weight}, tmp_path / "w.safetensors")
@@ -420,7 +420,7 @@ def test_the_shards_faulted_in_early_are_the_ones_pieces_are_copied_into(tmp_pat
 
 
 def test_a_file_that_is_not_safetensors_is_named(tmp_path):
-    from autotp import loading
+    from autotp.weights import loading
 
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
     with pytest.raises(ValueError, match=r"model\.safetensors is not a safetensors file"):
@@ -431,7 +431,7 @@ def _load_where_one_rank_sees_another_checkpoint(rank, world, prepared, director
     from torch.distributed.device_mesh import init_device_mesh
 
     import autotp
-    from autotp.module import build_parallel_module
+    from autotp.runtime.module import build_parallel_module
 
     graph, plan = prepared
     pm = build_parallel_module(graph, plan, init_device_mesh("cpu", (world,)), copy.deepcopy(model))
@@ -454,7 +454,7 @@ def test_a_checkpoint_that_one_rank_sees_otherwise_is_refused_on_every_rank(tmp_
     from safetensors.torch import save_file
 
     import autotp
-    from autotp.planner import plan_graph
+    from autotp.planning.planner import plan_graph
     from examples.ranks import run_threads
 
     model, inputs = models.mlp()
@@ -486,7 +486,7 @@ def test_a_checkpoint_that_one_rank_sees_otherwise_is_refused_on_every_rank(tmp_
 def test_an_index_that_lists_a_key_in_the_wrong_file_is_refused(tmp_path):
     from safetensors.torch import save_file
 
-    from autotp import loading
+    from autotp.weights import loading
 
     save_file({"a": torch.ones(2)}, tmp_path / "one.safetensors")
     save_file({"b": torch.ones(3)}, tmp_path / "two.safetensors")

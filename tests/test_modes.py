@@ -197,7 +197,7 @@ def test_batch_norm_updates_its_statistics_in_train_mode_and_reads_them_in_eval(
 def test_the_input_fingerprint_sees_values_and_their_order():
     """What the ranks compare: equal inputs give equal numbers (NaNs too: bits, not values), and another
     value, a batch in another order, or a row's elements in another order give other numbers."""
-    from autotp.guard import fingerprint
+    from autotp.runtime.guard import fingerprint
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 1000, (4, 32), generator=g)

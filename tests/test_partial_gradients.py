@@ -13,12 +13,12 @@ import torch
 from torch import nn
 
 import autotp
-import autotp.planner
-from autotp.costing import INFEASIBLE_S, CostModel
-from autotp.graph import TensorInfo
 from autotp.mesh import MeshSpec
 from autotp.placement import R, Rg, S, Strategy, parse_placements
-from autotp.planner import plan_graph
+from autotp.planning.costing import INFEASIBLE_S, CostModel
+import autotp.planning.planner
+from autotp.planning.planner import plan_graph
+from autotp.tracing.graph import TensorInfo
 from cost_models import load_profile
 from examples.ranks import run_threads
 from exactness import assert_step_matches_one_process
@@ -67,12 +67,12 @@ def test_only_a_reader_returning_a_partial_gradient_may_read_rg():
 def _plans(model, x, mesh, hardware):
     graph = autotp.capture(model, (x,))
     with_rg = plan_graph(graph, mesh, hardware, "train")
-    original = autotp.planner.partial_gradient_variants
-    autotp.planner.partial_gradient_variants = lambda graph, ndim, rep, strategies: strategies
+    original = autotp.planning.planner.partial_gradient_variants
+    autotp.planning.planner.partial_gradient_variants = lambda graph, ndim, rep, strategies: strategies
     try:
         without = plan_graph(graph, mesh, hardware, "train")
     finally:
-        autotp.planner.partial_gradient_variants = original
+        autotp.planning.planner.partial_gradient_variants = original
     return graph, with_rg, without
 
 
@@ -98,7 +98,7 @@ def test_a_token_dispatch_sums_the_partial_gradient_on_the_hidden_states():
 def _step_logged(rank, world, graph, plan, model, x):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.module import build_parallel_module
+    from autotp.runtime.module import build_parallel_module
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     pm = build_parallel_module(graph, plan, mesh, model)
@@ -171,14 +171,14 @@ def test_on_two_axes_the_solver_prices_what_an_rg_value_moves_on_the_other_axis(
     redistribution is in the solver's objective (it once priced it as infeasible and dropped it, so the
     objective fell short of the plan's predicted time by that collective)."""
     objective = {}
-    solve = autotp.planner.solve
+    solve = autotp.planning.planner.solve
 
     def recording(*args, **kwargs):
         solution = solve(*args, **kwargs)
         objective["s"] = solution.objective_s
         return solution
 
-    monkeypatch.setattr(autotp.planner, "solve", recording)
+    monkeypatch.setattr(autotp.planning.planner, "solve", recording)
     tokens, hidden = 1024, 512
     graph = autotp.capture(SwiGLUDispatch(tokens, hidden, 2 * hidden, 4).to("meta"),
                            (torch.empty(tokens, hidden, device="meta"),))

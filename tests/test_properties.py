@@ -29,8 +29,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import autotp
-from autotp.planner import plan_graph
-from autotp.module import build_parallel_module
+from autotp.planning.planner import plan_graph
+from autotp.runtime.module import build_parallel_module
 from examples.ranks import run_threads
 from observed import CollectiveLog, assert_as_planned
 
@@ -130,8 +130,8 @@ def _rank(rank, world, case, graph, plan, models):
     with CollectiveLog(mesh) as bwd:
         (out - target).pow(2).mean().backward()
     assert_as_planned(bwd, plan, "backward")
-    from autotp.checkpoint import full_tensor
-    from autotp.shards import placements_of
+    from autotp.weights.checkpoint import full_tensor
+    from autotp.runtime.shards import placements_of
 
     # autotp's gather: DTensor's full_tensor() sizes an uneven split of whole heads by elements
     return {name: full_tensor(p.grad, placements_of(p)).detach() for name, p in pm.named_parameters()}

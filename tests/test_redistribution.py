@@ -1,9 +1,9 @@
 """Every redistribution on a (2, 2) mesh gives each rank the shard it must hold, forward and backward.
 
 For every pair of placements ``src -> dst`` over R, P, S(0) and S(1) on both axes, four threaded
-ranks run the runtime's steps (:func:`autotp.redistribute.conversion_steps`, executed by
-:class:`autotp.collectives.RedistributeStep`) on their piece of a known tensor, and the result is
-compared with the piece ``dst`` names, cut from the full tensor by ``autotp.shards.local_shard``
+ranks run the runtime's steps (:func:`autotp.planning.redistribute.conversion_steps`, executed by
+:class:`autotp.runtime.collectives.RedistributeStep`) on their piece of a known tensor, and the result is
+compared with the piece ``dst`` names, cut from the full tensor by ``autotp.runtime.shards.local_shard``
 (axis 0 splits first, then axis 1 splits each piece: DTensor's layout). A partial source holds the
 full value times a rank factor that sums to a known total; a partial result is judged by its sum
 over the ranks of its partial axes. The gradient fed back is the ``dst`` piece of a known
@@ -36,7 +36,7 @@ def _piece(full, placements, coordinate):
     """This rank's value under ``placements``: P axes hold ``(c + 1) * value`` (their sum over the
     axis is ``3 * value`` on a mesh axis of 2)."""
     from autotp.placement import Placement
-    from autotp.shards import local_shard
+    from autotp.runtime.shards import local_shard
 
     whole = [Placement("R") if p.is_partial else p for p in placements]
     out = local_shard(full, tuple(whole), coordinate, MESH)
@@ -50,8 +50,8 @@ def _every_pair(rank, world):
     """Each pair's result and input gradient on this rank (judged by the test, which sees all ranks)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.collectives import RedistributeStep
-    from autotp.redistribute import conversion_steps, is_convertible
+    from autotp.runtime.collectives import RedistributeStep
+    from autotp.planning.redistribute import conversion_steps, is_convertible
 
     mesh = init_device_mesh("cpu", MESH, mesh_dim_names=("dp", "tp"))
     coordinate = mesh.get_coordinate()
@@ -111,8 +111,8 @@ def _simulate(src, dst, mesh, full):
     import math
 
     from autotp.placement import Placement
-    from autotp.redistribute import conversion_steps
-    from autotp.shards import local_shard
+    from autotp.planning.redistribute import conversion_steps
+    from autotp.runtime.shards import local_shard
 
     coords = list(itertools.product(*(range(n) for n in mesh)))
     parts = math.prod(n for p, n in zip(src, mesh) if p.is_partial)
@@ -141,8 +141,8 @@ def test_every_redistribution_on_a_3d_mesh_lands_on_the_pieces_dst_names():
     holding the piece ``dst`` names (partial results judged by their sums); no step gathers or
     splits a dim that a later axis splits."""
     from autotp.placement import Placement
-    from autotp.redistribute import conversion_steps, is_convertible
-    from autotp.shards import local_shard
+    from autotp.planning.redistribute import conversion_steps, is_convertible
+    from autotp.runtime.shards import local_shard
 
     mesh = (2, 2, 2)
     full = torch.arange(8 * 8, dtype=torch.float64).reshape(8, 8)

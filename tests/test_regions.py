@@ -1,5 +1,5 @@
 """Blocks under ``torch.no_grad()`` inside ``forward()`` (PhiMoE's router does this): inlined into
-the graph with their operands read through ``detach`` (``autotp/regions.py``), then planned and
+the graph with their operands read through ``detach`` (``autotp/tracing/regions.py``), then planned and
 placed like any other op. The parallel step equals one process's, gradients that do not exist
 there included. Blocks with autocast switched off are inlined as they are; autocast on is refused."""
 
@@ -43,9 +43,9 @@ class _GradBackOn(_NoGradGate):
 def _step(rank, world, graph, plan, model, x):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.checkpoint import full_tensor
-    from autotp.module import build_parallel_module
-    from autotp.shards import placements_of
+    from autotp.weights.checkpoint import full_tensor
+    from autotp.runtime.module import build_parallel_module
+    from autotp.runtime.shards import placements_of
 
     pm = build_parallel_module(graph, plan, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)), model)
     out = pm(x)
@@ -55,7 +55,7 @@ def _step(rank, world, graph, plan, model, x):
 
 
 def _sharded_plan(graph):
-    from autotp.planner import plan_graph
+    from autotp.planning.planner import plan_graph
 
     try:
         plan_graph(graph, (2,), "cpu-gloo", "train", 1.0, recompute=False)

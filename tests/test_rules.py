@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import autotp
-from autotp.graph import OpArgs, SizeArg, TensorArg
 from autotp.placement import P, R, S
-from autotp.rules.check import RuleNotExact, check_rule
+from autotp.planning.rules.check import RuleNotExact, check_rule
+from autotp.tracing.graph import OpArgs, SizeArg, TensorArg
 from examples.custom_op import Experts
 from exactness import assert_step_matches_one_process
 
@@ -37,7 +37,7 @@ def expert_rule():
 
 
 def _plan(graph):
-    from autotp.planner import plan_graph
+    from autotp.planning.planner import plan_graph
 
     try:
         return plan_graph(graph, (2,), "cpu-gloo", "train", 1.0, recompute=False)
@@ -91,7 +91,7 @@ def test_a_wrong_rule_is_caught_by_the_check():
 def test_without_a_rule_the_op_runs_replicated_with_a_warning(caplog):
     model = Experts()
     graph = autotp.capture(model, (torch.randn(2, 4, 32),))
-    with caplog.at_level(logging.WARNING, logger="autotp.strategies"):
+    with caplog.at_level(logging.WARNING, logger="autotp.planning.strategies"):
         plan = _plan(graph)
     assert any(OP in r.getMessage() and "runs replicated" in r.getMessage() for r in caplog.records)
     assert all(plan.strategy(n.name).inputs == ((R,), (R,)) for n in graph.ops() if n.target == OP)
@@ -129,7 +129,7 @@ def test_a_rule_that_does_not_fit_the_node_is_refused_at_planning(rule, message)
             _plan(graph)
     finally:
         autotp.unregister_rule(OP)
-    assert OP not in autotp.rules.registered_rules()
+    assert OP not in autotp.planning.rules.registered_rules()
 
 
 def test_the_custom_op_example_runs(capsys):
@@ -160,7 +160,7 @@ class FullWidthNorm(nn.Module):
 
 
 def test_a_mean_over_a_split_dim_is_a_partial_and_exact():
-    from autotp.planner import plan_graph
+    from autotp.planning.planner import plan_graph
 
     model, x = FullWidthNorm(), torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
     graph = autotp.capture(model, (x,))
@@ -178,7 +178,7 @@ def test_a_mean_over_a_split_dim_is_a_partial_and_exact():
 def test_a_registered_rule_cannot_claim_a_blocked_split():
     with pytest.raises(ValueError, match="blocked split"):
         autotp.register_rule(OP, [(("S(0)[2]", R), "S(0)")])
-    assert OP not in autotp.rules.registered_rules()
+    assert OP not in autotp.planning.rules.registered_rules()
 
 
 def test_check_rule_takes_low_precision_rounding_into_account():

@@ -115,7 +115,7 @@ def _prepare(factory, world, mode):
     torch ops, so no rank thread captures. ``test_gloo_processes_run_as_planned`` covers the whole
     ``autotp.parallelize`` on every rank."""
     import autotp
-    from autotp.planner import plan_graph
+    from autotp.planning.planner import plan_graph
 
     from examples import models
 
@@ -129,7 +129,7 @@ def _prepare(factory, world, mode):
 
 
 def _build(model, mesh, prepared):
-    from autotp.module import build_parallel_module
+    from autotp.runtime.module import build_parallel_module
 
     graph, plan = prepared
     return build_parallel_module(graph, plan, mesh, model)
@@ -354,7 +354,7 @@ def test_training_steps_track_reference(factory, mode):
 def _every_step(rank, world):
     """Each redistribution step of the runtime, forward and backward, against the values it must
     give: one step per kind of collective in each phase."""
-    from autotp.collectives import GradAllReduce, RedistributeStep
+    from autotp.runtime.collectives import GradAllReduce, RedistributeStep
     from autotp.placement import Placement
 
     R, P, S0, S1 = Placement("R"), Placement("P"), Placement("S", 0), Placement("S", 1)
@@ -398,17 +398,17 @@ def _one_plan(rank, world):
     """``autotp.parallelize`` without a plan: only the first rank solves, every rank gets its plan (or
     its error); with no hardware named, a CPU mesh is priced with the cpu-gloo profile."""
     import autotp
-    import autotp.parallel
+    import autotp.runtime.agreement
     from examples import models
 
     solves = []
-    real = autotp.parallel.plan_graph
+    real = autotp.runtime.agreement.plan_graph
 
     def counting(*args, **kwargs):
         solves.append(1)
         return real(*args, **kwargs)
 
-    autotp.parallel.plan_graph = counting
+    autotp.runtime.agreement.plan_graph = counting
     try:
         model, inp = models.mlp()
         pm = autotp.parallelize(model, _mesh(world), inp)
@@ -418,7 +418,7 @@ def _one_plan(rank, world):
         except autotp.MemoryBudgetError as err:
             refused = (str(err), err.minimum_bytes)
     finally:
-        autotp.parallel.plan_graph = real
+        autotp.runtime.agreement.plan_graph = real
     return {"solves": len(solves), "plan": pm.plan.to_dict()["nodes"], "hardware": pm.plan.hardware.name,
             "refused": refused}
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import autotp
 from autotp import ops
 from autotp.placement import R, S, Strategy, local_shape
-from autotp.strategies import node_strategies
+from autotp.planning.strategies import node_strategies
 
 from examples import models as M
 
@@ -410,7 +410,7 @@ def test_reductions(ops_graph):
 @pytest.mark.parametrize("mesh", [(3,), (5,), (3, 2), (2, 3)])
 def test_no_uneven_split(ops_graph, mesh):
     """Mesh 3 on dim 64: no plain split cuts that dim; every plain split divides evenly, and an uneven
-    one (``S(d)~g``, autotp.rules.uneven) cuts whole units of its grain that the ranks do not divide."""
+    one (``S(d)~g``, autotp.planning.rules.uneven) cuts whole units of its grain that the ranks do not divide."""
     g, _ = ops_graph
     for node in g.nodes:
         for s in node_strategies(g, node, mesh):
@@ -644,7 +644,7 @@ class _SplitThenUnflatten(nn.Module):
 
 
 def test_a_module_that_unflattens_a_split_output_is_exact():
-    from autotp.planner import plan_graph
+    from autotp.planning.planner import plan_graph
     from exactness import assert_step_matches_one_process
 
     model, x = _SplitThenUnflatten(), torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(1))

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import autotp
-from autotp.costing import CostModel
 from autotp.mesh import MeshSpec
-from autotp.solver import solve
-from autotp.strategies import all_strategies
-from autotp.tying import find_repeats
+from autotp.planning.costing import CostModel
+from autotp.planning.solver import solve
+from autotp.planning.strategies import all_strategies
+from autotp.planning.tying import find_repeats
 from cost_models import load_profile
 
 from examples import models as M

@@ -16,7 +16,7 @@ from torch import nn
 
 import autotp
 from autotp.placement import Placement, S, Strategy, block_permutation, local_shape, parse_placements
-from autotp.planner import plan_graph
+from autotp.planning.planner import plan_graph
 from examples.ranks import run_threads
 from exactness import assert_step_matches_one_process
 from test_blocks import Logits, _activation_collectives_per_layer
@@ -116,7 +116,7 @@ def _pinned_bigcode():
 def _round_trip(rank, world, graph, plan, model, other, directory, safetensors_dir):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.module import build_parallel_module
+    from autotp.runtime.module import build_parallel_module
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     saved = build_parallel_module(graph, plan, mesh, model)
@@ -191,7 +191,7 @@ def test_unequal_blocks_do_not_move_to_another_mesh_axis():
     """Each axis size orders the pieces its own way (block_permutation), so a move of unequal blocks
     from one axis to another is no plain step: it is refused (and never priced), while a gather or a
     slice on one axis with the other axis split elsewhere converts."""
-    from autotp.redistribute import conversion, is_convertible
+    from autotp.planning.redistribute import conversion, is_convertible
 
     u = S(0, (32, 8, 8))
     assert block_permutation(u, 2, 48) != block_permutation(u, 4, 48)

@@ -17,7 +17,7 @@ from torch import nn
 
 import autotp
 from autotp.placement import S, Strategy, local_shape, piece_sizes
-from autotp.shards import local_ranges, local_shard
+from autotp.runtime.shards import local_ranges, local_shard
 from examples.ranks import run_threads
 from exactness import assert_step_matches_one_process
 
@@ -47,7 +47,7 @@ class Block(nn.Module):
 def _loose_plan(model, x, world):
     """A plan on ``world`` ranks under a budget that makes it shard (30% above the least any plan
     needs: an uneven split holds more than an even share)."""
-    from autotp.planner import plan_graph
+    from autotp.planning.planner import plan_graph
 
     graph = autotp.capture(model, (x,))
     try:
@@ -74,7 +74,7 @@ def test_pieces_are_whole_units_dealt_as_torch_chunk_deals_them():
 
 
 def test_a_head_view_keeps_a_split_only_in_whole_heads():
-    from autotp.strategies import node_strategies
+    from autotp.planning.strategies import node_strategies
 
     g = autotp.capture(Block(heads=3), (torch.randn(2, 4, 48),))
     view = next(n for n in g.nodes if n.target == "aten.view.default")
@@ -100,8 +100,8 @@ def test_uneven_heads_run_exactly(world, heads):
 def _round_trip(rank, world, graph, plan, model, directory, safetensors_dir):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp import checkpoint
-    from autotp.module import build_parallel_module
+    from autotp.weights import checkpoint
+    from autotp.runtime.module import build_parallel_module
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     # a copy per rank: threaded ranks would otherwise share the replicated tensors, which the rewrite
@@ -156,7 +156,7 @@ class Squeezed(nn.Module):
 
 
 def test_a_squeeze_keeps_a_split_dim_a_rank_holds_one_unit_of():
-    from autotp.planner import plan_graph
+    from autotp.planning.planner import plan_graph
 
     torch.manual_seed(0)
     model, x = Squeezed(), torch.randn(1, 8, 80)
@@ -178,7 +178,7 @@ def test_a_fused_qkv_with_uneven_heads_splits_whole_heads_of_each_block(world):
     """GPT-2's c_attn (q|k|v cut with split) with 5 heads: each rank holds whole heads of q, k and v."""
     from test_blocks import Logits
 
-    from autotp.planner import plan_graph
+    from autotp.planning.planner import plan_graph
 
     model = Logits(_gpt2_tiny(5))
     ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
@@ -200,7 +200,7 @@ def test_real_widths_with_uneven_heads_get_megatron_layouts():
     heads whole, at most 4 activation collectives per block (Megatron's count)."""
     import transformers
 
-    from autotp.planner import plan_graph
+    from autotp.planning.planner import plan_graph
     from test_blocks import _activation_collectives_per_layer
 
     def neo(layers):
@@ -230,8 +230,8 @@ def _gloo_step(rank, world, plan_json, heads):
     """On a gloo process: the model (same seed), parallelized with the plan made in the parent."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.checkpoint import full_tensor
-    from autotp.shards import placements_of
+    from autotp.weights.checkpoint import full_tensor
+    from autotp.runtime.shards import placements_of
 
     torch.manual_seed(0)
     model, x = Block(heads=heads), torch.randn(2, 8, heads * 16)
@@ -262,7 +262,7 @@ def test_uneven_heads_on_a_two_axis_mesh_are_exact_and_run_as_planned():
     """3 heads on a (2, 2) mesh: collectives over one axis move pieces whose size depends on the place
     on the other; outputs and gradients still equal one process, and each collective that runs is one
     the plan lists, at most as large (tests/test_properties.py's check)."""
-    from autotp.planner import plan_graph
+    from autotp.planning.planner import plan_graph
     from test_properties import Case, build, check
 
     case = Case(blocks=("attention", "mlp"), dim=12, heads=3, head_dim=4, batch=1, seq=3, mesh=(2, 2), mode="train",

@@ -1,0 +1,241 @@
+"""Costing: seconds and bytes of each strategy, edge and gradient reduction on one mesh and profile.
+
+* A node's strategy costs the roofline time of its local shard (``cost_models.compute_time_s`` on
+  the FLOPs and bytes one rank handles). In ``train`` mode a node that carries a gradient adds its
+  backward, priced by what the backward kernels do:
+
+  - an op with FLOPs (a matmul, attention): ``BACKWARD_FLOP_RATIO`` (2) kernels like the forward,
+    the gradients of the input and of the weight, each as many FLOPs as the forward;
+  - an op without (elementwise, norm, softmax, gather; ``flop_counter`` counts none): memory-bound,
+    priced on the bytes its backward moves: the output's gradient read, each floating-point input
+    read again (what the forward saved) and its gradient written, each integer input read once.
+
+  A tensor read by several nodes that carry gradients (a residual stream, a norm's output read by
+  q, k and v, a weight tied to two layers) gets one gradient from each, and autograd adds them up:
+  each addition is priced as a memory-bound kernel on the producer's local shard. (Where readers
+  share a redistribution, the runtime adds their gradients at the placement they read, before the
+  redistribution's backward: a gathered tensor's at full size, priced at the shard's. Pricing that
+  exactly needs the additions keyed by redistribution, as the collectives are.)
+* An edge costs the collectives of :mod:`autotp.planning.redistribute` between the producer's output
+  placement and the placement the consumer needs, forward and (in train mode, for tensors that
+  carry gradients) backward, and the local copies the runtime makes around them
+  (:func:`autotp.planning.redistribute.step_copies`: a step on a dim other than the first rearranges the
+  tensor on each rank), each priced as a memory-bound kernel.
+* A **gradient reduction** is the backward ``all_reduce`` of a tensor that is replicated on an
+  axis where a consumer works on shards: each rank then holds only a partial gradient. One
+  reduction serves every such consumer of the tensor (q, k and v share one).
+* Memory per device: parameters, gradients and the optimizer's state of the local shards
+  (``cost_models.model_state_bytes``, for the optimizer the user names: AdamW by default) and, in train mode, the activations kept for backward.
+
+>>> from autotp.mesh import MeshSpec
+>>> from autotp.placement import R, S
+>>> from autotp.tracing.graph import TensorInfo
+>>> from cost_models import load_profile
+>>> cm = CostModel(MeshSpec.of((8,)), load_profile("h100-sxm"), "inference")
+>>> cm.edge_s(TensorInfo((1024, 1024), "float32"), (S(0),), (R,), False) > 0
+True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional, Sequence, Union
+
+from cost_models import (HardwareProfile, OptimizerSpec, collective_time_s, compute_time_s, model_state_bytes,
+                         optimizer_spec)
+
+from autotp.mesh import MeshSpec
+from autotp.placement import Placement, R, Strategy, axis_divisor, plain, shard_divisor
+from autotp.tracing.graph import PARAMETER, OpNode, TensorInfo, dtype_bytes
+from autotp.planning.redistribute import (all_reduce_copies, conversion, is_convertible, reorder_copies, step_bytes,
+                                 step_copies)
+
+__all__ = ["CostModel", "MemoryParts", "BACKWARD_FLOP_RATIO", "MODES"]
+
+BACKWARD_FLOP_RATIO = 2.0  # backward ≈ 2× forward: gradients of inputs and of weights
+MODES = ("train", "inference")
+INFEASIBLE_S = float("inf")
+
+
+@dataclass(frozen=True)
+class MemoryParts:
+    parameters_bytes: float = 0.0
+    gradients_bytes: float = 0.0
+    optimizer_bytes: float = 0.0
+    activations_bytes: float = 0.0
+
+    @property
+    def total_bytes(self) -> float:
+        return self.parameters_bytes + self.gradients_bytes + self.optimizer_bytes + self.activations_bytes
+
+
+class CostModel:
+    """Prices strategies on one mesh with one hardware profile, in ``train`` or ``inference`` mode."""
+
+    def __init__(self, mesh: MeshSpec, profile: HardwareProfile, mode: str,
+                 optimizer: Union[str, OptimizerSpec, None] = "adamw") -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r}: expected one of {MODES}")
+        self.optimizer = optimizer_spec(optimizer)
+        self.mesh = mesh
+        self.profile = profile
+        self.mode = mode
+        self.train = mode == "train"
+        self._links = tuple(profile.link_for_axis(mesh.shape, a) for a in range(mesh.ndim))
+        self._collective_cached = lru_cache(maxsize=None)(self._collective_uncached)
+        self._edge_cached = lru_cache(maxsize=None)(self._edge_uncached)
+
+    # -- communication -------------------------------------------------------------------------
+
+    def _collective_uncached(self, kind: str, axis: int, size_bytes: float) -> float:
+        return collective_time_s(self._links[axis], kind, size_bytes, self.mesh.shape[axis])
+
+    def collective_s(self, kind: str, axis: int, size_bytes: float) -> float:
+        """Seconds of one collective over ``axis``; ``size_bytes`` is the full tensor along that axis."""
+        return self._collective_cached(kind, axis, float(size_bytes))
+
+    def edge_s(self, info: TensorInfo, src: Sequence[Placement], dst: Optional[Sequence[Placement]],
+               requires_grad: bool, grad_axes: Sequence[int] = ()) -> float:
+        """Forward (and, when training a tensor that carries a gradient, backward) redistribution time.
+
+        ``grad_axes``: axes on which the reader returns a partial gradient; where the edge gathers
+        on such an axis, its backward reduce-scatters (the separate gradient all_reduce is priced by
+        :meth:`grad_reduce_s` only where no gather absorbs it).
+
+        From ``Rg`` (a gradient left partial) only a reader of ``R`` that returns a partial gradient
+        there may read: any other would add a whole gradient to partial ones (infeasible).
+        """
+        if dst is None:
+            return 0.0
+        if any(p.grad_partial for p in src):
+            if self.train and requires_grad and any(p.grad_partial and not (d == R and a in grad_axes)
+                                                    for a, (p, d) in enumerate(zip(src, dst))):
+                return INFEASIBLE_S
+            src = plain(src)
+        if tuple(src) == tuple(dst):
+            return 0.0
+        if not is_convertible(tuple(src), tuple(dst)):
+            return INFEASIBLE_S
+        forward_s, backward_s = self._edge_cached(info, tuple(src), tuple(dst), tuple(grad_axes))
+        return forward_s + (backward_s if self.train and requires_grad else 0.0)
+
+    def _edge_uncached(self, info: TensorInfo, src: tuple, dst: tuple, grad_axes: tuple) -> tuple[float, float]:
+        """Seconds of the redistribution's forward (collectives and copies) and of its backward."""
+        forward_s = backward_s = 0.0
+        steps = conversion(info.shape, src, dst, self.mesh.shape, grad_axes if self.train else ())
+        for step in steps.steps:
+            size = step_bytes(step, steps.shape, info.nbytes, self.mesh.shape)
+            copies_fwd, copies_bwd = step_copies(step, steps.shape, self.mesh.shape[step.axis], info.nbytes)
+            forward_s += (self.collective_s(step.forward, step.axis, size) if step.forward else 0.0) + sum(
+                self.copy_s(b, info.dtype) for b in copies_fwd)
+            backward_s += (self.collective_s(step.backward, step.axis, size) if step.backward else 0.0) + sum(
+                self.copy_s(b, info.dtype) for b in copies_bwd)
+        for _, b in reorder_copies(steps, info.nbytes):
+            forward_s += self.copy_s(b, info.dtype)
+            backward_s += self.copy_s(b, info.dtype)
+        return forward_s, backward_s
+
+    def edge_forward_s(self, info: TensorInfo, src: Sequence[Placement], dst: Optional[Sequence[Placement]],
+                       grad_axes: Sequence[int] = ()) -> float:
+        """The forward part of :meth:`edge_s`: its collectives and copies (what a recomputed read runs again)."""
+        src = plain(src)
+        if dst is None or tuple(src) == tuple(dst) or not is_convertible(tuple(src), tuple(dst)):
+            return 0.0
+        return self._edge_cached(info, tuple(src), tuple(dst), tuple(grad_axes))[0]
+
+    def copy_s(self, bytes_moved: float, dtype: str) -> float:
+        """Seconds of one local copy kernel moving ``bytes_moved`` (read plus written)."""
+        return compute_time_s(self.profile.device, 0.0, bytes_moved, dtype)
+
+    def grad_reduce_s(self, info: TensorInfo, placements: Sequence[Placement], axis: int) -> float:
+        """Backward all_reduce over ``axis`` of the gradient of a tensor held with ``placements``, and
+        the clone of the gradient it reduces into (:func:`autotp.planning.redistribute.all_reduce_copies`)."""
+        if not self.train:
+            return 0.0
+        divisor = shard_divisor(info.shape, [p for b, p in enumerate(placements) if b != axis],
+                                [n for b, n in enumerate(self.mesh.shape) if b != axis])
+        size = info.nbytes / divisor
+        return (self.collective_s("all_reduce", axis, size)
+                + sum(self.copy_s(b, info.dtype) for b in all_reduce_copies(size)))
+
+    # -- compute -------------------------------------------------------------------------------
+
+    def local_bytes(self, info: TensorInfo, placements: Optional[Sequence[Placement]]) -> float:
+        if placements is None:
+            return 0.0
+        return info.nbytes / shard_divisor(info.shape, placements, self.mesh.shape)
+
+    def node_compute_s(self, node: OpNode, strategy: Strategy, gradient_reads: int = 1) -> float:
+        """Roofline seconds of the node's local work (forward, plus backward when training), and, when
+        training, the sums of the ``gradient_reads`` gradients its output gets back
+        (:meth:`autotp.tracing.graph.OpGraph.gradient_reads`): ``gradient_reads - 1`` additions of its local
+        output, a memory-bound kernel each (read two, write one)."""
+        seconds = self.gradient_sums_s(node, strategy, gradient_reads)
+        if node.is_placeholder or node.is_view:
+            return seconds
+        return seconds + self._work_s(node, strategy)
+
+    def gradient_sums_s(self, node: OpNode, strategy: Strategy, gradient_reads: int) -> float:
+        """Seconds of adding up the ``gradient_reads`` gradients of the node's output (training only)."""
+        if not self.train or not node.requires_grad or gradient_reads < 2:
+            return 0.0
+        local = self.local_bytes(node.outputs[0], strategy.output)
+        return (gradient_reads - 1) * compute_time_s(self.profile.device, 0.0, 3 * local, node.outputs[0].dtype)
+
+    def node_forward_s(self, node: OpNode, strategy: Strategy) -> float:
+        """Roofline seconds of the node's forward alone (what recomputing it costs)."""
+        if node.is_placeholder or node.is_view:
+            return 0.0
+        return self._forward(node, strategy)[0]
+
+    def _forward(self, node: OpNode, strategy: Strategy) -> tuple[float, float, list, float, str]:
+        # the work splits over an axis only where some tensor is cut in pieces on it: an op on
+        # partials (P) does the whole work on every rank
+        work_divisor = 1.0
+        for a, n in enumerate(self.mesh.shape):
+            if strategy.split_on(a):
+                work_divisor *= _work_divisor(node, strategy, a, n)
+        flops = node.flops / work_divisor
+        in_bytes = [(self.local_bytes(i, p), i.is_float) for i, p in zip(node.input_infos, strategy.inputs)]
+        out_bytes = sum(self.local_bytes(o, strategy.output) for o in node.outputs)
+        moved = sum(b for b, _ in in_bytes) + out_bytes
+        dtype = node.outputs[0].dtype if node.outputs[0].is_float else next(
+            (i.dtype for i in node.input_infos if i.is_float), "float32")
+        return compute_time_s(self.profile.device, flops, moved, dtype), flops, in_bytes, out_bytes, dtype
+
+    def _work_s(self, node: OpNode, strategy: Strategy) -> float:
+        seconds, flops, in_bytes, out_bytes, dtype = self._forward(node, strategy)
+        device = self.profile.device
+        if self.train and node.requires_grad:
+            if flops > 0:
+                seconds *= 1.0 + BACKWARD_FLOP_RATIO
+            else:
+                backward_bytes = out_bytes + sum(2 * b if is_float else b for b, is_float in in_bytes)
+                seconds += compute_time_s(device, 0.0, backward_bytes, dtype)
+        return seconds
+
+    # -- memory --------------------------------------------------------------------------------
+
+    def node_memory(self, node: OpNode, strategy: Strategy) -> MemoryParts:
+        """Bytes per device that choosing ``strategy`` for ``node`` commits."""
+        if node.role == PARAMETER:
+            info = node.output
+            fraction = 1.0 / shard_divisor(info.shape, strategy.output, self.mesh.shape)
+            state = model_state_bytes(info.numel, dtype_bytes(info.dtype), fraction,
+                                      mode=self.mode if node.requires_grad else "inference", optimizer=self.optimizer)
+            return MemoryParts(state.parameters_bytes, state.gradients_bytes, state.optimizer_bytes, 0.0)
+        if self.train and node.requires_grad and not node.is_placeholder and not node.is_view:
+            return MemoryParts(activations_bytes=sum(self.local_bytes(o, strategy.output) for o in node.outputs))
+        return MemoryParts()
+
+
+def _work_divisor(node: OpNode, strategy: Strategy, axis: int, n: int) -> float:
+    """How many times less work the slowest rank does on ``axis``: ``n``, or for an uneven split the
+    full size over its largest piece (every tensor a choice splits unevenly is cut in the same units)."""
+    tensors = zip((*strategy.inputs, strategy.output), (*node.input_infos, node.outputs[0]))
+    for placements, info in tensors:
+        if placements is not None and placements[axis].is_uneven:
+            p = placements[axis]
+            return axis_divisor(info.shape[p.dim], p, n)
+    return float(n)

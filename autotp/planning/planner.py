@@ -1,0 +1,267 @@
+"""``autotp.plan``: capture → strategies → costing → ILP → :class:`~autotp.planning.plan.Plan`.
+
+>>> import torch, autotp
+>>> plan = autotp.plan(torch.nn.Linear(64, 64), (8,), (torch.randn(4, 64),), hardware="h100-sxm",
+...                    mode="inference")
+>>> plan.mesh.shape, plan.mode
+((8,), 'inference')
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Collection, Mapping, Optional, Sequence
+
+import torch
+from cost_models import HardwareProfile, builtin_profile_names, load_profile, optimizer_spec
+
+from autotp.mesh import MeshSpec
+from autotp.placement import Strategy, format_placements, parse_placements, piece_sizes
+from autotp.planning.costing import MODES, CostModel
+from autotp.planning.explain import ExplainContext
+from autotp.planning.plan import MemoryPerDevice, NodeChoice, Plan, PlannedInput, PredictedTime, SolveStats, UnevenSplit, module_choices
+from autotp.planning.program import Collective, LocalCopy, program
+from autotp.planning.recompute import check_recompute, layer_chains, recompute_saved_bytes, recomputed_nodes
+from autotp.planning.rules.gradients import partial_gradient_variants
+from autotp.planning.solver import solve
+from autotp.planning.strategies import all_strategies
+from autotp.planning.tying import tie
+from autotp.tracing.dynamic import requirements
+from autotp.tracing.export import capture
+from autotp.tracing.graph import INPUT, OpGraph
+
+__all__ = ["plan", "plan_graph", "resolve_hardware", "parse_bytes"]
+
+DEFAULT_HARDWARE = "h100-sxm"
+_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 10**3, "KIB": 2**10, "M": 2**20, "MB": 10**6, "MIB": 2**20,
+          "G": 2**30, "GB": 10**9, "GIB": 2**30, "T": 2**40, "TB": 10**12, "TIB": 2**40}
+
+
+def parse_bytes(value: Any) -> Optional[float]:
+    """``40e9``, ``"40GB"``, ``"16GiB"``, ``"512M"`` → bytes; None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value <= 0:
+            raise ValueError(f"memory_budget {value!r}: expected a positive number of bytes")
+        return float(value)
+    if isinstance(value, str):
+        text = value.strip().upper().replace(" ", "")
+        num = text.rstrip("KMGTIB")
+        unit = text[len(num):]
+        try:
+            number = float(num)
+        except ValueError:
+            number = -1.0
+        if unit in _UNITS and number > 0:
+            return number * _UNITS[unit]
+    raise ValueError(f"memory budget {value!r}: expected bytes as a number or a string such as '40GB' or '16GiB'")
+
+
+def resolve_hardware(hardware: Any) -> HardwareProfile:
+    """A built-in profile name, a path to a profile JSON, a HardwareProfile, or None (the default)."""
+    if hardware is None:
+        hardware = DEFAULT_HARDWARE
+    if isinstance(hardware, HardwareProfile):
+        return hardware
+    return load_profile(hardware)
+
+
+def hardware_origin(hardware: Any) -> str:
+    """Where a profile came from, for the report: the default, a built-in profile or a file."""
+    if hardware is None:
+        return ("the default of autotp.plan and the CLI (no hardware given: --hardware or hardware= names another "
+                "profile or a profile file)")
+    if isinstance(hardware, HardwareProfile):
+        return "given as a HardwareProfile"
+    if isinstance(hardware, str) and hardware in builtin_profile_names():
+        return "built-in profile, given"
+    return f"profile file {str(hardware)!r}, given"
+
+
+def _apply_pins(graph: OpGraph, spec: MeshSpec, rep: Mapping[str, str], strat_rep: dict[str, list],
+                pin: Optional[Mapping[str, str]], readers: bool = True) -> None:
+    """Keep only the strategies that give each pinned parameter its pinned placements, and, with
+    ``readers``, the strategies of the ops that read it that compute with that shard."""
+    if not pin:
+        return
+    wanted: dict[str, tuple] = {}
+    for fqn, text in pin.items():
+        try:
+            info = graph.parameter(fqn)
+        except KeyError:
+            raise ValueError(f"pin: the model has no parameter {fqn!r}") from None
+        try:
+            placements = parse_placements(text)
+        except ValueError as err:
+            raise ValueError(f"pin {fqn}: {err}; expected placements such as 'S(0)' or, on 2 axes, 'RS(0)'") from None
+        if placements is None or len(placements) != spec.ndim:
+            raise ValueError(f"pin {fqn}: {text!r} gives {0 if placements is None else len(placements)} placements; "
+                             f"the mesh {spec} has {spec.ndim} axes")
+        node = rep[info.node]
+        if wanted.get(node, placements) != placements:
+            raise ValueError(f"pin {fqn}: {text!r} conflicts with the pin of a structurally identical layer "
+                             f"({format_placements(wanted[node])}); pin repeated layers alike")
+        wanted[node] = placements
+    for node, placements in wanted.items():
+        kept = [s for s in strat_rep[node] if s.output == placements]
+        if not kept:
+            options = ", ".join(sorted({format_placements(s.output) for s in strat_rep[node]}))
+            raise ValueError(f"pin: {format_placements(placements)} is not a placement of {graph[node].param_fqn} "
+                             f"(shape {list(graph[node].output.shape)}) on mesh {spec}; it can take {options}")
+        strat_rep[node] = kept
+        # the ops that read the weight compute with that shard (a pin is a layout, not only storage)
+        for consumer in graph.consumers(node) if readers else ():
+            c = rep[consumer]
+            ks = [k for k, src in enumerate(graph[consumer].inputs) if src == node]
+            reading = [s for s in strat_rep[c] if all(s.inputs[k] == placements for k in ks)]
+            if not reading:
+                raise ValueError(f"pin {graph[node].param_fqn}: {format_placements(placements)} cannot be read by "
+                                 f"{graph[consumer].target} at {graph[consumer].module_path or 'the model'}")
+            strat_rep[c] = reading
+
+
+def predicted_time(graph: OpGraph, chosen: Mapping[str, Strategy], spec: MeshSpec, cost: CostModel,
+                   steps: Optional[tuple[Sequence[Collective], Sequence[LocalCopy]]] = None,
+                   recomputed: Collection[str] = ()) -> PredictedTime:
+    """Seconds of one step under ``chosen``: every node's compute (and the forward again of the
+    ``recomputed`` nodes), and every collective and local copy the program runs
+    (:func:`autotp.planning.program.program`, or ``steps`` if given), each priced by ``cost``."""
+    colls, copies = steps if steps is not None else program(graph, chosen, spec, cost.train, recomputed)
+    compute_s = sum(cost.node_compute_s(n, chosen[n.name], graph.gradient_reads(n.name)) for n in graph.nodes)
+    again_s = sum(cost.node_forward_s(graph[n], chosen[n]) for n in recomputed)
+    compute_s += again_s
+    comm = [cost.collective_s(c.kind, spec.axis_names.index(c.mesh_axis), c.bytes) for c in colls]
+    copy = [cost.copy_s(c.bytes, c.dtype) for c in copies]
+    again_s += (sum(t for t, c in zip(comm, colls) if c.phase == "recompute")
+                + sum(t for t, c in zip(copy, copies) if c.phase == "recompute"))
+    return PredictedTime(compute_s, sum(comm) + sum(copy), again_s)
+
+
+def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "train",
+               memory_budget: Any = None, time_limit_s: float = 60.0, capture_s: float = 0.0,
+               pin: Optional[Mapping[str, str]] = None, optimizer: Any = "adamw",
+               recompute: Optional[bool] = None, hardware_source: Optional[str] = None,
+               keep: Optional[Mapping[str, str]] = None, explainable: bool = True) -> Plan:
+    """Plan an already captured graph (see :func:`plan`). ``hardware_source`` says in the report where
+    the profile came from (default: "given", or the default of :func:`plan` when ``hardware`` is None).
+    ``keep``: placements the parameters must be stored with, as ``pin`` but leaving the ops that read
+    them free to redistribute them (another mode's graph of a module whose weights are in place).
+    ``explainable``: the plan keeps the graph and these arguments for ``plan.explain`` (in memory only)."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: expected one of {MODES}")
+    check_recompute(recompute)
+    optimizer = optimizer_spec(optimizer)
+    spec = MeshSpec.of(mesh)
+    profile = resolve_hardware(hardware)
+    budget = parse_bytes(memory_budget)
+    if budget is None:
+        budget = float(profile.device.memory_bytes)
+
+    t0 = time.perf_counter()
+    rep, chain_paths = tie(graph)
+    reps = [n for n in graph.nodes if rep[n.name] == n.name]
+    strat_rep = all_strategies(graph, spec.shape, reps)
+    _apply_pins(graph, spec, rep, strat_rep, pin)
+    _apply_pins(graph, spec, rep, strat_rep, keep, readers=False)
+    if mode == "train":  # replicated ops that pass partial gradients on (Rg)
+        strat_rep = partial_gradient_variants(graph, spec.ndim, rep, strat_rep)
+    strategies = {n.name: strat_rep[rep[n.name]] for n in graph.nodes}
+    strategies_s = time.perf_counter() - t0
+
+    cost = CostModel(spec, profile, mode, optimizer)
+    chains = layer_chains(graph, chain_paths) if cost.train and recompute is not False else []
+    if recompute is True and not chains:
+        raise ValueError("recompute=True: " + ("activations are kept for a backward only in train mode"
+                                               if not cost.train else
+                                               "the model has no stack of identical layers that can recompute"))
+    solution = solve(graph, strategies, rep, cost, budget, time_limit_s, chains, recompute)
+    chosen = {name: strategies[name][i] for name, i in solution.choice.items()}
+    layers = [layer for g, k in sorted(solution.recompute.items()) for layer in chains[g][:k]]
+    recomputed = recomputed_nodes(graph, [layer.path for layer in layers])
+
+    colls, copies = program(graph, chosen, spec, cost.train, recomputed)
+    parts = {n.name: cost.node_memory(n, chosen[n.name]) for n in graph.nodes}
+    saved = recompute_saved_bytes(chains, solution.recompute, {n: p.activations_bytes for n, p in parts.items()})
+    memory = MemoryPerDevice(
+        parameters_bytes=sum(p.parameters_bytes for p in parts.values()),
+        gradients_bytes=sum(p.gradients_bytes for p in parts.values()),
+        optimizer_bytes=sum(p.optimizer_bytes for p in parts.values()),
+        activations_bytes=sum(p.activations_bytes for p in parts.values()) - saved,
+        budget_bytes=budget, recompute_saved_bytes=saved,
+    )
+    stats = SolveStats(
+        solver=solution.solver, status=solution.status, optimal=solution.optimal, variables=solution.variables,
+        constraints=solution.constraints, representatives=solution.representatives, nodes=len(graph.nodes),
+        capture_s=capture_s, strategies_s=strategies_s, solve_s=solution.seconds,
+    )
+    result = Plan(
+        model_type=graph.model_type, mesh=spec, mode=mode, hardware=profile,
+        nodes=tuple(NodeChoice(n.name, n.target, n.module_path, n.outputs[0].shape, str(chosen[n.name]))
+                    for n in graph.nodes),
+        parameter_placements={p.fqn: format_placements(chosen[p.node].output) for p in graph.parameters},
+        collective_list=tuple(colls), time=predicted_time(graph, chosen, spec, cost, (colls, copies), recomputed),
+        memory=memory, stats=stats,
+        modules=module_choices(graph, chosen),
+        dynamic_dims=tuple(graph.dynamic),
+        divisibility=requirements(graph.symbolic, graph.nodes, chosen, spec.shape),
+        recompute=tuple(layer.path for layer in layers), optimizer=optimizer,
+        uneven=uneven_splits(graph, chosen, spec),
+        training=graph.training,
+        inputs=tuple(PlannedInput(n.name, tuple(n.outputs[0].shape), n.outputs[0].dtype)
+                     for n in graph.nodes if n.role == INPUT),
+        hardware_source=hardware_source or hardware_origin(hardware),
+    )
+    if explainable:  # what plan.explain solves again with (autotp.planning.explain); never saved
+        def solve_again(pins: dict[str, str]) -> Plan:
+            return plan_graph(graph, spec, profile, mode, budget, time_limit_s, pin=pins, optimizer=optimizer,
+                              recompute=recompute, keep=keep, explainable=False)
+
+        object.__setattr__(result, "_context", ExplainContext(graph, dict(pin or {}), solve_again))
+    return result
+
+
+def uneven_splits(graph: OpGraph, chosen: Mapping[str, Strategy], spec: MeshSpec) -> tuple[UnevenSplit, ...]:
+    """The parameters the plan splits unevenly, with the units each rank holds."""
+    out = []
+    for param in graph.parameters:
+        for axis, p in enumerate(chosen[param.node].output):
+            if p.is_uneven:
+                pieces = piece_sizes(param.info.shape[p.dim], p, spec.shape[axis])
+                out.append(UnevenSplit(param.fqn, tuple(param.info.shape), str(p), spec.axis_names[axis],
+                                       tuple(size // p.grain for size in pieces)))
+    return tuple(out)
+
+
+def plan(model: torch.nn.Module, mesh: Any, example_inputs: Any, hardware: Any = None, mode: str = "train",
+         memory_budget: Any = None, time_limit_s: float = 60.0, pin: Optional[Mapping[str, str]] = None,
+         dynamic_dims: Any = False, optimizer: Any = "adamw", recompute: Optional[bool] = None) -> Plan:
+    """Choose how to split every op of ``model`` over ``mesh``.
+
+    ``mesh`` is a ``DeviceMesh`` or a shape such as ``(8,)`` or ``(2, 4)`` (no processes needed);
+    ``hardware`` a built-in profile name, a profile JSON path or a ``HardwareProfile`` (default
+    ``"h100-sxm"``, whatever the machine: the report says so); ``mode`` ``"train"`` (the model traced in
+    the mode it is in) or ``"inference"`` (traced in eval mode, no backward priced); ``memory_budget`` bytes per device
+    (a number or a string like ``"40GB"``; default: the profile's device memory). ``pin`` fixes the
+    placements of chosen parameters, and the ops that read them compute with those shards, e.g.
+    ``{"layers.0.mlp.up_proj.weight": "S(0)"}`` (colwise); the solver decides the rest.
+    ``dynamic_dims`` (default False: all sizes the example's; see :func:`autotp.parallelize`) only
+    adds the dynamic dims and what the plan needs of them to the report: the plan is the same.
+    ``optimizer`` names the optimizer whose state the memory counts: ``"adamw"`` (default), ``"adam"``,
+    ``"sgd_momentum"``, ``"sgd"``, ``"adafactor"`` (none counted) or a ``cost_models.OptimizerSpec``
+    (state dtype, fp32 master weights of mixed precision). ``recompute``: None (default) lets the
+    planner recompute layers of repeated blocks when memory is short, where that costs less than
+    sharding more (:mod:`autotp.planning.recompute`); True recomputes every repeated layer, False none.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: expected one of {MODES}")
+    optimizer_spec(optimizer)
+    check_recompute(recompute)
+    MeshSpec.of(mesh)  # reject a bad mesh before the (slow) capture
+    resolve_hardware(hardware)
+    parse_bytes(memory_budget)
+    t0 = time.perf_counter()
+    # an inference plan is of the model in eval mode (no dropout; batch norm reads its statistics)
+    graph = capture(model, example_inputs, dynamic_dims, training=False if mode == "inference" else None)
+    return plan_graph(graph, mesh, hardware, mode, memory_budget, time_limit_s, capture_s=time.perf_counter() - t0,
+                      pin=pin, optimizer=optimizer, recompute=recompute)

@@ -1,0 +1,194 @@
+"""Report: the plan as a person reads it (text table, JSON, or HTML).
+
+Sections: per module its style, the placements of weight, input and output, and whether it
+recomputes its activations; the collectives of one step by kind and phase with bytes; the inputs' dynamic dims and what the plan needs of them;
+predicted compute and communication time; memory per device against the budget; which layers
+recompute and what that frees and costs; where gradients pass on as partial sums (``Rg``); how
+the solve went.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+from collections import Counter, defaultdict
+from typing import TYPE_CHECKING
+
+from autotp.planning.explain import explain_replicated
+from autotp.tracing.dynamic import in_input_terms
+from autotp.units import format_bytes
+
+if TYPE_CHECKING:
+    from autotp.planning.plan import Plan
+
+__all__ = ["render"]
+
+
+def _t(s: float) -> str:
+    return f"{s * 1e3:.3f} ms" if s >= 1e-3 else f"{s * 1e6:.1f} us"
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return out
+
+
+def _collective_rows(plan: "Plan") -> list[list[str]]:
+    groups: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+    for c in plan.collective_list:
+        groups[(c.phase, c.kind, c.mesh_axis)].append(c.bytes)
+    order = {"forward": 0, "backward": 1, "recompute": 2}
+    return [[phase, kind, axis, str(len(b)), format_bytes(sum(b))]
+            for (phase, kind, axis), b in sorted(groups.items(), key=lambda kv: (order[kv[0][0]], kv[0][1:]))]
+
+
+def partial_gradient_lines(plan: "Plan") -> list[str]:
+    """One line per kind of op whose output the plan leaves ``Rg`` (its gradient passed on to its
+    inputs as partial sums), by module, repeated layers counted once with how many there are."""
+    seen: Counter = Counter()
+    for n in plan.nodes:
+        if any(p.grad_partial for p in plan.strategy(n.name).output):
+            module = re.sub(r"\.\d+(?=\.|$)", ".*", n.module) or "(top level)"
+            seen[(module, n.target, n.shape)] += 1
+    return [f"{module}: {target} {list(shape)}" + (f" (x{count})" if count > 1 else "")
+            for (module, target, shape), count in seen.items()]
+
+
+def dynamic_lines(plan: "Plan") -> list[str]:
+    """One line per dynamic dim (its range, and the multiple the plan needs), then any other size
+    the plan splits, written in the inputs' dims."""
+    names = {d.symbol: f"{d.input}.size({d.dim})" for d in plan.dynamic_dims}
+    multiple = {r.expression: r.divisor for r in plan.divisibility}
+    lines = []
+    for d in plan.dynamic_dims:
+        bound = f"any size >= {d.minimum}" + (f" and <= {d.maximum}" if d.maximum is not None else "")
+        need = f", a multiple of {multiple[d.symbol]}" if d.symbol in multiple else ""
+        lines.append(f"{d.input} dim {d.dim}: example {d.example}, {bound}{need}")
+    for r in plan.divisibility:
+        if r.expression not in names:
+            text = in_input_terms(r.expression, names)
+            lines.append(f"{text}: a multiple of {r.divisor} (the plan splits tensor {r.tensor} of that size)")
+    return lines
+
+
+def _recomputed(plan: "Plan", module: str) -> str:
+    """"yes" for a module inside a layer that recomputes its activations."""
+    return "yes" if any(module == p or module.startswith(p + ".") for p in plan.recompute) else ""
+
+
+def _module_rows(plan: "Plan") -> list[list[str]]:
+    return [[m.module or "(root)", m.style, m.op, m.weight, m.input, m.output, _recomputed(plan, m.module)]
+            for m in plan.modules]
+
+
+_MODULE_HEADERS = ["module", "style", "op", "weight", "input", "output", "recompute"]
+
+
+def recompute_line(plan: "Plan") -> str:
+    """What recompute does in this plan: which layers, what it frees and what it costs."""
+    if not plan.recompute:
+        return "Recompute: none (every layer keeps its activations for the backward)"
+    again = [c for c in plan.collective_list if c.phase == "recompute"]
+    n = len(plan.recompute)
+    layers = f"{n} layers ({', '.join(plan.recompute)}) run their" if n > 1 else f"1 layer ({plan.recompute[0]}) runs its"
+    return (f"Recompute: {layers} forward again in the "
+            f"backward; frees {format_bytes(plan.memory.recompute_saved_bytes)} of activations per device, costs "
+            f"{_t(plan.time.recompute_s)} per step (forward compute again and {len(again)} collectives)")
+
+
+def header_lines(plan: "Plan") -> list[str]:
+    """The plan's first lines: the model, mesh and mode; the hardware profile and where it came from;
+    how the model was traced (its mode, static or dynamic sizes)."""
+    traced = {True: "in train mode", False: "in eval mode", None: "in an unrecorded mode"}[plan.training]
+    sizes = ("sizes static (the example's; autotp.parallelize traces the batch and sequence dims as dynamic "
+             "by default)" if not plan.dynamic_dims else
+             f"{len(plan.dynamic_dims)} dynamic dims (below), the others static")
+    inputs = ", ".join(f"{i.name} {list(i.shape)} {i.dtype}" for i in plan.inputs)
+    return [
+        f"autotp plan: {plan.model_type} on mesh {plan.mesh}, {plan.mode} mode",
+        f"Hardware: {plan.hardware.name}, {plan.hardware_source}",
+        f"Traced: the model {traced}, {sizes}" + (f"; inputs {inputs}" if inputs else ""),
+    ]
+
+
+def memory_line(plan: "Plan") -> str:
+    mem = plan.memory
+    budget = f" of {format_bytes(mem.budget_bytes)} budget" if mem.budget_bytes else ""
+    if plan.mode != "train":  # no backward: no gradients, no optimizer, activations only while they are read
+        return (f"Memory per device: {format_bytes(mem.total_bytes)}{budget} (parameters "
+                f"{format_bytes(mem.parameters_bytes)}, activations {format_bytes(mem.activations_bytes)}; inference: "
+                f"no gradients, no optimizer state)")
+    return (f"Memory per device: {format_bytes(mem.total_bytes)}{budget} (parameters {format_bytes(mem.parameters_bytes)}, "
+            f"gradients {format_bytes(mem.gradients_bytes)}, optimizer {format_bytes(mem.optimizer_bytes)} "
+            f"({plan.optimizer.describe()}), activations {format_bytes(mem.activations_bytes)})")
+
+
+def _text(plan: "Plan") -> str:
+    mem, t, st = plan.memory, plan.time, plan.stats
+    lines = header_lines(plan) + ["", "Modules"]
+    lines += _table(_MODULE_HEADERS, _module_rows(plan))
+    lines += ["", "Collectives per step"]
+    rows = _collective_rows(plan)
+    lines += _table(["phase", "kind", "axis", "count", "bytes"], rows) if rows else ["(none: every rank works alone)"]
+    if plan.uneven:
+        lines += ["", "Uneven splits (whole heads or rows the ranks do not divide)"]
+        lines += [f"  {u.describe()}" for u in plan.uneven]
+    partial = partial_gradient_lines(plan)
+    if partial:
+        lines += ["", "Gradients passed on as partial sums (Rg: these ops run replicated and hand the sum to "
+                  "their inputs' reads)"]
+        lines += [f"  {line}" for line in partial]
+    if plan.dynamic_dims:
+        lines += ["", "Dynamic dims (sizes other than the example's run without planning again)"]
+        lines += [f"  {line}" for line in dynamic_lines(plan)]
+    step = "step (forward and backward)" if plan.mode == "train" else "forward"
+    lines += [
+        "",
+        f"Predicted {step} time: {_t(t.total_s)} (compute {_t(t.compute_s)}, communication {_t(t.communication_s)}, "
+        f"local copies included)",
+        memory_line(plan),
+        *([recompute_line(plan)] if plan.mode == "train" else []),
+        f"Solve: {st.solver}, {st.status}; {st.variables} variables, {st.constraints} constraints, "
+        f"{st.representatives} of {st.nodes} nodes to decide after layer tying and merging; " + (
+            f"capture {st.capture_s:.2f} s, strategies {st.strategies_s:.2f} s, solve {st.solve_s:.2f} s"
+            if st.solve_s is not None else "timings not recorded (loaded plan)"),
+    ]
+    return "\n".join(lines)
+
+
+def _html(plan: "Plan") -> str:
+    def table(headers: list[str], rows: list[list[str]]) -> str:
+        head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+    text = _text(plan).split("\n")
+    summary = "".join(f"<p>{html.escape(line)}</p>" for line in text if line.startswith(("Predicted", "Memory", "Recompute", "Solve")))
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>autotp plan</title></head><body>"
+        f"<h1>{html.escape(text[0])}</h1>" + "".join(f"<p>{html.escape(line)}</p>" for line in text[1:3])
+        + "<h2>Modules</h2>"
+        + table(_MODULE_HEADERS, _module_rows(plan))
+        + "<h2>Collectives per step</h2>" + table(["phase", "kind", "axis", "count", "bytes"], _collective_rows(plan))
+        + summary + "</body></html>"
+    )
+
+
+def render(plan: "Plan", fmt: str = "text", explain: bool = False) -> str:
+    """``fmt``: "text" (the table a person reads), "json" (the saved plan) or "html"; ``explain``: the
+    text ends with why the replicated modules are (:func:`autotp.planning.explain.explain_replicated`)."""
+    if fmt == "text":
+        if explain:
+            why = explain_replicated(plan)
+            return _text(plan) + "\n\nWhy these modules stay replicated\n" + (
+                "\n".join(str(e) for e in why) if why else "(no module with weights is replicated)")
+        return _text(plan)
+    if fmt == "json":
+        return json.dumps(plan.to_dict(), indent=1)
+    if fmt == "html":
+        return _html(plan)
+    raise ValueError(f"report format {fmt!r}: expected 'text', 'json' or 'html'")

@@ -1,0 +1,144 @@
+"""Sharding rules: for one op on one mesh axis of ``n`` ranks, the placements that are exact.
+
+A rule is a function ``rule(node, n) -> list of (input placements, output placement)``, one
+placement per tensor input of the :class:`~autotp.tracing.graph.OpNode` in ``node.inputs`` order.
+Each choice must be exact when the op runs on each rank's local pieces with its non-tensor
+arguments unchanged: ``R`` the whole tensor, ``S(d)`` the rank's even slice of dim ``d``, ``P``
+a summand of a partial sum. autotp's own rules live here by op family (:mod:`.views`,
+:mod:`.pointwise`, :mod:`.reductions`, :mod:`.joins`, :mod:`.contractions`); the user adds
+rules for ops autotp does not know with :func:`register_rule` and checks them on data with
+:func:`autotp.planning.rules.check.check_rule`.
+
+>>> import torch, autotp
+>>> from autotp.placement import R, S
+>>> autotp.register_rule("mylib.twice.default", [((S(0),), S(0))])
+>>> "mylib.twice.default" in registered_rules()
+True
+>>> autotp.unregister_rule("mylib.twice.default")
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
+
+from autotp.placement import Placement, R, parse_placements
+from autotp.planning.rules import contractions, indexing, joins, pointwise, reductions
+from autotp.planning.rules.common import AxisChoice
+from autotp.tracing.graph import OpNode
+
+__all__ = ["AxisChoice", "Rule", "BUILTIN", "register_rule", "unregister_rule", "registered_rules", "user_choices",
+           "op_name"]
+
+Rule = Callable[[OpNode, int], Iterable[tuple[Sequence[Any], Any]]]
+
+# autotp's own rules by op name (a rule returning None leaves the node to the ones after); views,
+# pointwise ops, splits and factories are found by kind (autotp.planning.strategies), every other op in
+# DTensor's registry (autotp.planning.dtensor_rules).
+BUILTIN: dict[str, Callable[[OpNode, int], Optional[list[AxisChoice]]]] = {
+    **contractions.RULES, **pointwise.RULES, **reductions.RULES, **joins.RULES, **indexing.RULES,
+}
+
+_USER: dict[str, Rule] = {}
+
+
+def op_name(op: Any) -> str:
+    """An op as OpNode.target names it: ``torch.ops.mylib.foo.default`` or ``"mylib.foo.default"``
+    (``"mylib::foo"`` means its default overload)."""
+    if isinstance(op, str):
+        name = op.replace("::", ".")
+        if name.count(".") == 1:
+            name += ".default"
+        if name.count(".") != 2 or not all(name.split(".")):
+            raise ValueError(f"op {op!r}: expected an op overload name such as 'mylib.foo.default' "
+                             "(namespace.op.overload), 'mylib::foo', or the op itself (torch.ops.mylib.foo.default)")
+        return name
+    if type(op).__name__ == "OpOverloadPacket":
+        raise ValueError(f"op {op} is an overload packet; pass one overload, e.g. {op}.default")
+    if type(op).__name__ == "OpOverload":
+        return str(op)
+    raise TypeError(f"op is a {type(op).__name__}; expected a torch op overload (torch.ops.ns.op.overload) "
+                    "or its name as a string")
+
+
+def register_rule(op: Any, rule: Union[Rule, Sequence[tuple[Sequence[Any], Any]]]) -> None:
+    """Tell autotp how ``op`` may be split on one mesh axis.
+
+    ``rule`` is either a list of ``(input placements, output placement)`` pairs that hold for any
+    shapes, or a function ``rule(node, n)`` returning such pairs for one node (its shapes are in
+    ``node.input_infos`` and ``node.output``, its arguments in ``node.args``) on an axis of ``n``
+    ranks. Placements are :data:`~autotp.placement.R`, :data:`~autotp.placement.P` and
+    :func:`~autotp.placement.S` (or the strings ``"R"``, ``"P"``, ``"S(1)"``), one per tensor
+    argument in the order the op takes them. The replicated choice is always added; a choice that
+    splits a dim unevenly is dropped. A registered rule replaces autotp's own and DTensor's for
+    that op, in every later plan of this process. Check one on data with
+    :func:`autotp.planning.rules.check.check_rule`: a rule that is not exact gives wrong numbers.
+    """
+    name = op_name(op)
+    if not callable(rule):
+        pairs = [_parse_choice(name, c, None) for c in rule]
+        _USER[name] = lambda node, n: pairs
+    else:
+        _USER[name] = rule
+
+
+def unregister_rule(op: Any) -> None:
+    """Forget the rule registered for ``op`` (a KeyError if there is none)."""
+    name = op_name(op)
+    if name not in _USER:
+        raise KeyError(f"no rule is registered for {name}; registered: {sorted(_USER)}")
+    del _USER[name]
+
+
+def registered_rules() -> tuple[str, ...]:
+    """The ops with a user rule, by name."""
+    return tuple(sorted(_USER))
+
+
+def user_choices(node: OpNode, n: int) -> Optional[list[AxisChoice]]:
+    """The choices of the user's rule for ``node``, checked, or None if no rule is registered."""
+    rule = _USER.get(node.target)
+    if rule is None:
+        return None
+    choices: list[AxisChoice] = [((R,) * len(node.inputs), R)]
+    for raw in rule(node, n):
+        choice = _parse_choice(node.target, raw, node)
+        if choice not in choices:
+            choices.append(choice)
+    return choices
+
+
+def _placement(value: Any) -> Placement:
+    if isinstance(value, Placement):
+        return value
+    if isinstance(value, str):
+        (p,) = parse_placements(value)
+        return p
+    raise TypeError(f"{value!r} is a {type(value).__name__}")
+
+
+def _parse_choice(name: str, raw: Any, node: Optional[OpNode]) -> AxisChoice:
+    """One (inputs, output) pair as placements, checked against the node when there is one."""
+    where = f"the rule registered for {name}" + (f" (node {node.name})" if node is not None else "")
+    try:
+        ins, out = raw
+        inputs = tuple(_placement(p) for p in ins)
+        output = _placement(out)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where} gave {raw!r}; expected a pair (input placements, output placement) "
+                         f"of R, P, S(d) or their names ({err})") from None
+    if any(p.is_blocked or p.is_uneven for p in (*inputs, output)):
+        raise ValueError(f"{where} gave {raw!r}: a blocked split S(d)[k] or an uneven split S(d)~g is "
+                         "autotp's own (it finds where a fused output is cut into blocks, and where heads do not "
+                         "divide); give plain R, P and S(d)")
+    if node is None:
+        return inputs, output
+    if len(inputs) != len(node.inputs):
+        raise ValueError(f"{where} gave {len(inputs)} input placements {list(map(str, inputs))}; the node has "
+                         f"{len(node.inputs)} tensor arguments ({[str(i) for i in node.input_infos]})")
+    for p, info, what in [*zip(inputs, node.input_infos, (f"input {k}" for k in range(len(inputs)))),
+                          (output, node.outputs[0], "the output")]:
+        if p.is_shard and p.dim >= info.ndim:
+            raise ValueError(f"{where} splits dim {p.dim} of {what}, a {info.ndim}-dim tensor {info}")
+        if p.is_partial and not info.is_float:
+            raise ValueError(f"{where} makes {what} ({info}) a partial sum; only floating tensors can be summed")
+    return inputs, output

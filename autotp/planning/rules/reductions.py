@@ -1,0 +1,55 @@
+"""Reductions and normalizations: a kept dim stays split; a summed split dim leaves a partial sum."""
+
+from __future__ import annotations
+
+from autotp.placement import P, R, S
+from autotp.planning.rules.common import AxisChoice, divisible
+from autotp.tracing.graph import OpNode
+
+
+def reduced_dims(node: OpNode) -> set[int]:
+    """The dims a sum or mean reduces: its ``dim`` argument, every dim when it has none or it is empty."""
+    ndim = node.input_infos[0].ndim
+    dims = set(node.args.ints("dim", ndim) or ()) if "dim" in node.args else set()
+    return dims or set(range(ndim))
+
+
+def reduction_choices(node: OpNode, n: int) -> list[AxisChoice]:
+    """sum / mean over dims: sharding a kept dim carries over; a sum over a split dim is partial, and
+    so is a mean, once each rank divides its local mean by the pieces (the rewrite does: the ranks'
+    local means then sum to the mean; DTensor's ``Partial("avg")``)."""
+    x = node.input_infos[0]
+    dims = reduced_dims(node)
+    keepdim = bool(node.args.get("keepdim", False))
+    choices: list[AxisChoice] = [((R,), R), ((P,), P)]
+    kept = [d for d in range(x.ndim) if d not in dims]
+    for d in range(x.ndim):
+        if not divisible(x.shape[d], n):
+            continue
+        if d in dims:
+            if node.target.startswith("aten.sum") or node.output.is_float:
+                choices.append(((S(d),), P))
+        else:
+            choices.append(((S(d),), S(d if keepdim else kept.index(d))))
+    return choices
+
+
+def norm_choices(node: OpNode, n: int) -> list[AxisChoice]:
+    """layer_norm / rms_norm: the normalized (trailing) dims stay whole; weight and bias replicated."""
+    x = node.input_infos[0]
+    k = len(node.args["normalized_shape"])
+    choices: list[AxisChoice] = [((R,) * len(node.inputs), R)]
+    for d in range(x.ndim - k):
+        if divisible(x.shape[d], n):
+            choices.append(((S(d),) + (R,) * (len(node.inputs) - 1), S(d)))
+    return choices
+
+
+RULES = {
+    "aten.layer_norm.default": norm_choices,
+    "aten.rms_norm.default": norm_choices,
+    "aten.sum.dim_IntList": reduction_choices,
+    "aten.mean.dim": reduction_choices,
+    "aten.sum.default": reduction_choices,
+    "aten.mean.default": reduction_choices,
+}

@@ -1,0 +1,16 @@
+"""Runtime: a Plan, its graph and a device mesh in, the parallel module out.
+
+The third stage. It rewrites the exported graph into one rank's graph on local shards, with the
+plan's collectives as graph nodes, and wraps it as a module that behaves like the model it stands
+for. It reads the plan and never solves (except for the graph of a mode not traced yet,
+which it asks the planner for, with every weight kept where it is).
+
+- ``rewrite``       the exported graph and its plan -> one rank's ``torch.fx`` graph
+- ``module``        ``ParallelModule``: the module's state, one graph per mode, ``train``/``eval``
+- ``agreement``     what every rank must hold the same (the plan, the dropout seed), from the first
+- ``collectives``   autograd-aware collectives, one module per redistribution step
+- ``shards``        a rank's piece of a tensor, and the DTensor that holds it
+- ``guard``         the input check: shapes the plan can run, the same inputs on every rank
+- ``dropout``       dropout masks on shards (one mask where ranks hold the same values)
+- ``recompute``     recomputed layers as checkpointed submodules
+"""

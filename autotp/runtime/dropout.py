@@ -1,0 +1,67 @@
+"""Dropout on shards: one mask where ranks hold the same values, independent masks where they hold
+different pieces (as Megatron's model-parallel RNG tracker does).
+
+Left alone, every rank would draw its dropout mask from its own global generator: ranks seeded
+alike would give head 0 on rank 0 and head H/2 on rank 1 the same mask (correlated, not the
+model's dropout), and ranks seeded differently would give a replicated activation different masks
+(the replicas drift apart). The rewrite therefore runs each active dropout of a train-mode graph
+as a :class:`ShardedDropout` that draws its mask from a generator of its own, seeded per call from
+
+- the module's base seed, the same on every rank (``autotp.parallelize`` takes it from the first
+  rank's ``torch.initial_seed()``);
+- the call count and the dropout's place in the graph, so calls and dropouts differ;
+- the rank's coordinates on the mesh axes that split the tensor, so different pieces get
+  independent masks and ranks that hold the same piece (replicated, or partial sums) the same.
+
+What this does not give: the mask a single-device run draws (its generator walks the whole tensor
+in one order; each rank here draws only its piece), so a run with dropout on equals a single
+device in distribution, not value by value. The call count lives in the module, not in its
+``state_dict``: a resumed run starts the count again. A layer the plan recomputes
+(:mod:`autotp.planning.recompute`) sets the count back for its second run and draws the same masks; a
+forward that the user's own code runs twice for one step draws new ones. Under ``torch.compile`` the module runs eagerly (a graph
+break at each active dropout). With dropout off (``eval()``, ``p=0``) the module is the plain op
+and runs are exact.
+
+>>> import torch
+>>> d = ShardedDropout(0.5, base_seed=0, stream=3, shard_key=(1,))
+>>> out, mask = d(torch.ones(1000))
+>>> 0.4 < mask.float().mean().item() < 0.6, set(out.unique().tolist()) == {0.0, 2.0}
+(True, True)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["ShardedDropout"]
+
+_MASK = (1 << 63) - 1
+
+
+class ShardedDropout(nn.Module):
+    """``aten.native_dropout`` on this rank's piece: returns ``(output, keep mask)``."""
+
+    def __init__(self, p: float, base_seed: int, stream: int, shard_key: tuple[int, ...]) -> None:
+        super().__init__()
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"dropout probability {p}: expected a number in [0, 1]")
+        self.p, self.base_seed, self.stream, self.shard_key = float(p), int(base_seed), int(stream), tuple(shard_key)
+        self.calls = 0
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, stream={self.stream}, shard_key={self.shard_key}"
+
+    def seed(self) -> int:
+        """This call's seed: equal on ranks with equal shard keys, independent otherwise."""
+        return hash((self.base_seed, self.calls, self.stream, self.shard_key)) & _MASK
+
+    # @torch.compiler.disable  # runs eagerly under torch.compile: a graph break, no guard on ``calls``
+    def forward(self, x: torch.Tensor, *rest) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator(device=x.device).manual_seed(self.seed())
+        self.calls += 1
+        if self.p == 1.0:
+            mask = torch.zeros_like(x, dtype=torch.bool)
+            return x * 0, mask
+        keep = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32) >= self.p
+        return x * keep * (1.0 / (1.0 - self.p)), keep

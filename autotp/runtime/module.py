@@ -1,0 +1,309 @@
+"""The parallel module: a ``GraphModule`` on local shards that switches graphs with ``train()``/``eval()``.
+
+A traced graph holds one mode of the model: dropout that drops or not, batch norm that updates its
+running statistics or reads them, and whatever else ``forward()`` decides from ``self.training``.
+So :class:`ParallelModule` keeps one graph per mode, over the same parameters and buffers, and
+``train(mode)`` / ``eval()`` runs the graph of that mode, as the model's own ``train()`` /
+``eval()`` would switch it.
+
+The graph of the mode the module was built in comes from ``autotp.parallelize``. The other one is
+made the first time the module switches to it (:class:`ModeSwitch`): a copy of the model with its
+tensors on the meta device, taken at ``parallelize`` (the user's own model is not kept, nor read
+again), is traced in that mode. Where the graph is the same op for op (no dropout, no batch norm),
+the same plan runs it; else the mesh's first rank plans the new graph (in the first plan's mode, train
+or inference) with every parameter pinned where it already is (no weight moves) and every rank gets
+that plan, so the first switch to a mode
+is collective: every rank calls ``train()`` / ``eval()``, as every rank calls ``forward``. The
+switches after it swap the graph only.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import re
+from typing import Any, Optional
+
+import torch
+import torch.fx
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from autotp.placement import Placement, local_shape
+from autotp.planning.plan import Plan
+from autotp.runtime.agreement import agreed_plan, dropout_seed
+from autotp.runtime.rewrite import GraphRewrite, constant_name
+from autotp.runtime.shards import as_dtensor, local_shard
+from autotp.tracing.graph import OpGraph
+
+__all__ = ["ParallelModule", "ModeSwitch", "build_parallel_module", "build_graph", "register_state", "meta_copy",
+           "op_signature"]
+
+
+def meta_copy(model: nn.Module) -> Optional[nn.Module]:
+    """A copy of ``model`` whose parameters and buffers are on the meta device (no memory), to trace
+    again later; None where the model cannot be copied (then a later switch of mode says so)."""
+    memo: dict[int, Any] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and id(p) not in memo:
+                memo[id(p)] = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
+        for name, b in module._buffers.items():
+            if b is not None and id(b) not in memo:
+                memo[id(b)] = b.detach().to("meta")
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception:  # noqa: BLE001 - a model that cannot be copied is traced in one mode only
+        return None
+
+
+class ModeSwitch:
+    """What the parallel module needs to make the graph of another mode: the meta copy of the model,
+    the example inputs (on meta), how they were traced, the mesh, and how the first plan was made."""
+
+    def __init__(self, skeleton: Optional[nn.Module], example_inputs: Any, dynamic_dims: Any, mesh: Any,
+                 memory_budget: Any, recompute: Optional[bool]) -> None:
+        self.skeleton = skeleton
+        self.example_inputs = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"),
+                                                                 example_inputs)
+        self.dynamic_dims = dynamic_dims
+        self.mesh = mesh
+        self.memory_budget = memory_budget
+        self.recompute = recompute
+        # what users read from the model itself (a Hugging Face model's config), kept on the module
+        self.attributes = {name: getattr(skeleton, name, None) for name in _MODEL_ATTRIBUTES}
+
+    def graph_for(self, module: "ParallelModule", training: bool) -> tuple[torch.fx.Graph, Any, tuple]:
+        """The graph (on ``module``'s state), the plan and the ops (:func:`op_signature`) of ``module``'s
+        model in mode ``training``."""
+        from autotp.tracing.export import capture
+        from autotp.mesh import MeshSpec
+
+        if self.skeleton is None:
+            raise RuntimeError(f"this parallel module runs the model in {_mode(module.graph_training)} mode only: "
+                               f"autotp could not copy the model to trace it in {_mode(training)} mode; put the "
+                               f"model in {_mode(training)} mode before autotp.parallelize")
+        first = module.plan
+        graph = capture(self.skeleton, self.example_inputs, self.dynamic_dims, training=training)
+        spec = MeshSpec.of(self.mesh)
+        ops = op_signature(graph)
+        if ops == module.autotp_ops:
+            plan = first
+        else:
+            pins = dict(first.parameter_placements)
+            # the first plan's mode, not the new one's: a train plan's graph in eval mode may still run a
+            # backward (fine-tuning with dropout off), and only a train plan reduces its gradients
+            plan = agreed_plan(graph, spec, self.mesh, first.hardware, first.mode, self.memory_budget, 0.0,
+                                first.optimizer, self.recompute, keep=pins, hardware_source=first.hardware_source)
+        plan.check_matches(graph, spec)
+        fx_graph = build_graph(graph, plan, self.mesh, module, dropout_seed(self.mesh, graph),
+                               prefix=_mode(training) + "_")
+        return fx_graph, plan, ops
+
+
+def _mode(training: bool) -> str:
+    return "train" if training else "eval"
+
+
+def op_signature(graph: Any) -> tuple:
+    """What two captures of one model must share to be one graph: every node the same op on the same
+    arguments (a dropout's train flag and a batch norm's ``training`` are arguments). Kept instead of
+    the capture, which holds the model's tensors."""
+    if graph.exported is None:
+        return ()
+    # a model traced on meta (the copy) names the meta device where the real one names its own
+    return tuple((x.name, x.op, str(x.target), _DEVICE.sub("device", str(x.args)), _DEVICE.sub("device", str(x.kwargs)))
+                 for x in graph.exported.graph.nodes)
+
+
+@functools.lru_cache(maxsize=64)
+def _input_names(forward: Any) -> tuple[str, ...]:
+    """The inputs a graph's generated ``forward`` takes (export's codegen names them as the model's)."""
+    return tuple(n for n in inspect.signature(forward).parameters if n != "self")
+
+
+_MODEL_ATTRIBUTES = ("config", "generation_config", "name_or_path")
+
+_DEVICE = re.compile(r"device\(type='[^']*'(, index=\d+)?\)")
+
+
+class ParallelModule(torch.fx.GraphModule):
+    """What ``autotp.parallelize`` returns (module docstring). Besides the ``GraphModule``, it has
+    ``plan`` (the plan of the graph that runs now), ``plans`` (per mode, ``True`` for train, the plans
+    made so far), ``graph_training`` (the mode of the graph that runs now) and ``autotp_placements``;
+    and what users read from the model: its ``config``, ``generation_config`` and ``name_or_path``
+    where it has them. A keyword argument the trace did not see is a ``TypeError`` that says how to
+    give it to ``autotp.parallelize``."""
+
+    def _autotp_init(self, graph: Any, plan: Any, switch: Optional[ModeSwitch], check_inputs: Optional[int]) -> None:
+        """Called once when built: the graph just built is the one of the traced mode. Per mode: the fx
+        graph, its plan and its ops (:func:`op_signature`)."""
+        self.autotp_check_inputs = check_inputs
+        self.graph_training = bool(graph.training)
+        self._autotp_modes = {self.graph_training: (self.graph, plan, op_signature(graph))}
+        self._autotp_switch = switch
+        for name in _MODEL_ATTRIBUTES:  # what users read from a Hugging Face model
+            if getattr(switch, "attributes", {}).get(name) is not None:
+                setattr(self, name, switch.attributes[name])
+        nn.Module.train(self, self.graph_training)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            inputs = _input_names(type(self).forward)
+            unknown = [k for k in kwargs if k not in inputs]
+            if unknown:
+                traced = ", ".join(inputs)
+                raise TypeError(f"this parallel module was traced with the inputs ({traced}) and was given "
+                                f"{', '.join(unknown)}, which the trace did not see and the plan does not cover; give "
+                                f"them to autotp.parallelize in the example inputs, e.g. example_inputs="
+                                f"{{{', '.join(repr(n) + ': ...' for n in [*inputs, *unknown])}}}")
+        return super().__call__(*args, **kwargs)
+
+    @property
+    def plan(self) -> Any:
+        return self._autotp_modes[self.graph_training][1]
+
+    @property
+    def autotp_ops(self) -> tuple:
+        return self._autotp_modes[self.graph_training][2]
+
+    @property
+    def plans(self) -> dict[bool, Any]:
+        return {mode: entry[1] for mode, entry in self._autotp_modes.items()}
+
+    def train(self, mode: bool = True) -> "ParallelModule":
+        if not isinstance(mode, bool):
+            raise ValueError(f"training mode is expected to be boolean, got {mode!r}")
+        modes = getattr(self, "_autotp_modes", None)
+        if modes is not None and mode != self.graph_training:
+            if mode not in modes:
+                if self._autotp_switch is None:
+                    raise RuntimeError(f"this parallel module was built from a plan and graph alone and runs the "
+                                       f"model in {_mode(self.graph_training)} mode only; build it with "
+                                       f"autotp.parallelize to switch it to {_mode(mode)} mode")
+                modes[mode] = self._autotp_switch.graph_for(self, mode)
+            self.graph = modes[mode][0]  # recompiles forward
+            self.graph_training = mode
+        return nn.Module.train(self, mode)
+
+
+# -- building ----------------------------------------------------------------------------------------
+
+def _set(root: nn.Module, fqn: str, value: Any, kind: str, persistent: bool = True) -> None:
+    *path, leaf = fqn.split(".")
+    mod = root
+    for part in path:
+        if not hasattr(mod, part):
+            mod.add_module(part, nn.Module())
+        mod = getattr(mod, part)
+    if kind == "parameter":
+        mod.register_parameter(leaf, value)
+    else:
+        if leaf in mod._buffers:
+            del mod._buffers[leaf]
+            mod._non_persistent_buffers_set.discard(leaf)
+        mod.register_buffer(leaf, value, persistent=persistent)
+
+
+def register_state(root: nn.Module, graph: OpGraph, plan: Plan, mesh: DeviceMesh,
+                   model: nn.Module) -> dict[str, tuple[Placement, ...]]:
+    """This rank's state on ``root``: parameters as DTensors of its shard, buffers and constants as
+    they are, each a copy (the module owns its tensors: training it leaves ``model`` as it was). A
+    parameter on the meta device gets an uninitialized shard of its local shape on the mesh's device
+    (never its full size); a buffer on meta an uninitialized tensor (``autotp.load_weights`` fills
+    both). Returns autotp's placements of every parameter name (tied names too)."""
+    mesh_shape, coordinate = tuple(int(n) for n in mesh.mesh.shape), mesh.get_coordinate()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    device = torch.device(mesh.device_type)
+    placements_of: dict[str, tuple[Placement, ...]] = {}
+    for p in graph.parameters:
+        full = params[p.fqn].detach()
+        placements = plan.strategy(p.node).output
+        if full.is_meta:
+            local = torch.empty(local_shape(full.shape, placements, mesh_shape, coordinate), dtype=full.dtype,
+                                device=device)
+        else:
+            local = local_shard(full, placements, coordinate, mesh_shape)
+            if local.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
+                local = local.clone()  # a replicated parameter would be the model's own tensor
+        param = nn.Parameter(as_dtensor(local, mesh, placements, full.shape), requires_grad=params[p.fqn].requires_grad)
+        param._autotp_placements = placements  # type: ignore[attr-defined]
+        for name in (p.fqn, *p.aliases):
+            placements_of[name] = placements
+            _set(root, name, param, "parameter")
+    persistent = set(model.state_dict().keys())
+    buffers = dict(model.named_buffers())
+    for name, buf in buffers.items():
+        value = torch.empty_like(buf, device=device) if buf.is_meta else buf.detach().to(device).clone()
+        _set(root, name, value, "buffer", persistent=name in persistent)
+    for name, const in graph.exported.constants.items():
+        if isinstance(const, torch.Tensor):
+            # export lifts non-persistent buffers as constants; a model traced on meta has them real
+            value = buffers[name] if const.is_meta and name in buffers else const
+            _set(root, constant_name(name), value.detach().to(device).clone(), "buffer", persistent=False)
+    return placements_of
+
+
+def build_parallel_module(graph: OpGraph, plan: Plan, mesh: DeviceMesh, model: nn.Module,
+                          seed: int | None = None, switch: ModeSwitch | None = None,
+                          check_inputs: int | None = 0) -> ParallelModule:
+    """The parallel module of this rank: its state (:func:`register_state`) and the graph of
+    :class:`autotp.runtime.rewrite.GraphRewrite`. ``seed``: the base seed of the dropout masks
+    (:mod:`autotp.runtime.dropout`), equal on every rank; default ``torch.initial_seed()``. ``switch``: how to
+    make the graph of the model's other mode when ``train()``/``eval()`` asks for it; without it the
+    module runs the traced mode only. ``check_inputs``: how many calls of each graph compare the inputs
+    across the ranks (:class:`autotp.runtime.guard.SameOnEveryRank`; None: every call; default none,
+    ``autotp.parallelize`` checks its first calls)."""
+    root = nn.Module()
+    placements = register_state(root, graph, plan, mesh, model)
+    rewrite = GraphRewrite(graph, plan, mesh, root, seed, check_inputs=check_inputs)
+    rewrite.emit()
+    gm = ParallelModule(root, rewrite.fx, class_name="AutotpParallelModule")
+    # GraphModule copies only what the graph touches: register tied names and unused state too
+    present = set(dict(gm.named_parameters(remove_duplicate=False))) | set(dict(gm.named_buffers()))
+    for name, param in root.named_parameters(remove_duplicate=False):
+        if name not in present:
+            _set(gm, name, param, "parameter")
+    persistent = set(model.state_dict().keys())
+    for name, buf in root.named_buffers():
+        # GraphModule re-registers the buffers it reads as persistent: restore the model's choice
+        _set(gm, name, buf, "buffer", persistent=name in persistent)
+    # by name on the module, where they outlive .to() and .half() (which make new parameters)
+    gm.autotp_placements = placements  # type: ignore[assignment]
+    rewrite.finish(gm)
+    gm._autotp_init(graph, plan, switch, check_inputs)
+    return gm
+
+
+def build_graph(graph: OpGraph, plan: Plan, mesh: DeviceMesh, module: ParallelModule, seed: int | None = None,
+                prefix: str = "") -> torch.fx.Graph:
+    """The graph of ``graph`` (another mode of ``module``'s model) over ``module``'s parameters and
+    buffers, its own submodules added to ``module`` under names that start with ``prefix``."""
+    for name, const in graph.exported.constants.items():
+        target = constant_name(name)
+        if isinstance(const, torch.Tensor) and not _has_buffer(module, target):
+            if const.is_meta:
+                raise NotImplementedError(f"the model in this mode reads the constant {name}, which it did not read "
+                                          f"when it was parallelized; parallelize it in this mode")
+            _set(module, target, const.detach().to(torch.device(mesh.device_type)).clone(), "buffer",
+                 persistent=False)
+    rewrite = GraphRewrite(graph, plan, mesh, module, seed, prefix=prefix, check_inputs=module.autotp_check_inputs)
+    rewrite.emit()
+    gm = rewrite.finish(torch.fx.GraphModule(module, rewrite.fx))  # over the module's state, for a while
+    # the recomputed layers' modules go to the module; the ones moved into them leave it
+    for name in rewrite.added:
+        if not hasattr(gm, name):
+            delattr(module, name)
+    for name, child in gm.named_children():
+        if not hasattr(module, name):
+            module.add_module(name, child)
+    return gm.graph
+
+
+def _has_buffer(module: nn.Module, target: str) -> bool:
+    try:
+        module.get_buffer(target)
+        return True
+    except AttributeError:
+        return False

@@ -1,0 +1,15 @@
+"""Tracing: a PyTorch model and example inputs in, an :class:`~autotp.tracing.graph.OpGraph` out.
+
+The first stage. It runs ``torch.export`` on the model and turns the exported program into the
+graph every later stage reads: each node's op, arguments, shapes, dtypes, FLOPs, bytes and module
+path, and which placeholder is which parameter. It refuses, by name, what no plan could place.
+It imports nothing from the later stages.
+
+- ``export``     ``capture(model, inputs)``: export, inline, describe; ``CaptureError``
+- ``graph``      ``OpGraph``, ``OpNode``, ``TensorInfo``: the graph as data
+- ``arguments``  an op's arguments by schema name (``OpArgs``, ``TensorArg``, ``SizeArg``)
+- ``dynamic``    dynamic dims: the input sizes a graph accepts, and what a plan requires of them
+- ``regions``    ``no_grad`` and autocast-off blocks, inlined into the graph
+- ``refusals``   constructs a plan cannot place, each refused with what to do
+- ``aliasing``   views and writes in place: which tensors must share one storage
+"""

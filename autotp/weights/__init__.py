@@ -1,0 +1,9 @@
+"""Weights: the values in a parallel module's parameters, from nothing, from files, to files.
+
+The last stage, after the runtime has built the module. Nothing here plans or rewrites.
+
+- ``meta``        ``meta_init``: build a model with parameters on the meta device, buffers real
+- ``loading``     ``load_weights``: each rank reads only its shards from safetensors or a checkpoint
+- ``checkpoint``  sharded ``save``/``load`` (``torch.distributed.checkpoint``), ``full_state_dict``
+- ``initialize``  ``init_weights``: the model's own init code, run on the shards
+"""

@@ -1,0 +1,141 @@
+"""Checkpoints of a parallel module: sharded save/load with ``torch.distributed.checkpoint``, and the
+full (unsharded) state dict gathered on one rank.
+
+>>> # on every rank:
+>>> # autotp.checkpoint.save(pmodel, "ckpt/")            # each rank writes its shards
+>>> # autotp.checkpoint.load(fresh_pmodel, "ckpt/")      # loads them back in place
+>>> # full = autotp.checkpoint.full_state_dict(pmodel)  # rank 0: plain tensors, keys of the model
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+__all__ = ["save", "load", "full_state_dict", "full_tensor"]
+
+
+def save(module: nn.Module, path: str | os.PathLike) -> None:
+    """Write the module's state dict (DTensor shards) with ``torch.distributed.checkpoint``."""
+    state, _ = _for_dcp(module.state_dict(), _placements(module))
+    dcp.save(state, checkpoint_id=os.fspath(path))
+
+
+def load(module: nn.Module, path: str | os.PathLike) -> None:
+    """Load a checkpoint written by :func:`save` into ``module`` (same plan and mesh, or any plan:
+    DCP reshards by the placements of the module's own DTensors)."""
+    own = _placements(module)
+    state, changed = _for_dcp(module.state_dict(), own)
+    dcp.load(state, checkpoint_id=os.fspath(path))
+    for name, original in changed.items():  # back to the split the module computes with
+        state[name] = _placed(state[name].full_tensor(), original.device_mesh, original.placements,
+                              own.get(name))
+    module.load_state_dict(state)
+
+
+def full_tensor(value: torch.Tensor, placements=None) -> torch.Tensor:
+    """The whole tensor of a parameter (or its gradient) of a parallel module, on every rank.
+
+    ``DTensor.full_tensor()`` is right for every placement but two: a split of whole heads that the
+    ranks do not divide (``S(d)~g`` with ``g`` > 1, :mod:`autotp.planning.rules.uneven`) is a ``Shard(d)``
+    there, whose pieces DTensor sizes by elements, not heads; and unequal blocks (``S(d)[s1,s2,...]``),
+    which DTensor has no placement for (a ``Shard(d)`` there). This gathers by the placements the
+    rewrite recorded (``placements``: autotp's, for a gradient pass its parameter's
+    :func:`autotp.runtime.shards.placements_of`)."""
+    from autotp.runtime.shards import placements_of
+
+    if not hasattr(value, "placements"):
+        return value
+    own = placements if placements is not None else placements_of(value)
+    if not any(_dtensor_cannot_size(p) for p in own):
+        return value.full_tensor()
+    from autotp.runtime.collectives import _gather_uneven
+    from autotp.placement import piece_sizes
+    from autotp.runtime.shards import block_index
+
+    mesh = value.device_mesh
+    local = value.to_local()
+    for axis in reversed(range(len(own))):  # axis 0 split first: gather the innermost first
+        p = own[axis]
+        if p.is_shard:
+            n = mesh.size(axis)
+            sizes = piece_sizes(value.shape[p.dim], p, n) if p.is_uneven else (local.shape[p.dim] // p.blocks,) * n
+            if p.is_unequal:  # gathered in the ranks' order (block_permutation), then put back in place
+                local = _gather_uneven(local, p.dim, mesh.get_group(axis), (local.shape[p.dim],) * n)
+                back = block_index(p, n, local.shape[p.dim], inverse=True).to(local.device)
+                local = local.index_select(p.dim, back)
+            elif p.is_blocked:  # every block's pieces gathered: on the tensor viewed as (blocks, block)
+                local = local.unflatten(p.dim, (p.blocks, -1))
+                local = _gather_uneven(local, p.dim + 1, mesh.get_group(axis), sizes).flatten(p.dim, p.dim + 1)
+            else:
+                local = _gather_uneven(local, p.dim, mesh.get_group(axis), sizes)
+    return local
+
+
+def _dtensor_cannot_size(p) -> bool:
+    """An uneven split whose pieces DTensor would size otherwise: whole units of more than one
+    element, or units of each block (DTensor's uneven ``Shard`` cuts single elements)."""
+    return p.is_unequal or p.is_uneven and (p.grain > 1 or p.is_blocked)
+
+
+def _placements(module: nn.Module) -> dict:
+    """autotp's placements of the module's parameters, by state dict name (as the rewrite recorded
+    them on the module: they outlive ``module.to()``)."""
+    from autotp.runtime.shards import placements_of
+
+    recorded = getattr(module, "autotp_placements", None) or {}
+    return {name: recorded.get(name) or placements_of(value)
+            for name, value in module.state_dict(keep_vars=True).items() if hasattr(value, "placements")}
+
+
+def _for_dcp(state: dict, own: dict) -> tuple[dict, dict]:
+    """The state dict as DCP can read and write it, and the entries changed for it.
+
+    DCP describes a rank's shard of a tensor as one run along each dim, of the size DTensor gives
+    it. A blocked split (a ``_StridedShard`` DTensor: the rank's piece of every block) is several
+    runs, and an uneven split of whole heads has other sizes, so each is handed to DCP as a plain
+    split of the same values (gathered and cut again, one tensor at a time). The checkpoint holds
+    each tensor whole and under its own name either way: it loads into any plan."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    out, changed = dict(state), {}
+    for name, value in state.items():
+        placements = getattr(value, "placements", ())
+        heads = any(_dtensor_cannot_size(p) for p in own.get(name, ()))
+        if heads or any(isinstance(p, _StridedShard) for p in placements):
+            plain = [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in placements]
+            out[name] = _placed(full_tensor(value, own.get(name)), value.device_mesh, plain)
+            changed[name] = value
+    return out, changed
+
+
+def _placed(full: torch.Tensor, mesh, placements, own=None) -> torch.Tensor:
+    """A DTensor of ``full`` with DTensor ``placements`` on ``mesh`` (autotp's ``own`` where they say
+    more): this rank's piece, cut locally."""
+    from autotp.runtime.shards import as_dtensor, from_dtensor, local_shard
+
+    own = own if own is not None else from_dtensor(placements)
+    local = local_shard(full, own, mesh.get_coordinate(), tuple(mesh.mesh.shape))
+    return as_dtensor(local, mesh, own, full.shape, sized=True)
+
+
+def full_state_dict(module: nn.Module, rank: Optional[int] = 0) -> dict[str, torch.Tensor]:
+    """The unsharded state dict: plain tensors under the model's own names.
+
+    Every rank must call it (gathering is collective); the result is returned on ``rank`` (and an
+    empty dict elsewhere), or on every rank when ``rank`` is None.
+    """
+    out: dict[str, torch.Tensor] = {}
+    me = dist.get_rank() if dist.is_initialized() else 0
+    own = _placements(module)
+    for name, value in module.state_dict().items():
+        full = full_tensor(value, own.get(name))
+        if rank is None or me == rank:
+            out[name] = full.detach().clone()
+    return out
