@@ -20,7 +20,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 setup: $(VENV)/.installed
 
 demo: setup
-	$(BIN)/python examples/demo.py
+	$(BIN)/python -m examples.demo
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -1,7 +1,18 @@
 """autotp: automatic tensor parallelism for PyTorch models.
 
 ``autotp.plan(model, mesh, example_inputs)`` chooses how to split every op across a device mesh;
-``autotp.parallelize(...)`` runs the model that way. See README.md and docs/design.md.
+``autotp.parallelize(...)`` runs the model that way. The names below are the whole public surface
+(docs/api.md lists each); README.md starts a user, docs/design.md is the design.
+
+The package follows the pipeline, each stage importing only the ones before it:
+
+- ``tracing/``    model and example inputs -> ``OpGraph`` (``autotp.capture``)
+- ``planning/``   ``OpGraph``, mesh and hardware -> ``Plan`` (``autotp.plan``), its report and explain
+- ``runtime/``    ``Plan`` -> the parallel module on local shards (``autotp.parallelize``)
+- ``weights/``    the module's values: ``meta_init``, ``load_weights``, ``checkpoint``, ``init_weights``
+- ``profiling/``  ``autotp profile``: the cluster measured into a hardware profile
+- ``placement``, ``ops``, ``mesh``, ``units``: the words every stage shares
+- ``parallel``, ``cli``: the faces, which put the stages together
 """
 
 from cost_models import OptimizerSpec
@@ -13,6 +24,7 @@ from autotp.planning.planner import plan
 from autotp.planning.program import Collective
 from autotp.planning.rules import register_rule, unregister_rule
 from autotp.planning.rules.check import check_rule
+from autotp.runtime.module import ParallelModule
 from autotp.tracing.export import CaptureError, capture
 from autotp.tracing.graph import OpGraph, OpNode, TensorInfo
 from autotp.weights import checkpoint
@@ -21,6 +33,6 @@ from autotp.weights.loading import load_weights
 from autotp.weights.meta import meta_init
 
 __all__ = ["capture", "CaptureError", "OpGraph", "OpNode", "TensorInfo", "plan", "Plan", "PlanError", "load_plan",
-           "Collective", "MemoryBudgetError", "parallelize", "checkpoint", "load_weights", "meta_init", "init_weights",
+           "Collective", "MemoryBudgetError", "parallelize", "ParallelModule", "checkpoint", "load_weights", "meta_init", "init_weights",
            "OptimizerSpec", "register_rule", "unregister_rule", "check_rule"]
 __version__ = "0.1.0"

@@ -6,23 +6,20 @@ exported program run on meta inputs, and the closed formula ``2 * matmul params 
 4 * T^2 * D`` per layer (attention's two products, counted without the causal mask as
 FlopCounterMode does).
 
-    .venv/bin/python benchmarks/capture.py            # both shapes
-    .venv/bin/python benchmarks/capture.py 8b         # one
+    .venv/bin/python -m benchmarks.capture            # both shapes
+    .venv/bin/python -m benchmarks.capture 8b         # one
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import torch
+from torch.utils.flop_counter import FlopCounterMode
 
-import torch  # noqa: E402
-from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
-
-import autotp  # noqa: E402
-from examples import models as M  # noqa: E402
+import autotp
+from examples import models as M
 
 SHAPES = {
     "8b": dict(n_layer=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, vocab=128256),

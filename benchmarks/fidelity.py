@@ -33,7 +33,7 @@ predicted ranking, the measured difference of their steps in the same turn, with
 where the interval holds zero, this machine cannot tell the two plans apart in that many steps,
 and the strict ranking line above is a coin toss for that pair.
 
-    .venv/bin/python benchmarks/fidelity.py [--profile my.json] [--steps 4] [--repeats 3]
+    .venv/bin/python -m benchmarks.fidelity [--profile my.json] [--steps 4] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -47,13 +47,11 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-import autotp  # noqa: E402
-from benchmarks.runtime import CFG, build  # noqa: E402
-from examples.ranks import run_ranks  # noqa: E402
+import autotp
+from benchmarks.runtime import CFG, build
+from examples.ranks import run_ranks
 
 _QKV_UP = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.up_proj")
 _O_DOWN = ("self_attn.o_proj", "mlp.down_proj")

@@ -1,6 +1,6 @@
 """GPU check at world size 1 (NCCL): the runtime on CUDA, and the roofline against a real device.
 
-    python benchmarks/gpu_check.py        # on a machine with one CUDA device
+    python -m benchmarks.gpu_check        # on a machine with one CUDA device
 
 1. Roofline figures measured here (bf16/fp32 matmul FLOP/s, copy bandwidth) next to the built-in
    ``h100-sxm`` profile's.
@@ -17,18 +17,15 @@
 from __future__ import annotations
 
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-import autotp  # noqa: E402
-from autotp.parallel import default_hardware  # noqa: E402
-from cost_models import load_profile  # noqa: E402
-from examples import models  # noqa: E402
+import autotp
+from autotp.parallel import default_hardware
+from cost_models import load_profile
+from examples import models
 
 
 def _sync() -> None:

@@ -1,7 +1,7 @@
 """Loading a saved model shard by shard: host memory and time per rank, against loading it whole.
 
-    python benchmarks/load.py                  # HF Llama of about 205 M parameters, 2 gloo ranks
-    python benchmarks/load.py --layers 2       # a smaller one
+    python -m benchmarks.load                  # HF Llama of about 205 M parameters, 2 gloo ranks
+    python -m benchmarks.load --layers 2       # a smaller one
 
 A random Hugging Face Llama is saved with ``save_pretrained`` (safetensors in several files).
 Then, side by side on this machine:
@@ -28,14 +28,11 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import sys
 import tempfile
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import torch  # noqa: E402
+import torch
 
 
 RUNS = (("warm", 3), ("cold", 3))  # timed runs of each kind, the fastest counts (the same for both sides)

@@ -16,24 +16,20 @@ parameters, buffers, optimizer state and inputs that live across steps. It print
 plan's ``memory_per_device()`` (parameters, gradients, optimizer state, activations: their sum is
 what the budget bounds) and the measured peak, with what was alive at the peak, and their ratio.
 
-    .venv/bin/python benchmarks/memory.py [--layers 2] [--foreach]
+    .venv/bin/python -m benchmarks.memory [--layers 2] [--foreach]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import weakref
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass  # noqa: E402
-from torch.utils._pytree import tree_flatten  # noqa: E402
-
-from examples.ranks import run_ranks  # noqa: E402
+from examples.ranks import run_ranks
 
 MB = 1e6
 KINDS = ("parameters", "optimizer", "gradients", "inputs", "other")

@@ -16,8 +16,8 @@ Each configuration runs in its own process under a wall-clock limit (``--limit-s
 and the solver under ``--solver-limit-s`` (default 600 s); a configuration that runs out of time is
 reported as such.
 
-    .venv/bin/python benchmarks/plan_time.py
-    .venv/bin/python benchmarks/plan_time.py --only 8b --limit-s 300
+    .venv/bin/python -m benchmarks.plan_time
+    .venv/bin/python -m benchmarks.plan_time --only 8b --limit-s 300
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ import sys
 import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
-
 CONFIGS = {  # name: (examples.models.hf_llama kwargs, mesh shape)
     "8b": (dict(n_layer=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, vocab=128256), (8,)),
     "70b": (dict(n_layer=80, hidden=8192, ffn=28672, heads=64, kv_heads=8, vocab=128256), (8, 8)),
@@ -100,7 +98,7 @@ def main() -> None:
     for name in args.only or list(CONFIGS):
         for tying in ("old", "tied") + (("untied",) if args.untied else ()):
             start = time.perf_counter()
-            cmd = [sys.executable, os.path.abspath(__file__), "--one", name, tying,
+            cmd = [sys.executable, "-m", "benchmarks.plan_time", "--one", name, tying,
                    "--solver-limit-s", str(args.solver_limit_s)]
             try:
                 proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.limit_s)

@@ -13,25 +13,21 @@ With ``--compile BACKEND`` (``inductor``, ``aot_eager``) both 2-rank models are 
 under ``torch.compile(model, backend=BACKEND)`` (the optimizer step stays eager), and the ratios
 compiled / eager and compiled autotp / compiled hand plan are printed too.
 
-    .venv/bin/python benchmarks/runtime.py [--steps 5] [--hardware cpu-gloo] [--compile inductor] [--layers 4]
+    .venv/bin/python -m benchmarks.runtime [--steps 5] [--hardware cpu-gloo] [--compile inductor] [--layers 4]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from examples.models import GPT, GPTConfig  # noqa: E402
-from examples.ranks import run_ranks  # noqa: E402
+from examples.models import GPT, GPTConfig
+from examples.ranks import run_ranks
 
 CFG = GPTConfig(vocab_size=50304, n_layer=4, n_head=12, dim=768, max_seq_len=1024)
 

@@ -38,7 +38,7 @@ sequence parallelism has). The goal is every row Megatron-quality and exact.
 MoE models run ``transformers``' default experts implementation (``grouped_mm``; on CPU its
 ``transformers::grouped_mm_fallback`` custom op). Progress goes to stderr, the table to stdout.
 
-    .venv/bin/python benchmarks/zoo.py [--archs llama,gpt2,...] [--no-exact] [--markdown]
+    .venv/bin/python -m benchmarks.zoo [--archs llama,gpt2,...] [--no-exact] [--markdown]
 """
 
 from __future__ import annotations
@@ -46,18 +46,15 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import os
 import re
 import sys
 import time
 from typing import Callable, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from examples.models import output_tensor  # noqa: E402
-from examples.ranks import run_threads  # noqa: E402
+from examples.models import output_tensor
+from examples.ranks import run_threads
 
 MESH = (8,)
 HARDWARE = "h100-sxm"
@@ -515,14 +512,14 @@ def _step(model: torch.nn.Module, inputs: dict) -> tuple[torch.Tensor, dict[str,
     out = output_tensor(model(**inputs))
     target = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
     (out.float() - target).pow(2).mean().backward()
-    from autotp.weights.checkpoint import full_tensor
+    import autotp
     from autotp.runtime.shards import placements_of
 
     grads = {}
     for name, p in model.named_parameters():
         g = p.grad
         # autotp's placements: DTensor sizes a split of whole heads, or unequal blocks, otherwise
-        grads[name] = full_tensor(g, placements_of(p)) if hasattr(g, "placements") else g
+        grads[name] = autotp.checkpoint.full_tensor(g, placements_of(p)) if hasattr(g, "placements") else g
     return out.detach(), grads
 
 

@@ -6,23 +6,19 @@ naming it. ``autotp.register_rule`` says how it may be split on one mesh axis; `
 runs every resulting strategy on random pieces and compares with the op on whole tensors, so a
 wrong rule fails here and not as wrong numbers later.
 
-    python examples/custom_op.py
+    python -m examples.custom_op
 """
 
 from __future__ import annotations
 
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import autotp  # noqa: E402
-from autotp.placement import P, R, S  # noqa: E402
-from examples.ranks import run_threads  # noqa: E402
+import autotp
+from autotp.placement import P, R, S
+from examples.ranks import run_threads
 
 
 @torch.library.custom_op("demo::expert_mm", mutates_args=())

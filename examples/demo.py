@@ -5,20 +5,19 @@ parallel run next to a single-process run of the original model, and the step ti
 plan's predicted forward and backward next to the one measured here. The built-in ``cpu-gloo``
 profile was measured on another 2-core machine: the demo says how far this one is from it, and
 how to measure a profile of this one (``autotp profile``).
+
+    python -m examples.demo            # from the repository root; make demo runs this
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-import autotp  # noqa: E402
-from examples.train_gpt import build, loss_of, train  # noqa: E402
-from examples.ranks import run_ranks  # noqa: E402
+import autotp
+from examples.train_gpt import build, train
+from examples.ranks import run_ranks
 
 WORLD, STEPS = 2, 5
 

@@ -1,7 +1,7 @@
 """Greedy generation with a parallel Hugging Face model: one plan, every prompt length.
 
-    python examples/generate.py               # 2 gloo processes on this machine
-    torchrun --nproc-per-node 2 examples/generate.py
+    python -m examples.generate               # 2 gloo processes on this machine
+    torchrun --nproc-per-node 2 -m examples.generate
 
 A small random ``LlamaForCausalLM`` (built from a config, no download) is parallelized once for
 inference, with a 12-token prompt as the example input; a memory budget under the whole model
@@ -15,16 +15,12 @@ generates in one process.
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import autotp  # noqa: E402
-from autotp.planning.report import dynamic_lines  # noqa: E402
-from examples.models import hf_llama  # noqa: E402
+import autotp
+from examples.models import hf_llama
 
 PROMPT_TOKENS = 12
 NEW_TOKENS = 16
@@ -55,7 +51,8 @@ def run(rank: int, world: int) -> list[int]:
     tokens = greedy(pmodel, prompt, NEW_TOKENS)
     if rank == 0:
         print(sorted(set(pmodel.plan.module_styles().values())))
-        print("dynamic dims:", "; ".join(dynamic_lines(pmodel.plan)))
+        report = pmodel.plan.report().split("\n\n")
+        print("\n".join(part for part in report if part.startswith("Dynamic dims")))
         print(f"generated: {tokens}")
     return tokens
 

@@ -1,6 +1,6 @@
 """Parallelize a Hugging Face ``LlamaForCausalLM`` built from a config (no download).
 
-    torchrun --nproc-per-node 2 examples/hf_llama.py
+    torchrun --nproc-per-node 2 -m examples.hf_llama
 
 Prints the plan on rank 0 and checks the logits against the unparallelized model.
 """
@@ -14,16 +14,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import autotp  # noqa: E402
-from examples.models import hf_llama  # noqa: E402
+import autotp
+from examples.models import hf_llama
 
 
 def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if "RANK" not in os.environ:  # run as a plain script: say how to start the ranks
-        sys.exit(f"start the ranks with torchrun: torchrun --nproc-per-node 2 {sys.argv[0]}")
+        sys.exit("start the ranks with torchrun: torchrun --nproc-per-node 2 -m examples.hf_llama")
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -1,7 +1,7 @@
 """The path a real-size model takes: built on meta, parallelized, loaded shard by shard.
 
-    python examples/load_pretrained.py            # 2 gloo processes on this machine
-    torchrun --nproc-per-node 2 examples/load_pretrained.py
+    python -m examples.load_pretrained            # 2 gloo processes on this machine
+    torchrun --nproc-per-node 2 -m examples.load_pretrained
 
 A small random Hugging Face Llama is saved with ``save_pretrained`` (safetensors, several files and
 an index), standing in for a downloaded checkpoint. Then every rank:
@@ -19,16 +19,13 @@ difference from ``from_pretrained`` in one process.
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import autotp  # noqa: E402
-from examples.models import hf_llama  # noqa: E402
+import autotp
+from examples.models import hf_llama
 
 
 def save_checkpoint(directory: str) -> None:

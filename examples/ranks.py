@@ -11,7 +11,7 @@ tensors are summed, gathered, exchanged), but no process starts and nothing is i
 so a check costs seconds instead of tens of seconds. What ``fn`` does must be safe to run on
 several threads at once. The factories of ``examples/models.py`` are (they take turns). torch.export
 is not: it must not trace while another thread runs torch ops, so capture and plan in the calling
-thread and give the ranks the graph and the plan (as ``tests/test_runtime.py`` does). The global
+thread and give the ranks the graph and the plan (as ``tests/runtime/test_runtime.py`` does). The global
 random generator is shared by the threads: seed through the factories' ``seed`` or a
 ``torch.Generator``. Used by the tests.
 

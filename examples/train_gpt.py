@@ -2,7 +2,7 @@
 
 Under torchrun (gloo on CPU, NCCL on CUDA):
 
-    torchrun --nproc-per-node 2 examples/train_gpt.py --steps 5
+    torchrun --nproc-per-node 2 -m examples.train_gpt --steps 5
 
 Every rank builds the same model from the same seed, autotp plans it for the mesh (or loads a
 plan with ``--plan plan.json``), and each rank then holds only its shards.
@@ -18,9 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from examples.models import GPT, GPTConfig  # noqa: E402
+from examples.models import GPT, GPTConfig
 
 CONFIG = GPTConfig(vocab_size=2048, n_layer=4, n_head=8, dim=256, max_seq_len=128)
 BATCH, SEQ = 8, 128
@@ -87,7 +85,7 @@ def main() -> None:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if "RANK" not in os.environ:  # run as a plain script: say how to start the ranks
-        sys.exit(f"start the ranks with torchrun: torchrun --nproc-per-node 2 {sys.argv[0]} --steps 5")
+        sys.exit("start the ranks with torchrun: torchrun --nproc-per-node 2 -m examples.train_gpt --steps 5")
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

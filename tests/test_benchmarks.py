@@ -72,7 +72,7 @@ def test_a_zoo_row_plans_gpt2_at_real_width_megatron_quality_and_exact():
     assert row["is_exact"], row
 
 
-@pytest.mark.slow  # the mechanism is in the default suite: tests/test_inplace.py
+@pytest.mark.slow  # the mechanism is in the default suite: tests/runtime/test_inplace.py
 def test_the_zoo_deepseek_v3_row_is_exact():
     """DeepSeek-V3's attention fills its keys through slices of ``new_empty`` and reads the empty
     tensor afterwards; at tiny widths (a low-rank query, MLA's compressed keys and values, routed
@@ -87,7 +87,7 @@ def test_the_zoo_deepseek_v3_row_is_exact():
     assert sharded >= total // 2, result
 
 
-@pytest.mark.slow  # the mechanism is in the default suite: tests/test_regions.py
+@pytest.mark.slow  # the mechanism is in the default suite: tests/tracing/test_regions.py
 def test_the_zoo_phimoe_row_is_megatron_quality_and_exact():
     """PhiMoE's router picks the experts under ``torch.no_grad()`` inside ``forward()`` (refused at
     capture before ``autotp/tracing/regions.py``): at Phi-3.5-MoE widths the plan is Megatron-quality, and

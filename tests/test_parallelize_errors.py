@@ -2,7 +2,7 @@
 
 Each refusal must raise the documented error with a message that says what was wrong, leave the
 user's model exactly as it was (same state_dict values, plain tensors, same requires_grad and
-training flag) and communicate nothing (``tests/observed.py`` sees no collective).
+training flag) and communicate nothing (``tests/helpers/observed.py`` sees no collective).
 
 The cases that need a live ``DeviceMesh`` run on threaded ranks of this process
 (``examples.ranks.run_threads``), one run per mesh size (one rank, or three for the uneven case);
@@ -21,7 +21,7 @@ import torch
 import autotp
 from examples import models
 from examples.ranks import run_threads
-from observed import CollectiveLog
+from tests.helpers.observed import CollectiveLog
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -21,9 +21,9 @@ the row-split embedding is a ``_MaskPartial`` there; ``linear``, ``layer_norm``,
 (~0.1-0.5 s each) and, for causal attention, not traceable at all (its mask comes from a factory
 op); views, ``expand`` and ``new_*`` factories carry shape arguments DTensor rewrites before
 running them (autotp's rewrite does the same, from the rules here); a mean passes a pending sum
-through here and not there. tests/test_dtensor_rules.py compares the two lists for the ops both
+through here and not there. tests/planning/test_dtensor_rules.py compares the two lists for the ops both
 know and pins the difference; every strategy from either source is checked exact on local shards
-(tests/test_strategies.py, tests/test_dtensor_rules.py).
+(tests/planning/test_strategies.py, tests/planning/test_dtensor_rules.py).
 
 >>> import torch, autotp
 >>> from autotp.planning.strategies import node_strategies

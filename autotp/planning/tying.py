@@ -11,7 +11,7 @@ other sibling that ran after the earlier one began (a grouped-query block's ``o_
 ``q_proj`` made, and what ``k_proj`` and ``v_proj`` made after it: not a link). That is a
 stack of layers, where every layer sits in the same context, so one strategy serves them all; the
 first and last layer of a stack may gain a little from their own (3e-4 of the step on a 3-layer
-GPT, tests/test_tying.py), which tying gives up for a problem a stack's depth smaller.
+GPT, tests/planning/test_tying.py), which tying gives up for a problem a stack's depth smaller.
 Siblings that match but sit in different places are left free: ``q_proj`` and ``o_proj`` of one
 attention block are both ``Linear(d, d)``, yet one reads the block's input and the other the
 attention output, and the best plan splits them differently. Names never matter: ``layers.3`` ties

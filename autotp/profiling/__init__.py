@@ -1,8 +1,13 @@
 """``autotp profile``: measure collectives and the device, write a hardware profile.
 
+In: a mesh shape and the sweep's options; out: a ``cost_models.HardwareProfile`` JSON that
+``hardware=`` and ``--hardware`` read. It stands beside the pipeline and imports none of its stages.
+
 Modules, in the order data flows through them:
 
 - ``config``       sizes (``1K``, ``64M``), mesh shapes (``2x4``), :class:`ProfileConfig`
+- ``sizes``        the sizes timed besides the grid: held-out sizes (never fitted) and refinements
+- ``dtypes``       the dtypes measured, and which of them the device only emulates
 - ``command``      argparse options and orchestration (``add_arguments``, ``run``)
 - ``launch``       start N local ranks, watchdog: a rank that dies or hangs stops the run
 - ``heartbeat``    rank-side progress reports for the watchdog; fault-injection hook

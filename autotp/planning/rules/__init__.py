@@ -9,6 +9,15 @@ a summand of a partial sum. autotp's own rules live here by op family (:mod:`.vi
 rules for ops autotp does not know with :func:`register_rule` and checks them on data with
 :func:`autotp.planning.rules.check.check_rule`.
 
+Modules:
+
+- ``views``, ``pointwise``, ``reductions``, ``joins``, ``contractions``, ``indexing``: the op families
+- ``blocks``     blocked splits: a fused projection cut into its parts, each part split
+- ``uneven``     uneven splits: units (heads, vocabulary rows) the ranks do not divide
+- ``gradients``  the ``Rg`` variants: replicated ops that pass a partial gradient on
+- ``common``     what every family shares: a single-axis choice, the evenness test
+- ``check``      ``check_rule``: a rule checked on data, pieces against the op's output
+
 >>> import torch, autotp
 >>> from autotp.placement import R, S
 >>> autotp.register_rule("mylib.twice.default", [((S(0),), S(0))])

@@ -21,8 +21,8 @@ from autotp.planning.planner import plan_graph
 from autotp.tracing.graph import TensorInfo
 from cost_models import load_profile
 from examples.ranks import run_threads
-from exactness import assert_step_matches_one_process
-from observed import CollectiveLog, assert_as_planned
+from tests.helpers.exactness import assert_step_matches_one_process
+from tests.helpers.observed import CollectiveLog, assert_as_planned
 
 
 class Dispatch(nn.Module):

@@ -13,7 +13,7 @@ from torch import nn
 
 from autotp.placement import P, R, S
 from autotp.runtime.collectives import RedistributeStep
-from exactness import assert_step_matches_one_process
+from tests.helpers.exactness import assert_step_matches_one_process
 
 
 @pytest.fixture()

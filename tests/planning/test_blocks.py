@@ -9,8 +9,6 @@ state_dict values unchanged.
 
 from __future__ import annotations
 
-import collections
-import re
 
 import pytest
 import torch
@@ -19,22 +17,11 @@ from torch import nn
 
 import autotp
 from autotp.placement import S, Strategy
-from examples import models as M
 from examples.ranks import run_threads
-from exactness import assert_step_matches_one_process
+from tests.helpers.exactness import assert_step_matches_one_process
+from tests.helpers.blocks import SEQ, Logits, activation_collectives_per_layer, gpt2
 
 FAST = "h100-sxm"
-
-
-class Logits(nn.Module):
-    """A Hugging Face model returning its logits (a plain tensor to compare)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.m = model
-
-    def forward(self, ids):
-        return self.m(ids).logits
 
 
 def _phi3(hidden=64, heads=4, ffn=128, vocab=128, layers=2, device="cpu"):
@@ -55,14 +42,9 @@ def _mixtral(hidden=64, heads=4, kv=2, ffn=128, experts=4, vocab=128, layers=2, 
         return Logits(transformers.MixtralForCausalLM(config))
 
 
-def _gpt2(hidden=64, heads=4, vocab=128, layers=2, device="cpu"):
-    model, _ = M.hf_gpt2(hidden=hidden, heads=heads, n_layer=layers, vocab=vocab, seq=16, batch=2, device=device)
-    return Logits(model)
-
-
 # real widths: GPT-2 at 2048 wide with 32 heads, Phi-3-mini, Mixtral 8x7B
 REAL = {
-    "gpt2": lambda layers: _gpt2(hidden=2048, heads=32, vocab=50304, layers=layers, device="meta"),
+    "gpt2": lambda layers: gpt2(hidden=2048, heads=32, vocab=50304, layers=layers, device="meta"),
     "phi3": lambda layers: _phi3(hidden=3072, heads=32, ffn=8192, vocab=32064, layers=layers, device="meta"),
     "mixtral": lambda layers: _mixtral(hidden=4096, heads=32, kv=8, ffn=14336, experts=8, vocab=32000, layers=layers,
                                        device="meta"),
@@ -73,20 +55,6 @@ FUSED = {  # the fused weights and the blocked split they must get (Conv1D store
     "phi3": {"self_attn.qkv_proj.weight": "S(0)[3]", "mlp.gate_up_proj.weight": "S(0)[2]"},
     "mixtral": {"mlp.experts.gate_up_proj": "S(1)[2]"},
 }
-SEQ = 2048
-
-
-def _activation_collectives_per_layer(plan, graph, hidden: int) -> dict[int, int]:
-    """Forward collectives moving at least half an activation (batch x tokens x hidden, float32) on an
-    activation (not on a weight's stored shard), by the layer whose module runs them."""
-    weights = {p.node for p in graph.parameters}
-    module = {n.name: n.module for n in plan.nodes}
-    per_layer: collections.Counter = collections.Counter()
-    for c in plan.collectives():
-        found = re.search(r"\.(\d+)\.", module[c.at] + ".")
-        if c.phase == "forward" and c.bytes >= SEQ * hidden * 4 / 2 and c.at not in weights and found:
-            per_layer[int(found.group(1))] += 1
-    return dict(per_layer)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "phi3", "mixtral"])
@@ -101,7 +69,7 @@ def test_fused_projections_are_split_in_blocks_at_real_width(name):
     for suffix, placement in FUSED[name].items():
         found = [v for k, v in stored.items() if k.endswith(suffix)]
         assert found and set(found) == {placement}, (suffix, found)
-    per_layer = _activation_collectives_per_layer(plan, graph, HIDDEN[name])
+    per_layer = activation_collectives_per_layer(plan, graph, HIDDEN[name])
     # Megatron's count (sequence parallel: a gather before attention and before the MLP, a reduce-scatter
     # after each); Mixtral's router copies each token to its experts, and that copy passes its partial
     # gradient back to the tokens (Rg) rather than being gathered (twice the activation)
@@ -139,7 +107,7 @@ def test_a_cut_into_blocks_is_what_finds_them():
         assert ("(S(0)[3],)" in placements) == blocked, placements
 
 
-TINY = {"gpt2": _gpt2, "phi3": _phi3, "mixtral": _mixtral}
+TINY = {"gpt2": gpt2, "phi3": _phi3, "mixtral": _mixtral}
 
 
 def _full_weights(rank, world, graph, plan, model):

@@ -5,7 +5,7 @@ Every case runs ``world`` ranks and, inside one run, checks:
 - outputs equal a single-process run of the original model (float32, 1e-5 of the output's scale);
 - every parameter gradient equals the reference (to 1e-5 of the model's largest gradient);
 - the collectives that run over the forward, and over the backward, equal ``plan.collectives()``
-  collective by collective: kind, mesh axis and bytes (``tests/observed.py``), and nothing else
+  collective by collective: kind, mesh axis and bytes (``tests/helpers/observed.py``), and nothing else
   communicates;
 - the parameter bytes each rank holds equal ``plan.memory_per_device().parameters_bytes``;
 - the plan really shards (some module is ``colwise`` or ``rowwise``): a memory budget a little
@@ -16,7 +16,7 @@ Every case runs ``world`` ranks and, inside one run, checks:
 The ranks are threads of this process (``examples.ranks.run_threads``: real collectives, no
 process start-up). ``test_gloo_processes_run_as_planned`` runs the same checks, and every
 redistribution step of the runtime, on spawned gloo processes, where PyTorch's ``CommDebugMode``
-must see the same collectives as ``tests/observed.py``.
+must see the same collectives as ``tests/helpers/observed.py``.
 
 The trusted references are the original model in one process and PyTorch's own
 ``parallelize_module`` with a hand-written Megatron plan.
@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from examples.ranks import run_ranks, run_threads
-from observed import CollectiveLog, assert_as_planned, planned, tensor_of
+from tests.helpers.observed import CollectiveLog, assert_as_planned, planned, tensor_of
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -97,7 +97,7 @@ def _parallelize(model, mesh, inp, factory, world, mode, budget=None):
     import autotp
 
     budget = budget if budget is not None else _BUDGET[(factory, world, mode)]
-    # the input check of the first calls (an all_gather of checksums, tests/test_modes.py) is off: these
+    # the input check of the first calls (an all_gather of checksums, tests/runtime/test_modes.py) is off: these
     # runs compare what CommDebugMode sees with the plan's collectives alone
     try:
         return autotp.parallelize(model, mesh, inp, hardware="cpu-gloo", mode=mode, memory_budget=budget,
@@ -431,7 +431,7 @@ def _gloo_checks(rank, world):
 def test_gloo_processes_run_as_planned():
     """Two spawned gloo processes: every redistribution step gives the values it must, forward and
     backward, and between them they run every kind of collective in both phases; a model's step
-    communicates exactly as planned, seen by PyTorch's CommDebugMode and by tests/observed.py."""
+    communicates exactly as planned, seen by PyTorch's CommDebugMode and by tests/helpers/observed.py."""
     results = run_ranks(_gloo_checks, 2)
     assert results[0]["tiny_llama"]["plan"] == results[1]["tiny_llama"]["plan"], "the ranks planned differently"
     # under its tight budget the plan also recomputes layers: their collectives ran again, as planned

@@ -27,7 +27,7 @@ from autotp.profiling.fit import TimedPoint, fit_alpha_beta, fit_collective
 from autotp.profiling.mesh import mesh_axes
 from autotp.profiling.sizes import MAX_REFINED
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = ["--backend", "gloo", "-b", "1K", "-e", "64K", "-n", "3", "-w", "1", "--min-time-s", "0", "--rounds", "1"]
 
 

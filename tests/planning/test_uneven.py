@@ -19,7 +19,7 @@ import autotp
 from autotp.placement import S, Strategy, local_shape, piece_sizes
 from autotp.runtime.shards import local_ranges, local_shard
 from examples.ranks import run_threads
-from exactness import assert_step_matches_one_process
+from tests.helpers.exactness import assert_step_matches_one_process
 
 
 class Block(nn.Module):
@@ -176,7 +176,7 @@ def _gpt2_tiny(heads: int):
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_fused_qkv_with_uneven_heads_splits_whole_heads_of_each_block(world):
     """GPT-2's c_attn (q|k|v cut with split) with 5 heads: each rank holds whole heads of q, k and v."""
-    from test_blocks import Logits
+    from tests.helpers.blocks import Logits
 
     from autotp.planning.planner import plan_graph
 
@@ -201,7 +201,7 @@ def test_real_widths_with_uneven_heads_get_megatron_layouts():
     import transformers
 
     from autotp.planning.planner import plan_graph
-    from test_blocks import _activation_collectives_per_layer
+    from tests.helpers.blocks import activation_collectives_per_layer
 
     def neo(layers):
         config = transformers.GPTNeoConfig(vocab_size=50257, hidden_size=2560, num_heads=20, num_layers=layers,
@@ -210,9 +210,9 @@ def test_real_widths_with_uneven_heads_get_megatron_layouts():
             return transformers.GPTNeoForCausalLM(config), 2560
 
     def gpt2(layers):
-        from test_blocks import _gpt2
+        from tests.helpers.blocks import gpt2
 
-        return _gpt2(hidden=1600, heads=25, vocab=50257, layers=layers, device="meta"), 1600
+        return gpt2(hidden=1600, heads=25, vocab=50257, layers=layers, device="meta"), 1600
 
     for build, heads in ((neo, "S(0)~128"), (gpt2, "S(1)[3]~64")):
         model, hidden = build(2)
@@ -222,7 +222,7 @@ def test_real_widths_with_uneven_heads_get_megatron_layouts():
         assert heads in {v for k, v in stored.items() if ".0." in k}, stored
         matrices = [p.fqn for p in graph.parameters if ".0." in p.fqn and p.info.ndim >= 2]
         assert all(stored[k] != "R" for k in matrices), {k: stored[k] for k in matrices}
-        per_layer = _activation_collectives_per_layer(plan, graph, hidden)
+        per_layer = activation_collectives_per_layer(plan, graph, hidden)
         assert max(per_layer.values()) <= 4, per_layer
 
 
@@ -263,7 +263,7 @@ def test_uneven_heads_on_a_two_axis_mesh_are_exact_and_run_as_planned():
     on the other; outputs and gradients still equal one process, and each collective that runs is one
     the plan lists, at most as large (tests/test_properties.py's check)."""
     from autotp.planning.planner import plan_graph
-    from test_properties import Case, build, check
+    from tests.helpers.properties import Case, build, check
 
     case = Case(blocks=("attention", "mlp"), dim=12, heads=3, head_dim=4, batch=1, seq=3, mesh=(2, 2), mode="train",
                 slack=0.02, seed=0)

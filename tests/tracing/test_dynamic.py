@@ -14,7 +14,7 @@ import torch
 
 from examples import models
 from examples.ranks import run_threads
-from observed import CollectiveLog, tensor_of
+from tests.helpers.observed import CollectiveLog, tensor_of
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -45,7 +45,7 @@ def _prepare(name: str, world: int = 2, mode: str = "train", budget_scale: float
     from autotp.planning.planner import plan_graph
 
     graph = autotp.capture(_model(name), _inputs(name, EXAMPLE["batch"], EXAMPLE["seq"]), dynamic_dims=dynamic_dims)
-    # without recompute: these plans are to shard (tests/test_recompute.py runs recompute at other sizes)
+    # without recompute: these plans are to shard (tests/planning/test_recompute.py runs recompute at other sizes)
     try:
         plan_graph(graph, (world,), "cpu-gloo", mode, 1.0, recompute=False)
     except autotp.MemoryBudgetError as err:

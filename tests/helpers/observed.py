@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from examples.models import output_tensor as tensor_of  # noqa: F401 - the tests read outputs through it
 
+
 # functional op name -> autotp kind; the kinds whose plan bytes are the op's input times the axis size
 _KINDS = {
     "all_reduce": "all_reduce",

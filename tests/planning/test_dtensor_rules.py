@@ -3,7 +3,7 @@
 What the adapter must do (autotp/planning/strategies.py, autotp/planning/dtensor_rules.py docstrings):
 
 - an op no own rule covers gets the registry's strategies, filtered to those exact on local shards,
-  and every one of them passes the check of tests/test_strategies.py ("local execution is exact":
+  and every one of them passes the check of tests/planning/test_strategies.py ("local execution is exact":
   cut random full inputs into pieces, run the op per rank, reassemble, compare);
 - for ops both know, the two lists agree except for a small documented set (a torch upgrade that
   changes the registry changes the set, and this test says so);
@@ -27,7 +27,7 @@ from autotp.planning.strategies import all_strategies, axis_choices, node_strate
 
 from examples import models as M
 from examples.ranks import run_ranks
-from test_strategies import Ops, SelfAttention, _check_every_strategy, _check_strategy, _full_values, _tensors
+from tests.helpers.local_exactness import Ops, SelfAttention, check_every_strategy, check_strategy, full_values, strategy_tensors
 
 
 
@@ -37,7 +37,7 @@ def test_the_registry_is_usable_with_the_pinned_torch():
     assert dtensor_rules.available()
 
 
-def _strs(graph, node, mesh) -> list[str]:
+def strategy_texts(graph, node, mesh) -> list[str]:
     return [str(s) for s in node_strategies(graph, node, mesh)]
 
 
@@ -96,7 +96,7 @@ def registry_graph():
     torch.manual_seed(0)
     inputs = (torch.randn(4, 8, 8), torch.tensor([5, 0, 7, 2]))
     graph = autotp.capture(RegistryOps(), inputs)
-    return graph, _full_values(graph, inputs)
+    return graph, full_values(graph, inputs)
 
 
 def _registry_ops(graph):
@@ -118,7 +118,7 @@ def test_ops_without_own_rules_take_the_registry_strategies(registry_graph, capl
         registry = dtensor_rules.registry_axis_choices(g, node, 2)
         assert registry is not None and len(registry) > 1, f"{node.target}: the registry gives {registry}"
         assert axis_choices(node, 2, graph=g) == registry
-        assert _strs(g, node, (2,)) == [_choice_str(c) for c in registry]
+        assert strategy_texts(g, node, (2,)) == [_choice_str(c) for c in registry]
         sources.add(dtensor_rules.registry_source(_fx(g, node).target))
     assert sources == {"single_dim", "strategy", "decomp"}  # every path of the adapter is exercised
 
@@ -127,12 +127,12 @@ def test_registry_strategies_are_what_the_math_allows(registry_graph):
     g, _ = registry_graph
     for node in _registry_ops(g):
         must, never_split, partial_ok = EXPECTED[node.target]
-        got = set(_strs(g, node, (2,)))
+        got = set(strategy_texts(g, node, (2,)))
         assert must <= got, f"{node.target}: missing {sorted(must - got)} in {sorted(got)}"
         for s in node_strategies(g, node, (2,)):
             (p,) = s.inputs[0]
             assert not (p.is_shard and p.dim in never_split), f"{node.target}: {s} splits dim {p.dim}"
-            assert partial_ok or not any(pl is not None and pl[0].is_partial for pl, _ in _tensors(node, s)), (
+            assert partial_ok or not any(pl is not None and pl[0].is_partial for pl, _ in strategy_tensors(node, s)), (
                 f"{node.target}: {s} passes a partial sum through an op that is not linear")
 
 
@@ -140,7 +140,7 @@ def test_registry_strategies_are_what_the_math_allows(registry_graph):
 def test_local_execution_is_exact_for_every_registry_strategy(registry_graph, mesh):
     g, values = registry_graph
     targets = {n.target for n in _registry_ops(g)}
-    checked = _check_every_strategy(g, values, mesh, targets)
+    checked = check_every_strategy(g, values, mesh, targets)
     assert checked >= 3 * len(targets)
 
 
@@ -166,16 +166,16 @@ def test_negative_dims_reach_the_registry_normalized():
     ``cumsum(x, -1)`` it keeps ``S(1)``, which is wrong. The adapter asks with dim 1."""
     x = torch.randn(4, 8)
     g = autotp.capture(Scans(), (x,))
-    offered = {(n.target, n.args["dim"]): _strs(g, n, (2,)) for n in g.ops()}
+    offered = {(n.target, n.args["dim"]): strategy_texts(g, n, (2,)) for n in g.ops()}
     assert offered == {  # a scan keeps every dim but its own split
         ("aten.cumsum.default", -1): ["(R) -> R", "(S(0)) -> S(0)"],
         ("aten.cumprod.default", 1): ["(R) -> R", "(S(0)) -> S(0)"],
         ("aten.cumsum.default", 0): ["(R) -> R", "(S(1)) -> S(1)"],
     }
-    assert _check_every_strategy(g, _full_values(g, (x,)), (2,)) == 6
+    assert check_every_strategy(g, full_values(g, (x,)), (2,)) == 6
     scan = next(n for n in g.ops() if n.args["dim"] == -1)
     with pytest.raises(AssertionError):  # and the check sees why S(1) through cumsum(x, -1) is wrong
-        _check_strategy(g, _fx(g, scan), scan, Strategy.parse("(S(1)) -> S(1)"), _full_values(g, (x,)), (2,))
+        check_strategy(g, _fx(g, scan), scan, Strategy.parse("(S(1)) -> S(1)"), full_values(g, (x,)), (2,))
 
 
 class Triangles(nn.Module):
@@ -190,8 +190,8 @@ def test_tril_and_triu_read_their_input():
     g = autotp.capture(Triangles(), (x,))
     for node in g.ops():
         if node.target in ("aten.tril.default", "aten.triu.default"):
-            assert _strs(g, node, (2,)) == ["(R) -> R"], node.target
-    assert _check_every_strategy(g, _full_values(g, (x,)), (2,)) >= 5
+            assert strategy_texts(g, node, (2,)) == ["(R) -> R"], node.target
+    assert check_every_strategy(g, full_values(g, (x,)), (2,)) >= 5
 
 
 # ------------------------------------------------------------------------------------------------
@@ -246,7 +246,7 @@ ONLY_REGISTRY = {
     ("aten.linear.default", "(R, P, P) -> P"),
     ("aten.linear.default", "(R, P) -> P"),
     # non-causal attention: v's head_dim split, v partial (attention is linear in v), the query
-    # sequence split. Own rules offer batch and heads only (tests/test_strategies.py pins that).
+    # sequence split. Own rules offer batch and heads only (tests/planning/test_strategies.py pins that).
     ("aten.scaled_dot_product_attention.default", "(R, R, S(3)) -> S(3)"),
     ("aten.scaled_dot_product_attention.default", "(R, R, P) -> P"),
     ("aten.scaled_dot_product_attention.default", "(S(2), R, R) -> S(2)"),
@@ -282,7 +282,7 @@ def test_own_rules_and_registry_agree_but_for_a_documented_set():
     only_registry, only_own, no_answer = set(), set(), set()
     compared = set()
     for g, inputs in _cross_check_graphs():
-        values = _full_values(g, inputs)
+        values = full_values(g, inputs)
         for node in g.ops():
             if node.target == "getitem":
                 continue
@@ -296,7 +296,7 @@ def test_own_rules_and_registry_agree_but_for_a_documented_set():
                 if c not in own:
                     only_registry.add((node.target, _choice_str(c)))
                     strategy = Strategy(tuple((p,) for p in c[0]), (c[1],))
-                    _check_strategy(g, _fx(g, node), node, strategy, values, (2,))  # exact, just not offered
+                    check_strategy(g, _fx(g, node), node, strategy, values, (2,))  # exact, just not offered
             only_own |= {(node.target, _choice_str(c)) for c in own if c not in registry}
     assert {"aten.linear.default", "aten.add.Tensor", "aten.mul.Tensor", "aten.softmax.int", "aten.bmm.default",
             "aten.matmul.default", "aten.sum.dim_IntList", "aten.layer_norm.default", "aten.cat.default",

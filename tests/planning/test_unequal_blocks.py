@@ -18,8 +18,8 @@ import autotp
 from autotp.placement import Placement, S, Strategy, block_permutation, local_shape, parse_placements
 from autotp.planning.planner import plan_graph
 from examples.ranks import run_threads
-from exactness import assert_step_matches_one_process
-from test_blocks import Logits, _activation_collectives_per_layer
+from tests.helpers.exactness import assert_step_matches_one_process
+from tests.helpers.blocks import Logits, activation_collectives_per_layer
 
 
 def test_unequal_blocks_print_parse_and_order_the_pieces():
@@ -97,7 +97,7 @@ def test_gpt_bigcode_at_starcoders_width_gets_megatrons_layout():
         assert stored[f"m.transformer.h.{i}.attn.c_attn.weight"] == "S(0)[6144,128,128]", stored
         for name in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
             assert stored[f"m.transformer.h.{i}.{name}.weight"] != "R", stored
-    per_layer = _activation_collectives_per_layer(plan, graph, 6144)
+    per_layer = activation_collectives_per_layer(plan, graph, 6144)
     assert sorted(per_layer) == [0, 1] and max(per_layer.values()) <= 4, per_layer
     assert "S(0)[6144,128,128]" in plan.report()
     again = autotp.Plan.from_json(plan.to_json())
@@ -183,7 +183,7 @@ def test_phi3_medium_at_real_width_gets_megatrons_layout():
     stored = plan.parameter_placements
     for i in range(2):
         assert stored[f"m.model.layers.{i}.self_attn.qkv_proj.weight"] == "S(0)[5120,1280,1280]", stored
-    per_layer = _activation_collectives_per_layer(plan, graph, 5120)
+    per_layer = activation_collectives_per_layer(plan, graph, 5120)
     assert sorted(per_layer) == [0, 1] and max(per_layer.values()) <= 4, per_layer
 
 

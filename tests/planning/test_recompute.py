@@ -25,7 +25,7 @@ from autotp.planning.planner import plan_graph
 from autotp.planning.recompute import layer_chains
 from examples.models import tiny_llama
 from examples.ranks import run_threads
-from tests.observed import CollectiveLog, assert_as_planned, planned
+from tests.helpers.observed import CollectiveLog, assert_as_planned, planned
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ def _save_load_gather(rank: int, world: int, path: str) -> dict:
             "rank0_only": rank == 0 or full == {}}
 
 
-@pytest.mark.slow  # a spawned run of its own; tests/test_loading.py covers DCP and full_state_dict by default
+@pytest.mark.slow  # a spawned run of its own; tests/weights/test_loading.py covers DCP and full_state_dict by default
 def test_checkpoint_round_trip_and_full_state_dict(tmp_path):
     results = run_ranks(_save_load_gather, 2, str(tmp_path / "ckpt"))
     for r in results:

@@ -10,261 +10,29 @@ itself on full tensors; nothing of autotp's runtime is used to run the pieces.
 
 from __future__ import annotations
 
-import itertools
-import math
-import sys
 
 import pytest
 import torch
 import torch.fx
 import torch.nn as nn
-import torch.nn.functional as F
 
 import autotp
 from autotp import ops
-from autotp.placement import R, S, Strategy, local_shape
+from autotp.placement import R, S, Strategy
 from autotp.planning.strategies import node_strategies
 
 from examples import models as M
+from tests.helpers.local_exactness import Ops, SelfAttention, capture_graph, check_every_strategy, check_strategy, full_values, nodes_of, partial_bool, strategy_tensors, strategy_texts
 
 aten = torch.ops.aten
-_SHAPE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
 
 
 # ------------------------------------------------------------------------------------------------
 # helpers
 
 
-def _capture(model: nn.Module, inputs: tuple) -> autotp.OpGraph:
-    return autotp.capture(model, inputs)
-
-
-def _ops(graph: autotp.OpGraph, target: str) -> list:
-    found = [n for n in graph.ops() if n.target == target]
-    assert found, f"no {target} in {[n.target for n in graph.ops()]}"
-    return found
-
-
-def _strs(graph, node, mesh) -> list[str]:
-    return [str(s) for s in node_strategies(graph, node, mesh)]
-
-
-def _tensors(node, strategy: Strategy):
-    """(placements, TensorInfo) of every input and of the output of one strategy."""
-    return list(zip(strategy.inputs, node.input_infos)) + [(strategy.output, o) for o in node.outputs]
-
-
-def _full_values(graph: autotp.OpGraph, inputs: tuple) -> dict[str, object]:
-    """The value of every node of the exported graph on real inputs (a reference run)."""
-    ep = graph.exported
-    user = iter(inputs)
-    flat = []
-    for spec in ep.graph_signature.input_specs:
-        kind = spec.kind.name
-        if kind in ("PARAMETER", "BUFFER"):
-            flat.append(ep.state_dict[spec.target] if spec.target in ep.state_dict else ep.constants[spec.target])
-        elif kind in ("CONSTANT_TENSOR", "CUSTOM_OBJ"):
-            flat.append(ep.constants[spec.target])
-        else:
-            flat.append(next(user))
-    interp = torch.fx.Interpreter(ep.graph_module, garbage_collect_values=False)
-    with torch.no_grad():
-        interp.run(*flat)
-    detach = lambda v: v.detach() if isinstance(v, torch.Tensor) else v  # noqa: E731
-    return {n.name: torch.utils._pytree.tree_map(detach, v) for n, v in interp.env.items()}
-
-
-def _summands(t: torch.Tensor, n: int, gen: torch.Generator) -> list[torch.Tensor]:
-    """n random tensors that add up to ``t`` (a partial-sum placement)."""
-    if t.dtype.is_floating_point or t.dtype.is_complex:
-        parts = [torch.randn(t.shape, generator=gen, dtype=t.dtype) for _ in range(n - 1)]
-    else:
-        parts = [torch.randint(-5, 5, t.shape, generator=gen).to(t.dtype) for _ in range(n - 1)]
-    return parts + [t - sum(parts)]
-
-
-def _local(full: torch.Tensor, placements, coord, mesh, seed: int) -> torch.Tensor:
-    """Rank ``coord``'s piece of ``full``: axes applied in order (as DTensor does)."""
-    out = full
-    for a, (p, c, n) in enumerate(zip(placements, coord, mesh)):
-        if p.is_blocked:
-            out = out.unflatten(p.dim, (p.blocks, -1)).chunk(n, dim=p.dim + 1)[c].flatten(p.dim, p.dim + 1)
-        elif p.is_shard:
-            out = out.chunk(n, dim=p.dim)[c]
-        elif p.is_partial:
-            gen = torch.Generator().manual_seed(seed * 31 + a)
-            out = _summands(out, n, gen)[c]
-    return out.contiguous()
-
-
-def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
-    if a.dtype.is_floating_point or a.dtype.is_complex:
-        scale = 1.0 + float(b.abs().max()) if b.numel() else 1.0
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * scale, msg=lambda m: f"{what}: {m}")
-    else:
-        assert torch.equal(a, b), what
-
-
-def _assemble(pieces: dict[tuple, torch.Tensor], placements, mesh, what: str) -> torch.Tensor:
-    """Put rank outputs back together, innermost axis first (the inverse of ``_local``)."""
-    current = dict(pieces)
-    for a in reversed(range(len(mesh))):
-        merged: dict[tuple, torch.Tensor] = {}
-        rest = sorted({k[:a] + k[a + 1:] for k in current})
-        for key in rest:
-            group = [current[key[:a] + (c,) + key[a:]] for c in range(mesh[a])]
-            p = placements[a]
-            if p.is_blocked:  # each rank holds its piece of every block: put each block together
-                blocks = [g.unflatten(p.dim, (p.blocks, -1)) for g in group]
-                merged[key] = torch.cat(blocks, dim=p.dim + 1).flatten(p.dim, p.dim + 1)
-            elif p.is_shard:
-                merged[key] = torch.cat(group, dim=p.dim)
-            elif p.is_partial:
-                merged[key] = sum(group[1:], group[0])
-            else:
-                for c, g in enumerate(group[1:], 1):
-                    _close(g, group[0], f"{what}: replicated output differs on axis {a} between coordinate 0 and {c}")
-                merged[key] = group[0]
-        current = merged
-    (result,) = current.values()
-    return result
-
-
-def _run_local(graph, fx_node: torch.fx.Node, op, strategy: Strategy, values: dict, mesh, coord, seed: int):
-    """Run the op on this rank's pieces; shape arguments rewritten to local shapes."""
-    position = iter(range(len(op.inputs)))  # OpNode.inputs: one entry per tensor argument, in argument order
-    alias = graph.alias_placeholders  # a tied parameter's second placeholder reads the first
-
-    def mapped(a):
-        if isinstance(a, torch.fx.Node):
-            name = alias.get(a.name, a.name)
-            if name not in graph:  # not a tensor (a symbolic size): passed as it is
-                return values[a.name]
-            k = next(position)
-            assert op.inputs[k] == name, (op.name, k, op.inputs, a.name)
-            q = strategy.inputs[k]
-            full = values[a.name]
-            return full if q is None else _local(full, q, coord, mesh, seed * 7 + k)
-        return a
-
-    args = list(torch.fx.node.map_aggregate(fx_node.args, mapped))
-    kwargs = dict(torch.fx.node.map_aggregate(fx_node.kwargs, mapped))
-    target = fx_node.target
-    q0 = strategy.inputs[0] if strategy.inputs else None
-    blocked = [(mesh[a], p) for a, p in enumerate(q0 or ()) if p.is_blocked]
-    ndim = op.input_infos[0].ndim if op.input_infos else 0
-    if blocked and target in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
-        (n, p), = blocked  # a cut of a fused output into its blocks: local sizes are 1/n of each block
-        if (args[2] if len(args) > 2 else 0) % ndim == p.dim and target is not aten.chunk.default:
-            args[1] = args[1] // n if target is aten.split.Tensor else [x // n for x in args[1]]
-    elif blocked and target is aten.slice.Tensor and args[1] % ndim == blocked[0][1].dim:
-        (n, p), = blocked
-        size = op.input_infos[0].shape[p.dim]
-        args = [args[0], p.dim, (args[2] or 0) // n, min(args[3], size) // n, 1]
-    elif target in _SHAPE_ARG_OPS:
-        args[1] = list(local_shape(op.output.shape, strategy.output, mesh))
-    elif target is aten.repeat.default:  # a dim split from a whole input: this rank's copies
-        lead = len(args[1]) - op.input_infos[0].ndim
-        q = strategy.inputs[0]
-        args[1] = [r if d >= lead and any(p.is_shard and p.dim == d - lead for p in q)
-                   else r // math.prod(n for p, n in zip(strategy.output, mesh) if p.is_shard and p.dim == d)
-                   for d, r in enumerate(args[1])]
-    elif target is aten.unflatten.int:  # the new dims' sizes: this rank's piece of each
-        d, k = args[1] % op.input_infos[0].ndim, len(args[2])
-        args[2] = list(local_shape(op.output.shape, strategy.output, mesh))[d:d + k]
-    elif str(target) in ops.UNIFORM_FACTORY:  # each rank makes its piece
-        args[ops.UNIFORM_FACTORY[str(target)]] = list(local_shape(op.output.shape, strategy.output, mesh))
-    elif target is aten.slice.Tensor:
-        dim = args[1] if len(args) > 1 else 0
-        dim = dim + op.input_infos[0].ndim if dim < 0 else dim
-        q = strategy.inputs[0]
-        if any(p.is_shard and p.dim == dim for p in q):  # a full-range or x[r::step] slice may keep the dim split
-            step = args[4] if len(args) > 4 else 1
-            start = (args[2] or 0) if step != 1 and len(args) > 2 else 0
-            args = [args[0], dim, start, sys.maxsize, step]
-    elif target is aten.embedding.default:
-        w = strategy.inputs[0]
-        row_axes = [a for a, p in enumerate(w) if p.is_shard and p.dim == 0]
-        if row_axes:  # row-split table: look up own rows, zeros for the others (a partial sum)
-            (a,) = row_axes
-            rows = op.input_infos[0].shape[0] // mesh[a]
-            weight, idx = args[0], args[1]
-            local = idx - coord[a] * rows
-            outside = (local < 0) | (local >= rows)
-            out = aten.embedding.default(weight, local.masked_fill(outside, 0), *args[2:])
-            return out.masked_fill(outside.unsqueeze(-1), 0)
-    with torch.no_grad():
-        out = target(*args, **kwargs)
-    if str(target) in ("aten.mean.dim", "aten.mean.default") and any(p.is_partial for p in strategy.output):
-        x = op.input_infos[0]
-        dims = set(op.args.ints("dim", x.ndim) or range(x.ndim)) if "dim" in op.args else set(range(x.ndim))
-        q = strategy.inputs[0]
-        out = out / math.prod(n for p, n in zip(q, mesh) if p.is_shard and p.dim in dims)  # local means sum to it
-    return out
-
-
-def _check_strategy(graph, fx_node, op, strategy: Strategy, values: dict, mesh: tuple, seed: int = 0) -> None:
-    what = f"{op.name} ({op.target}) {strategy} on mesh {mesh}"
-    expected = values[op.name]
-    coords = list(itertools.product(*(range(n) for n in mesh)))
-    outs = {c: _run_local(graph, fx_node, op, strategy, values, mesh, c, seed) for c in coords}
-    if isinstance(expected, torch.Tensor):
-        _close(_assemble(outs, strategy.output, mesh, what), expected, what)
-    else:  # several outputs (split / chunk): each one carries the output placement
-        for i, e in enumerate(expected):
-            _close(_assemble({c: o[i] for c, o in outs.items()}, strategy.output, mesh, f"{what}[{i}]"), e,
-                   f"{what}[{i}]")
-
-
-def _partial_bool(op, strategy: Strategy) -> bool:
-    return any(pl is not None and info.dtype == "bool" and any(p.is_partial for p in pl)
-               for pl, info in _tensors(op, strategy))
-
-
-def _check_every_strategy(graph, values: dict, mesh: tuple, targets=None) -> int:
-    """Check every strategy of every op node (or of the ops in ``targets``); returns how many."""
-    fx_nodes = {n.name: n for n in graph.exported.graph.nodes}
-    checked = 0
-    for op in graph.ops():
-        if op.target == "getitem" or (targets is not None and op.target not in targets):
-            continue
-        if op.name not in values or not isinstance(values[op.name], (torch.Tensor, list, tuple)):
-            continue
-        for k, strategy in enumerate(node_strategies(graph, op, mesh)):
-            if _partial_bool(op, strategy):
-                continue  # a partial sum of booleans has no meaning; see test_no_partial_bool
-            _check_strategy(graph, fx_nodes[op.name], op, strategy, values, mesh, seed=k)
-            checked += 1
-    return checked
-
-
 # ------------------------------------------------------------------------------------------------
 # a module with the ops of a transformer, each once
-
-
-class Ops(nn.Module):
-    """embedding, add, layer_norm, linear, view, transpose, sdpa, reshape, sum, mean, softmax, matmul, bmm, cat."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(32, 64)
-        self.ln = nn.LayerNorm(64)
-        self.lin = nn.Linear(64, 128)
-        self.out = nn.Linear(128, 64, bias=False)
-
-    def forward(self, ids, x):  # ids (4, 8) int64, x (4, 8, 64)
-        e = self.emb(ids) + x  # (4, 8, 64)
-        h = self.lin(self.ln(e))  # (4, 8, 128)
-        q = h.view(4, 8, 4, 32).transpose(1, 2)  # (4, 4, 8, 32)
-        k = (h * 0.5).view(4, 8, 4, 32).transpose(1, 2)
-        v = torch.tanh(h).view(4, 8, 4, 32).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (4, 4, 8, 32)
-        y = y.transpose(1, 2).reshape(4, 8, 128)  # (4, 8, 128)
-        z = self.out(y)  # (4, 8, 64)
-        a = torch.softmax(z @ z.transpose(1, 2), dim=-1)  # (4, 8, 8)
-        b = torch.cat([torch.bmm(a, z), z], dim=-1)  # (4, 8, 128)
-        return z.sum(-1), z.mean(dim=(0, 1)), z.sum(), a.sum(dim=1, keepdim=True), b
 
 
 @pytest.fixture(scope="module")
@@ -272,8 +40,8 @@ def ops_graph():
     torch.manual_seed(0)
     model = Ops()
     inputs = (torch.randint(0, 32, (4, 8)), torch.randn(4, 8, 64))
-    graph = _capture(model, inputs)
-    return graph, _full_values(graph, inputs)
+    graph = capture_graph(model, inputs)
+    return graph, full_values(graph, inputs)
 
 
 class RotaryOps(nn.Module):
@@ -295,8 +63,8 @@ def rotary_graph():
     gen = torch.Generator().manual_seed(0)
     inputs = (torch.randn(2, 4, 8, 16, generator=gen), torch.randn(8, 8, generator=gen),
               torch.ones(8, 8, dtype=torch.bool).tril())
-    graph = _capture(RotaryOps(), inputs)
-    return graph, _full_values(graph, inputs)
+    graph = capture_graph(RotaryOps(), inputs)
+    return graph, full_values(graph, inputs)
 
 
 @pytest.mark.parametrize("target", ["aten.stack.default", "aten.slice.Tensor", "aten.view_as_complex.default",
@@ -312,22 +80,22 @@ def test_rotary_ops_keep_heads_split_and_are_exact(rotary_graph, target, mesh):
         outs = {str(s.output) for s in node_strategies(g, node, (2,))}
         if node.output.ndim == 4 and node.output.shape[:2] == (2, 4):
             assert {"(S(0),)", "(S(1),)"} <= outs, (node.name, outs)
-    assert _check_every_strategy(g, values, mesh, {target}) > 0
+    assert check_every_strategy(g, values, mesh, {target}) > 0
 
 
 def test_a_strided_slice_keeps_its_own_dim_split_when_the_step_divides_each_piece(rotary_graph):
     g, values = rotary_graph
     odd = next(n for n in g.ops() if n.target == "aten.slice.Tensor" and n.args.get("start") == 1)
-    assert "(S(3)) -> S(3)" in _strs(g, odd, (2,))  # 16 -> pieces of 8, each [1::2]: 4 of the 8 outputs
-    assert "(S(3)) -> S(3)" in _strs(g, odd, (8,))  # pieces of 2, each [1::2]: one output each
-    assert "(S(3)) -> S(3)" not in _strs(g, odd, (16,))  # 8 outputs do not split in 16
-    assert _check_every_strategy(g, values, (8,), {"aten.slice.Tensor"}) > 0
+    assert "(S(3)) -> S(3)" in strategy_texts(g, odd, (2,))  # 16 -> pieces of 8, each [1::2]: 4 of the 8 outputs
+    assert "(S(3)) -> S(3)" in strategy_texts(g, odd, (8,))  # pieces of 2, each [1::2]: one output each
+    assert "(S(3)) -> S(3)" not in strategy_texts(g, odd, (16,))  # 8 outputs do not split in 16
+    assert check_every_strategy(g, values, (8,), {"aten.slice.Tensor"}) > 0
 
 
 @pytest.fixture(scope="module")
 def linear_graph():
     model = nn.Linear(64, 128)
-    return _capture(model, (torch.randn(2, 16, 64),))
+    return capture_graph(model, (torch.randn(2, 16, 64),))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -335,8 +103,8 @@ def linear_graph():
 
 
 def test_linear_has_megatron_strategies(linear_graph):
-    (lin,) = _ops(linear_graph, "aten.linear.default")
-    got = _strs(linear_graph, lin, (2,))
+    (lin,) = nodes_of(linear_graph, "aten.linear.default")
+    got = strategy_texts(linear_graph, lin, (2,))
     assert "(R, S(0), S(0)) -> S(2)" in got  # colwise: weight rows split, bias split with them
     assert "(S(2), S(1), P) -> P" in got  # rowwise: input last dim and weight columns split, bias added once
     assert "(R, R, R) -> R" in got
@@ -345,16 +113,16 @@ def test_linear_has_megatron_strategies(linear_graph):
 
 
 def test_linear_without_bias_has_megatron_strategies():
-    g = _capture(nn.Linear(64, 128, bias=False), (torch.randn(8, 64),))
-    (lin,) = _ops(g, "aten.linear.default")
-    got = _strs(g, lin, (4,))
+    g = capture_graph(nn.Linear(64, 128, bias=False), (torch.randn(8, 64),))
+    (lin,) = nodes_of(g, "aten.linear.default")
+    got = strategy_texts(g, lin, (4,))
     assert "(R, S(0)) -> S(1)" in got and "(S(1), S(1)) -> P" in got
 
 
 def test_embedding_strategies(ops_graph):
     g, _ = ops_graph
-    (emb,) = _ops(g, "aten.embedding.default")
-    got = _strs(g, emb, (2,))
+    (emb,) = nodes_of(g, "aten.embedding.default")
+    got = strategy_texts(g, emb, (2,))
     assert "(S(1), R) -> S(2)" in got  # colwise: embedding dim split
     assert "(S(0), R) -> P" in got  # rowwise: vocabulary split, partial sums
     assert "(R, S(0)) -> S(0)" in got  # batch
@@ -362,29 +130,29 @@ def test_embedding_strategies(ops_graph):
 
 def test_sdpa_strategies_split_batch_or_heads_only(ops_graph):
     g, _ = ops_graph
-    (sdpa,) = _ops(g, "aten.scaled_dot_product_attention.default")
-    got = set(_strs(g, sdpa, (2,)))
+    (sdpa,) = nodes_of(g, "aten.scaled_dot_product_attention.default")
+    got = set(strategy_texts(g, sdpa, (2,)))
     assert {"(S(1), S(1), S(1)) -> S(1)", "(S(0), S(0), S(0)) -> S(0)", "(R, R, R) -> R"} <= got
     # splitting the sequence or head_dim of q/k/v would not be exact (softmax over keys, dot products)
     for s in node_strategies(g, sdpa, (2,)):
-        for pl, _info in _tensors(sdpa, s):
+        for pl, _info in strategy_tensors(sdpa, s):
             assert all(not (p.is_shard and p.dim in (2, 3)) and not p.is_partial for p in pl), str(s)
 
 
 def test_view_transpose_reshape_strategies(ops_graph):
     g, _ = ops_graph
-    view = next(n for n in _ops(g, "aten.view.default") if n.output.shape == (4, 8, 4, 32))
-    assert "(S(2)) -> S(2)" in _strs(g, view, (2,))  # (4, 8, 128) split on 128 -> heads split
-    transpose = _ops(g, "aten.transpose.int")[0]  # (4, 8, 4, 32) -> (4, 4, 8, 32)
-    got = _strs(g, transpose, (2,))
+    view = next(n for n in nodes_of(g, "aten.view.default") if n.output.shape == (4, 8, 4, 32))
+    assert "(S(2)) -> S(2)" in strategy_texts(g, view, (2,))  # (4, 8, 128) split on 128 -> heads split
+    transpose = nodes_of(g, "aten.transpose.int")[0]  # (4, 8, 4, 32) -> (4, 4, 8, 32)
+    got = strategy_texts(g, transpose, (2,))
     assert "(S(2)) -> S(1)" in got and "(S(1)) -> S(2)" in got and "(P) -> P" in got
-    reshape = _ops(g, "aten.reshape.default")[0]  # (4, 8, 4, 32) -> (4, 8, 128)
-    assert "(S(2)) -> S(2)" in _strs(g, reshape, (2,))
+    reshape = nodes_of(g, "aten.reshape.default")[0]  # (4, 8, 4, 32) -> (4, 8, 128)
+    assert "(S(2)) -> S(2)" in strategy_texts(g, reshape, (2,))
 
 
 def test_layer_norm_never_splits_the_normalized_dim(ops_graph):
     g, _ = ops_graph
-    (ln,) = _ops(g, "aten.layer_norm.default")
+    (ln,) = nodes_of(g, "aten.layer_norm.default")
     strategies = node_strategies(g, ln, (2,))
     assert "(S(0), R, R) -> S(0)" in map(str, strategies) and "(S(1), R, R) -> S(1)" in map(str, strategies)
     for s in strategies:
@@ -395,16 +163,16 @@ def test_layer_norm_never_splits_the_normalized_dim(ops_graph):
 def test_reductions(ops_graph):
     g, _ = ops_graph
     sum_last = next(n for n in g.ops() if n.target == "aten.sum.dim_IntList" and n.output.shape == (4, 8))
-    got = _strs(g, sum_last, (2,))
+    got = strategy_texts(g, sum_last, (2,))
     assert "(S(2)) -> P" in got and "(S(0)) -> S(0)" in got and "(P) -> P" in got
-    (mean,) = _ops(g, "aten.mean.dim")
-    got = _strs(g, mean, (2,))
+    (mean,) = nodes_of(g, "aten.mean.dim")
+    got = strategy_texts(g, mean, (2,))
     assert "(S(2)) -> S(0)" in got
     # a mean over a split dim is a partial sum once each rank divides its local mean by the pieces
     # (the rewrite does; the exactness checks run it that way)
     assert "(S(0)) -> P" in got and "(S(1)) -> P" in got
-    (total,) = _ops(g, "aten.sum.default")
-    assert {"(S(0)) -> P", "(S(1)) -> P", "(S(2)) -> P"} <= set(_strs(g, total, (2,)))
+    (total,) = nodes_of(g, "aten.sum.default")
+    assert {"(S(0)) -> P", "(S(1)) -> P", "(S(2)) -> P"} <= set(strategy_texts(g, total, (2,)))
 
 
 @pytest.mark.parametrize("mesh", [(3,), (5,), (3, 2), (2, 3)])
@@ -414,7 +182,7 @@ def test_no_uneven_split(ops_graph, mesh):
     g, _ = ops_graph
     for node in g.nodes:
         for s in node_strategies(g, node, mesh):
-            for placements, info in _tensors(node, s):
+            for placements, info in strategy_tensors(node, s):
                 if placements is None:
                     continue
                 for p, n in zip(placements, mesh):
@@ -427,9 +195,9 @@ def test_no_uneven_split(ops_graph, mesh):
                         if p.is_shard and p.dim == d:
                             ways *= n
                     assert info.shape[d] % ways == 0, f"{node.name} {s}: dim {d} of {info} over {ways}"
-    lin = _ops(g, "aten.linear.default")[0]  # weight (128, 64): neither dim splits evenly over 3 or 5
+    lin = nodes_of(g, "aten.linear.default")[0]  # weight (128, 64): neither dim splits evenly over 3 or 5
     if mesh in ((3,), (5,)):
-        even = [t for t in _strs(g, lin, mesh) if "~" not in t]
+        even = [t for t in strategy_texts(g, lin, mesh) if "~" not in t]
         assert even == ["(R, R, R) -> R", "(P, R, P) -> P"]
 
 
@@ -441,15 +209,15 @@ def test_two_axis_meshes_never_split_a_dim_twice(ops_graph, mesh):
         for s in node_strategies(g, node, mesh):
             n_strategies += 1
             assert len(s.output) == 2 and all(i is None or len(i) == 2 for i in s.inputs)
-            for placements, info in _tensors(node, s):
+            for placements, info in strategy_tensors(node, s):
                 if placements is None:
                     continue
                 dims = [p.dim for p in placements if p.is_shard]
                 assert len(dims) == len(set(dims)), f"{node.name} {s}: a dim split by both axes"
     assert n_strategies > 2 * len(g.nodes)
     # a 2-axis linear combines colwise on one axis with batch on the other
-    lin = _ops(g, "aten.linear.default")[0]
-    assert "(S(0)R, RS(0), RS(0)) -> S(0)S(2)" in _strs(g, lin, mesh)
+    lin = nodes_of(g, "aten.linear.default")[0]
+    assert "(S(0)R, RS(0), RS(0)) -> S(0)S(2)" in strategy_texts(g, lin, mesh)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -466,23 +234,23 @@ def test_two_axis_meshes_never_split_a_dim_twice(ops_graph, mesh):
 def test_local_execution_is_exact_for_every_strategy(ops_graph, target, mesh):
     g, values = ops_graph
     assert any(n.target == target for n in g.ops()), f"{target} no longer appears in the export of the module"
-    assert _check_every_strategy(g, values, mesh, {target}) > 0
+    assert check_every_strategy(g, values, mesh, {target}) > 0
 
 
 @pytest.mark.parametrize("factory", ["mlp", "tiny_gpt", "tiny_llama", "tiny_bert", "hf_llama", "hf_gpt2", "hf_bert"])
 def test_local_execution_is_exact_on_reference_models(factory):
     """Every strategy of every op of the reference models, on 2 ranks."""
     model, inputs = getattr(M, factory)()
-    g = _capture(model, inputs)
-    values = _full_values(g, inputs)
-    assert _check_every_strategy(g, values, (2,)) > len(g.ops())
+    g = capture_graph(model, inputs)
+    values = full_values(g, inputs)
+    assert check_every_strategy(g, values, (2,)) > len(g.ops())
 
 
 def test_full_values_match_the_model():
     """The reference run the checks above start from is the model's own forward."""
     model, inputs = M.tiny_llama()
-    g = _capture(model, inputs)
-    values = _full_values(g, inputs)
+    g = capture_graph(model, inputs)
+    values = full_values(g, inputs)
     (out,) = g.outputs
     torch.testing.assert_close(values[out], model(*inputs).detach())
 
@@ -490,16 +258,6 @@ def test_full_values_match_the_model():
 # ------------------------------------------------------------------------------------------------
 # ops whose arguments repeat one tensor (these were bugs: capture kept one input per distinct tensor, so
 # sdpa(h, h, h) raised IndexError in _sdpa_choices and h * h was offered (P) -> P)
-
-
-class SelfAttention(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(32, 32, bias=False)
-
-    def forward(self, x):  # (2, 4, 8, 32)
-        h = self.proj(x)
-        return F.scaled_dot_product_attention(h, h, h)  # q = k = v
 
 
 class Square(nn.Module):
@@ -514,29 +272,29 @@ class Square(nn.Module):
 
 def test_sdpa_with_the_same_tensor_for_q_k_v():
     x = torch.randn(2, 4, 8, 32)
-    g = _capture(SelfAttention(), (x,))
-    (sdpa,) = _ops(g, "aten.scaled_dot_product_attention.default")
+    g = capture_graph(SelfAttention(), (x,))
+    (sdpa,) = nodes_of(g, "aten.scaled_dot_product_attention.default")
     assert len(sdpa.inputs) == 3  # one input per argument: the same tensor three times
-    values = _full_values(g, (x,))
-    assert "(S(1), S(1), S(1)) -> S(1)" in _strs(g, sdpa, (2,))
-    assert _check_every_strategy(g, values, (2,), {sdpa.target}) >= 3
+    values = full_values(g, (x,))
+    assert "(S(1), S(1), S(1)) -> S(1)" in strategy_texts(g, sdpa, (2,))
+    assert check_every_strategy(g, values, (2,), {sdpa.target}) >= 3
 
 
 def test_square_of_a_partial_sum_is_not_partial():
     """h * h reads h twice: one read may be partial while the other is whole (sum_i h_i * h = h * h),
     never both ((a + b)^2 != a^2 + b^2)."""
     x = torch.randn(8, 32)
-    g = _capture(Square(), (x,))
-    (mul,) = _ops(g, "aten.mul.Tensor")
+    g = capture_graph(Square(), (x,))
+    (mul,) = nodes_of(g, "aten.mul.Tensor")
     assert len(mul.inputs) == 2
-    offered = _strs(g, mul, (2,))
+    offered = strategy_texts(g, mul, (2,))
     assert "(P, P) -> P" not in offered and "(P) -> P" not in offered
     assert "(P, R) -> P" in offered
-    values = _full_values(g, (x,))
-    assert _check_every_strategy(g, values, (2,), {mul.target}) >= 3  # mixed reads included
+    values = full_values(g, (x,))
+    assert check_every_strategy(g, values, (2,), {mul.target}) >= 3  # mixed reads included
     fx_node = next(n for n in g.exported.graph.nodes if n.name == mul.name)
     with pytest.raises(AssertionError):  # and the check sees why both partial would be wrong
-        _check_strategy(g, fx_node, mul, Strategy.parse("(P, P) -> P"), values, (2,))
+        check_strategy(g, fx_node, mul, Strategy.parse("(P, P) -> P"), values, (2,))
 
 
 class Cast(nn.Module):
@@ -551,13 +309,13 @@ class Cast(nn.Module):
 
 def test_cast_to_integer_of_a_partial_sum_is_not_partial():
     x = torch.randn(8, 32)
-    g = _capture(Cast(), (x,))
-    values = _full_values(g, (x,))
+    g = capture_graph(Cast(), (x,))
+    values = full_values(g, (x,))
     casts = [n for n in g.ops() if not n.output.is_float and n.input_infos[0].is_float]
     assert len(casts) == 2
     for op in casts:
         assert not any(str(s) == "(P) -> P" for s in node_strategies(g, op, (2,))), op.name
-    assert _check_every_strategy(g, values, (2,), {c.target for c in casts}) >= 2  # and what is offered is exact
+    assert check_every_strategy(g, values, (2,), {c.target for c in casts}) >= 2  # and what is offered is exact
 
 
 def test_no_partial_bool_on_reference_models():
@@ -566,8 +324,8 @@ def test_no_partial_bool_on_reference_models():
     Such strategies appear on views and casts of masks in the Hugging Face models (unreachable in
     practice: no op produces a partial mask), so this only counts them; see the report."""
     model, inputs = M.hf_llama()
-    g = _capture(model, inputs)
-    offenders = [f"{op.name} {s}" for op in g.ops() for s in node_strategies(g, op, (2,)) if _partial_bool(op, s)]
+    g = capture_graph(model, inputs)
+    offenders = [f"{op.name} {s}" for op in g.ops() for s in node_strategies(g, op, (2,)) if partial_bool(op, s)]
     producers = [f"{op.name} {s}" for op in g.ops() for s in node_strategies(g, op, (2,))
                  if op.output.dtype == "bool" and s.output[0].is_partial
                  and all(i is None or not i[0].is_partial for i in s.inputs)]
@@ -589,9 +347,9 @@ def test_the_exactness_check_rejects_wrong_strategies(ops_graph, target, wrong):
     op = next(n for n in g.ops() if n.target == target)
     fx_node = next(n for n in g.exported.graph.nodes if n.name == op.name)
     strategy = Strategy.parse(wrong)
-    assert wrong not in _strs(g, op, (2,))
+    assert wrong not in strategy_texts(g, op, (2,))
     with pytest.raises((AssertionError, RuntimeError)):  # wrong numbers, or local shapes that do not fit
-        _check_strategy(g, fx_node, op, strategy, values, (2,))
+        check_strategy(g, fx_node, op, strategy, values, (2,))
 
 
 class Factories(nn.Module):
@@ -604,15 +362,15 @@ class Factories(nn.Module):
 
 
 def test_a_factory_of_one_value_may_be_made_split():
-    g = _capture(Factories(), (torch.randn(4, 8),))
+    g = capture_graph(Factories(), (torch.randn(4, 8),))
     factories = {op.target for op in g.ops() if op.target in ops.UNIFORM_FACTORY}
     assert len(factories) >= 4, factories
     for op in g.ops():
         if op.target in factories:
             assert {str(s.output) for s in node_strategies(g, op, (2,))} >= {"(R,)", "(S(0),)", "(S(1),)"}, op
-    values = _full_values(g, (torch.randn(4, 8),))
-    assert _check_every_strategy(g, values, (2,), factories) >= 3 * len(factories)
-    assert _check_every_strategy(g, values, (2, 2), factories) > 0
+    values = full_values(g, (torch.randn(4, 8),))
+    assert check_every_strategy(g, values, (2,), factories) >= 3 * len(factories)
+    assert check_every_strategy(g, values, (2, 2), factories) > 0
 
 
 class Unflatten(nn.Module):
@@ -624,12 +382,12 @@ def test_unflatten_of_a_split_dim_runs_at_the_pieces_sizes():
     """``unflatten(-1, (4, 8))`` of a dim split in two: each rank's piece is ``(2, 8)``, and the op runs
     with those sizes (with the whole ones it refused the piece)."""
     x = torch.randn(4, 6, 32)
-    g = _capture(Unflatten(), (x,))
-    (op,) = _ops(g, "aten.unflatten.int")
-    assert "(S(2)) -> S(2)" in _strs(g, op, (2,))
-    values = _full_values(g, (x,))
-    assert _check_every_strategy(g, values, (2,), {op.target}) >= 3
-    assert _check_every_strategy(g, values, (2, 2), {op.target}) > 0
+    g = capture_graph(Unflatten(), (x,))
+    (op,) = nodes_of(g, "aten.unflatten.int")
+    assert "(S(2)) -> S(2)" in strategy_texts(g, op, (2,))
+    values = full_values(g, (x,))
+    assert check_every_strategy(g, values, (2,), {op.target}) >= 3
+    assert check_every_strategy(g, values, (2, 2), {op.target}) > 0
 
 
 class _SplitThenUnflatten(nn.Module):
@@ -645,13 +403,13 @@ class _SplitThenUnflatten(nn.Module):
 
 def test_a_module_that_unflattens_a_split_output_is_exact():
     from autotp.planning.planner import plan_graph
-    from exactness import assert_step_matches_one_process
+    from tests.helpers.exactness import assert_step_matches_one_process
 
     model, x = _SplitThenUnflatten(), torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(1))
     graph = autotp.capture(model, (x,))
     plan = plan_graph(graph, (2,), "cpu-gloo", "train", None, recompute=False,
                       pin={"a.weight": "S(0)", "o.weight": "S(1)"})
-    (op,) = _ops(graph, "aten.unflatten.int")
+    (op,) = nodes_of(graph, "aten.unflatten.int")
     assert plan.strategy(op.name).output[0].is_shard, plan.strategy(op.name)
     assert_step_matches_one_process(graph, plan, model, x)
 
@@ -665,16 +423,16 @@ def test_repeat_splits_whole_copies_or_keeps_a_split_dim():
     """``repeat`` of a whole tensor may be split along a dim repeated a multiple of the ranks (each
     makes its share of the copies); a dim repeated once keeps its split; every such strategy exact."""
     x = torch.randn(4, 8)
-    g = _capture(Repeat(), (x,))
-    ops_ = _ops(g, "aten.repeat.default")
+    g = capture_graph(Repeat(), (x,))
+    ops_ = nodes_of(g, "aten.repeat.default")
     assert len(ops_) == 3
-    offered = [set(_strs(g, op, (2,))) for op in ops_]
+    offered = [set(strategy_texts(g, op, (2,))) for op in ops_]
     assert "(R) -> S(0)" in offered[0] and "(S(1)) -> S(1)" in offered[0]  # x.repeat(4, 1)
     assert "(R) -> S(0)" in offered[1] and "(R) -> S(1)" in offered[1] and "(S(1)) -> S(2)" in offered[1]
     assert "(S(0)) -> S(0)" in offered[2] and "(R) -> S(1)" in offered[2]
-    values = _full_values(g, (x,))
-    assert _check_every_strategy(g, values, (2,), {"aten.repeat.default"}) >= 12
-    assert _check_every_strategy(g, values, (2, 2), {"aten.repeat.default"}) > 0
+    values = full_values(g, (x,))
+    assert check_every_strategy(g, values, (2,), {"aten.repeat.default"}) >= 12
+    assert check_every_strategy(g, values, (2, 2), {"aten.repeat.default"}) > 0
 
 
 class MaskedWrites(nn.Module):
@@ -695,10 +453,10 @@ def test_a_boolean_mask_splits_only_with_the_dims_it_covers():
     match the piece); the dims it covers split with it, the others with it whole; two masks (each
     a list of positions, paired up) keep the op whole. Every strategy exact on (2,) and (2, 2)."""
     x = torch.randn(4, 6, 8)
-    g = _capture(MaskedWrites(), (x,))
-    ops_ = _ops(g, "aten.index_put_.default")
+    g = capture_graph(MaskedWrites(), (x,))
+    ops_ = nodes_of(g, "aten.index_put_.default")
     assert len(ops_) == 5
-    every, first_two, last_two, rows, pairs = [set(_strs(g, op, (2,))) for op in ops_]
+    every, first_two, last_two, rows, pairs = [set(strategy_texts(g, op, (2,))) for op in ops_]
     assert {"(S(0), S(0), R) -> S(0)", "(S(1), S(1), R) -> S(1)", "(S(2), S(2), R) -> S(2)"} <= every
     assert "(S(2), R, R) -> S(2)" not in every  # the mask whole against a piece of x: refused
     assert "(P, R, P) -> P" in every  # linear in x and the value together
@@ -706,6 +464,6 @@ def test_a_boolean_mask_splits_only_with_the_dims_it_covers():
     assert {"(S(0), R, R) -> S(0)", "(S(2), S(1), R) -> S(2)"} <= last_two
     assert "(S(1), R, R) -> S(1)" in rows
     assert pairs == {"(R, R, R, R) -> R", "(P, R, R, P) -> P"}  # a rank's share of one list pairs with none
-    values = _full_values(g, (x,))
-    assert _check_every_strategy(g, values, (2,), {"aten.index_put_.default"}) >= 12
-    assert _check_every_strategy(g, values, (2, 2), {"aten.index_put_.default"}) > 0
+    values = full_values(g, (x,))
+    assert check_every_strategy(g, values, (2,), {"aten.index_put_.default"}) >= 12
+    assert check_every_strategy(g, values, (2, 2), {"aten.index_put_.default"}) > 0

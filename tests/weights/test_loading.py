@@ -26,7 +26,7 @@ import torch
 
 from examples import models
 from examples.ranks import run_ranks
-from observed import tensor_of
+from tests.helpers.observed import tensor_of
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -85,9 +85,9 @@ def _meta_model(name: str, directory: str):
 def _parallelize(model, mesh, ids, budget_slack=1.05):
     import autotp
 
-    # static sizes: what is loaded does not depend on them (tests/test_dynamic.py covers other sizes),
+    # static sizes: what is loaded does not depend on them (tests/tracing/test_dynamic.py covers other sizes),
     # and a static trace is half the time of these two-process runs
-    # (no recompute: what is loaded does not depend on it, tests/test_recompute.py covers it)
+    # (no recompute: what is loaded does not depend on it, tests/planning/test_recompute.py covers it)
     try:
         return autotp.parallelize(model, mesh, (ids,), memory_budget=1, dynamic_dims=False, recompute=False)
     except autotp.MemoryBudgetError as err:  # just above the least any plan needs: it shards

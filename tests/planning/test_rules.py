@@ -20,7 +20,7 @@ from autotp.placement import P, R, S
 from autotp.planning.rules.check import RuleNotExact, check_rule
 from autotp.tracing.graph import OpArgs, SizeArg, TensorArg
 from examples.custom_op import Experts
-from exactness import assert_step_matches_one_process
+from tests.helpers.exactness import assert_step_matches_one_process
 
 OP = "demo.expert_mm.default"  # examples/custom_op.py defines the op and the model
 OP_FN = torch.ops.demo.expert_mm.default

@@ -1,0 +1,10 @@
+"""What the tests share: the references they compare with and the models they build.
+
+- ``exactness``        one training step of a parallel module against the model in one process
+- ``observed``         what a run communicates, collective by collective, against the plan
+- ``local_exactness``  every strategy of an op run on pieces and put back together
+- ``blocks``           fused-projection models and per-layer collective counts
+- ``properties``       random small models and their exactness check
+
+Imported as ``tests.helpers.<module>`` (the repository root is on pytest's path).
+"""
