@@ -14,6 +14,14 @@ under ``torch.compile(model, backend=BACKEND)`` (the optimizer step stays eager)
 compiled / eager and compiled autotp / compiled hand plan are printed too.
 
     .venv/bin/python -m benchmarks.runtime [--steps 5] [--hardware cpu-gloo] [--compile inductor] [--layers 4]
+
+The runtime's own cost per step is printed after the ratios, measured in the same run:
+
+* the input check (every rank's inputs compared, on a module's first 8 calls by default): the
+  step of a module that checks every call (``check_inputs=True``) against the same plan unchecked;
+* the fixed cost of a step, where compute is least: forward and backward at batch 1 x 8 tokens,
+  autotp and the hand plan on 2 ranks against the model in one process (Python, dispatch and
+  collective latency; the optimizer step, which is the same for all, is left out).
 """
 
 from __future__ import annotations
@@ -54,6 +62,19 @@ def step_time(model, inputs, targets, steps: int, warmup: int) -> tuple[float, f
     return statistics.median(times), loss.item()
 
 
+def forward_backward_time(model, inputs, targets, steps: int, warmup: int) -> float:
+    """Median seconds of forward and backward alone (no optimizer step)."""
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        logits = model(*inputs)
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).backward()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+    return statistics.median(times)
+
+
 def hand_megatron(model, mesh):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -85,13 +106,25 @@ def _ranks(rank: int, world: int, batch: int, seq: int, steps: int, warmup: int,
     if backend:
         models |= {"autotp_compiled": torch.compile(pmodel, backend=backend),
                    "hand_compiled": torch.compile(hand, backend=backend)}
+    # the same plan, its inputs compared across the ranks on every call (the default: the first 8)
+    models["autotp_checked"] = autotp.parallelize(build(batch, seq)[0], mesh, inputs, plan=pmodel.plan,
+                                                  check_inputs=True)
     results = {k: [] for k in models}
     for _ in range(2):  # interleave, so the machine's load hits all alike
         for k, m in models.items():
             results[k].append(step_time(m, inputs, targets, steps, warmup))
+    # the fixed cost of a step: forward and backward where there is next to nothing to compute
+    small_model, small_inputs, small_targets = build(1, 8)
+    small = {"autotp": autotp.parallelize(small_model, mesh, small_inputs, hardware=hardware, check_inputs=False),
+             "hand": hand_megatron(build(1, 8)[0], mesh)}
+    fixed = {k: [] for k in small}
+    for _ in range(2):
+        for k, m in small.items():
+            fixed[k].append(forward_backward_time(m, small_inputs, small_targets, steps * 4, warmup))
     return {k: min(t for t, _ in v) for k, v in results.items()} | {
         "styles": sorted(set(pmodel.plan.module_styles().values())),
         "predicted_s": pmodel.plan.predicted_time().total_s,
+        "fixed": {k: min(v) for k, v in fixed.items()},
         "loss_autotp": results["autotp"][-1][1], "loss_hand": results["hand"][-1][1]}
 
 
@@ -113,6 +146,8 @@ def main() -> None:
     model, inputs, targets = build(args.batch, args.seq)
     torch.set_num_threads(2)
     single, _ = step_time(model, inputs, targets, args.steps, args.warmup)
+    small_model, small_inputs, small_targets = build(1, 8)
+    single_fixed = forward_backward_time(small_model, small_inputs, small_targets, args.steps * 4, args.warmup)
     print(f"GPT-2-small shape, {CFG.n_layer} layers, batch {args.batch} x seq {args.seq}, 2 gloo ranks, "
           f"profile {args.hardware}; autotp plan styles: {', '.join(r['styles'])}")
     print(f"{'':28}{'step time':>12}")
@@ -121,6 +156,14 @@ def main() -> None:
     print(f"{'single process (2 threads)':28}{single * 1e3:>10.1f}ms")
     print(f"autotp / hand plan     = {r['autotp'] / r['hand']:.2f}x   (goal <= 1.0, aim 0.8)")
     print(f"autotp / single process = {r['autotp'] / single:.2f}x")
+    print("runtime cost per step, measured in this run:")
+    print(f"  input check on every call: {(r['autotp_checked'] - r['autotp']) * 1e3:+.1f} ms a step "
+          f"({r['autotp_checked'] * 1e3:.1f} ms checked, {r['autotp'] * 1e3:.1f} ms with the default, "
+          f"which checks the first 8 calls only)")
+    fixed = r["fixed"]
+    print(f"  forward + backward at batch 1 x 8 tokens: autotp {fixed['autotp'] * 1e3:.1f} ms, hand plan "
+          f"{fixed['hand'] * 1e3:.1f} ms, single process {single_fixed * 1e3:.1f} ms "
+          f"(autotp - single = {(fixed['autotp'] - single_fixed) * 1e3:.1f} ms: dispatch, Python and collective latency)")
     if args.compile:
         print(f"torch.compile(backend={args.compile!r}): autotp {r['autotp_compiled'] * 1e3:.1f} ms, hand plan "
               f"{r['hand_compiled'] * 1e3:.1f} ms")

@@ -7,6 +7,7 @@ checkpoint. Every rank then builds the model on the meta device (no memory), let
 shard it, reads only its own shards of the safetensors files, and trains three steps. On GPUs, use
 ``"nccl"`` and ``init_device_mesh("cuda", (2,))``.
 """
+
 import os, tempfile
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -17,21 +18,18 @@ dist.init_process_group("gloo")
 config = LlamaConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=8,
                      num_key_value_heads=4, vocab_size=2048, use_cache=False)  # no KV cache in training
 path = os.path.join(tempfile.gettempdir(), "autotp-train-hf")
-if dist.get_rank() == 0:
-    LlamaForCausalLM(config).save_pretrained(path)            # stands in for a downloaded checkpoint
+if dist.get_rank() == 0: LlamaForCausalLM(config).save_pretrained(path)  # stands in for a download
 dist.barrier()
-with autotp.meta_init():                                       # parameters on meta: no memory yet
+with autotp.meta_init():                                     # parameters on meta: no memory yet
     model = LlamaForCausalLM(config)
 ids = torch.randint(0, config.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
 mesh = init_device_mesh("cpu", (2,))
 pmodel = autotp.parallelize(model, mesh, {"input_ids": ids, "labels": ids}, memory_budget="40MiB")
-autotp.load_weights(pmodel, path)                              # each rank reads only its shards
+autotp.load_weights(pmodel, path)                            # each rank reads only its shards
 optimizer = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
 for step in range(3):
     loss = pmodel(input_ids=ids, labels=ids).loss
     loss.backward(); optimizer.step(); optimizer.zero_grad()
-    if dist.get_rank() == 0:
-        print(f"step {step}: loss {loss.item():.4f}")
-if dist.get_rank() == 0:
-    print(pmodel.plan.report())
+    if dist.get_rank() == 0: print(f"step {step}: loss {loss.item():.4f}")
+if dist.get_rank() == 0: print(pmodel.plan.report())
 dist.destroy_process_group()
