@@ -1,15 +1,14 @@
-"""Greedy generation with a parallel Hugging Face model: one plan, every prompt length.
+"""Serve a Hugging Face model on 2 ranks: ``generate()`` with a KV cache split like the attention.
 
-    python -m examples.generate               # 2 gloo processes on this machine
-    torchrun --nproc-per-node 2 -m examples.generate
+    torchrun --nproc-per-node 2 examples/generate.py
+    python examples/generate.py              # the same, on 2 gloo processes started here
 
-A small random ``LlamaForCausalLM`` (built from a config, no download) is parallelized once for
-inference, with a 12-token prompt as the example input; a memory budget under the whole model
-makes the planner shard its weights. Then, under ``torch.inference_mode()``, every rank generates
-16 tokens greedily: each step runs the whole sequence so far (no KV cache: every step recomputes
-the prefix; autotp does not parallelize a cache yet), so the module sees lengths 12 to 27 without
-planning again. Rank 0 prints the tokens, and the process checks that they equal what the model
-generates in one process.
+A small random ``LlamaForCausalLM`` (built from its config, ``use_cache`` left at its default) is
+parallelized for inference under a memory budget that makes the planner split it. ``generate``
+traces and plans, on its first call, the prompt's graph and the one-token graph, with a static
+cache whose keys and values each rank holds for its own kv heads; every token after the prompt is
+one call of the one-token graph. Rank 0 prints the plan of a decode step, the tokens, and a
+sampled continuation; the run checks that the greedy tokens equal the model's own ``generate``.
 """
 
 from __future__ import annotations
@@ -20,56 +19,59 @@ import torch
 import torch.distributed as dist
 
 import autotp
-from examples.models import hf_llama
 
-PROMPT_TOKENS = 12
 NEW_TOKENS = 16
 
 
-def greedy(model, prompt: torch.Tensor, steps: int) -> list[int]:
-    """``steps`` tokens, each the argmax of the logits of the whole sequence so far."""
-    ids = prompt
-    with torch.inference_mode():
-        for _ in range(steps):
-            logits = model(ids).logits
-            ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return ids[0, prompt.shape[1]:].tolist()
-
-
 def build():
-    return hf_llama(n_layer=2, hidden=128, ffn=256, heads=8, kv_heads=4, vocab=512, seq=PROMPT_TOKENS)
+    """A small random Llama and a batch of two 12-token prompts (seeded: the same on every rank)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+                         num_key_value_heads=4, vocab_size=512, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    prompt = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    return model, (prompt,)
 
 
-def run(rank: int, world: int) -> list[int]:
+def run(rank: int, world: int) -> list[list[int]]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    model, (prompt,) = build()  # seeded: the same weights and prompt on every rank
-    prompt = prompt[:1]
-    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    pmodel = autotp.parallelize(model, mesh, (prompt,), mode="inference", memory_budget=0.8 * full_bytes)
-    tokens = greedy(pmodel, prompt, NEW_TOKENS)
+    mesh = init_device_mesh("cpu", (world,))
+    model, (prompt,) = build()
+    budget = 0.6 * sum(p.numel() * p.element_size() for p in model.parameters())  # under the whole model
+    pmodel = autotp.parallelize(model, mesh, (prompt,), mode="inference", memory_budget=budget)
+    tokens = pmodel.generate(prompt, max_new_tokens=NEW_TOKENS)
+    sampled = pmodel.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=True, top_p=0.9,
+                              generator=torch.Generator().manual_seed(0))
     if rank == 0:
-        print(sorted(set(pmodel.plan.module_styles().values())))
-        report = pmodel.plan.report().split("\n\n")
-        print("\n".join(part for part in report if part.startswith("Dynamic dims")))
-        print(f"generated: {tokens}")
-    return tokens
+        graphs = next(iter(pmodel._autotp_generation.values()))
+        print(graphs.plans["token"].report())
+        print(f"greedy: {tokens[:, prompt.shape[1]:].tolist()}")
+        print(f"sampled (top_p 0.9): {sampled[:, prompt.shape[1]:].tolist()}")
+    return tokens.tolist()
 
 
 def main() -> None:
     if "RANK" in os.environ:
         dist.init_process_group("gloo")
-        run(dist.get_rank(), dist.get_world_size())
+        tokens = run(dist.get_rank(), dist.get_world_size())
+        model, (prompt,) = build()
+        expected = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False).tolist()
+        if dist.get_rank() == 0:
+            print("the same tokens as the model's own generate" if tokens == expected else
+                  f"differs from the model's own generate: {expected}")
         dist.destroy_process_group()
         return
-    from examples.ranks import run_ranks
+    import torch.multiprocessing as mp
 
-    results = run_ranks(run, 2)
-    model, (prompt,) = build()
-    expected = greedy(model.eval(), prompt[:1], NEW_TOKENS)
-    assert all(r == expected for r in results), f"ranks generated {results}, one process {expected}"
-    print(f"one process generated the same {NEW_TOKENS} tokens")
+    mp.spawn(_spawned, nprocs=2, join=True)
+
+
+def _spawned(rank: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+    main()
 
 
 if __name__ == "__main__":

@@ -267,6 +267,82 @@ class Llama(nn.Module):
         return self.lm_head(self.norm(x))  # (B, T, vocab_size)
 
 
+# ------------------------------------------------------------- LLaMA with its own KV cache
+
+
+class CachedAttention(GQAttention):
+    """Grouped-query attention that keeps its keys and values in buffers of its own (non-persistent,
+    ``(batch, kv heads, max_len, head_dim)``), written in place at the positions given: the KV cache
+    of a decoding loop, in plain PyTorch (nanoGPT style)."""
+
+    def __init__(self, cfg: LlamaConfig, batch: int, max_len: int):
+        super().__init__(cfg)
+        shape = (batch, cfg.n_kv_head, max_len, self.head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape), persistent=False)
+
+    def forward(self, x, cos, sin, pos):  # x (B, T, dim); pos (T,) the positions of x's tokens
+        B, T, _ = x.shape
+        hd, rep, L = self.head_dim, self.n_head // self.n_kv_head, self.k_cache.shape[2]
+        q = self.q_proj(x).view(B, T, self.n_head, hd).transpose(1, 2)  # (B, n_head, T, hd)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, hd).transpose(1, 2)  # (B, n_kv_head, T, hd)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        self.k_cache.index_copy_(2, pos, k)  # (B, n_kv_head, L, hd), written at the positions
+        self.v_cache.index_copy_(2, pos, v)
+        keys = self.k_cache[:, :, None].expand(B, self.n_kv_head, rep, L, hd).reshape(B, self.n_head, L, hd)
+        values = self.v_cache[:, :, None].expand(B, self.n_kv_head, rep, L, hd).reshape(B, self.n_head, L, hd)
+        seen = torch.arange(L, device=x.device)[None, :] <= pos[:, None]  # (T, L): a token sees its past
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=seen)  # (B, n_head, T, hd)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * hd))
+
+
+class CachedLlamaBlock(LlamaBlock):
+    def __init__(self, cfg: LlamaConfig, batch: int, max_len: int):
+        super().__init__(cfg)
+        self.self_attn = CachedAttention(cfg, batch, max_len)
+
+    def forward(self, x, cos, sin, pos):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CachedLlama(Llama):
+    """LLaMA with a KV cache of ``max_len`` positions for ``batch`` sequences: ``forward(ids, pos)``
+    runs the tokens ``ids`` (B, T) at positions ``pos`` (T,), writing their keys and values into the
+    cache and attending to every position up to theirs. A prompt runs at ``arange(T)``, then each new
+    token at its own position (:func:`greedy_with_cache`)."""
+
+    def __init__(self, cfg: LlamaConfig, batch: int, max_len: int):
+        super().__init__(cfg)
+        self.layers = nn.ModuleList(CachedLlamaBlock(cfg, batch, max_len) for _ in range(cfg.n_layer))
+        cos, sin = rope_cos_sin(max_len, cfg.dim // cfg.n_head, cfg.rope_theta, None, torch.float32)
+        self.register_buffer("rope_cos", cos, persistent=False)  # (max_len, head_dim)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        _init_normal(self, std=0.02, residual_std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    def forward(self, input_ids, pos):  # (B, T) int64, (T,) int64
+        x = self.embed_tokens(input_ids)  # (B, T, dim)
+        cos, sin = self.rope_cos[pos].to(x.dtype), self.rope_sin[pos].to(x.dtype)  # (T, head_dim)
+        for layer in self.layers:
+            x = layer(x, cos, sin, pos)
+        return self.lm_head(self.norm(x))  # (B, T, vocab_size)
+
+
+@torch.no_grad()
+def greedy_with_cache(model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> list[list[int]]:
+    """Greedy decoding with the model's own cache: the prompt once, then one token a call."""
+    T = prompt.shape[1]
+    logits = model(prompt, torch.arange(T))
+    token = logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
+    out = [token]
+    for i in range(new_tokens - 1):
+        logits = model(token, torch.tensor([T + i]))
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        out.append(token)
+    return torch.cat(out, dim=1).tolist()
+
+
 # --------------------------------------------------------------------------- BERT
 
 @dataclass(frozen=True)
@@ -417,6 +493,19 @@ def tiny_llama(batch: int = 2, seq: int = 16, n_layer: int = 2, dim: int = 64, n
     cfg = LlamaConfig(vocab_size=vocab, n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head,
                       dim=dim, ffn_dim=ffn_dim, max_seq_len=max(seq, 16))
     return _llama(cfg, batch, seq, device, dtype, seed)
+
+
+@_serialized
+def cached_llama(batch: int = 2, prompt: int = 8, max_len: int = 32, n_layer: int = 2, dim: int = 64,
+                 n_head: int = 4, n_kv_head: int = 2, ffn_dim: int = 128, vocab: int = 128, *,
+                 device="cpu", dtype=torch.float32, seed: int = 0):
+    """A small :class:`CachedLlama` and the inputs of its prompt: ``(ids (batch, prompt), arange(prompt))``."""
+    cfg = LlamaConfig(vocab_size=vocab, n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head,
+                      dim=dim, ffn_dim=ffn_dim, max_seq_len=max_len)
+    with _building(device, seed):
+        model = CachedLlama(cfg, batch, max_len).to(dtype)
+        ids = _token_ids(vocab, batch, prompt, device)
+    return model, (ids, torch.arange(prompt, device=device))
 
 
 @_serialized

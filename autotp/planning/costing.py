@@ -47,7 +47,7 @@ from cost_models import (HardwareProfile, OptimizerSpec, collective_time_s, comp
 
 from autotp.mesh import MeshSpec
 from autotp.placement import Placement, R, Strategy, axis_divisor, plain, shard_divisor
-from autotp.tracing.graph import PARAMETER, OpNode, TensorInfo, dtype_bytes
+from autotp.tracing.graph import BUFFER, PARAMETER, OpNode, TensorInfo, dtype_bytes
 from autotp.planning.redistribute import (all_reduce_copies, conversion, is_convertible, reorder_copies, step_bytes,
                                  step_copies)
 
@@ -64,10 +64,12 @@ class MemoryParts:
     gradients_bytes: float = 0.0
     optimizer_bytes: float = 0.0
     activations_bytes: float = 0.0
+    buffers_bytes: float = 0.0  # held for the model's lifetime: caches, running statistics, masks
 
     @property
     def total_bytes(self) -> float:
-        return self.parameters_bytes + self.gradients_bytes + self.optimizer_bytes + self.activations_bytes
+        return (self.parameters_bytes + self.gradients_bytes + self.optimizer_bytes + self.activations_bytes
+                + self.buffers_bytes)
 
 
 class CostModel:
@@ -225,6 +227,8 @@ class CostModel:
             state = model_state_bytes(info.numel, dtype_bytes(info.dtype), fraction,
                                       mode=self.mode if node.requires_grad else "inference", optimizer=self.optimizer)
             return MemoryParts(state.parameters_bytes, state.gradients_bytes, state.optimizer_bytes, 0.0)
+        if node.role == BUFFER:
+            return MemoryParts(buffers_bytes=self.local_bytes(node.output, strategy.output))
         if self.train and node.requires_grad and not node.is_placeholder and not node.is_view:
             return MemoryParts(activations_bytes=sum(self.local_bytes(o, strategy.output) for o in node.outputs))
         return MemoryParts()

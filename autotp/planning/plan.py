@@ -55,10 +55,12 @@ class MemoryPerDevice:
     activations_bytes: float  # kept for the backward, after recompute
     budget_bytes: Optional[float] = None
     recompute_saved_bytes: float = 0.0  # activations that recomputed layers do not keep
+    buffers_bytes: float = 0.0  # the model's buffers: KV caches, running statistics, masks
 
     @property
     def total_bytes(self) -> float:
-        return self.parameters_bytes + self.gradients_bytes + self.optimizer_bytes + self.activations_bytes
+        return (self.parameters_bytes + self.gradients_bytes + self.optimizer_bytes + self.activations_bytes
+                + self.buffers_bytes)
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,8 @@ class Plan:
     training: Optional[bool] = None
     inputs: tuple[PlannedInput, ...] = ()
     hardware_source: str = "given"
+    # buffers by name -> placements, for those the plan stores split (a KV cache by heads); others are whole
+    buffer_placements: Mapping[str, str] = field(default_factory=dict)
     _strategies: Mapping[str, Strategy] = field(default=None, repr=False)  # type: ignore[assignment]
     # the captured graph and the planner's arguments, for explain() (a plan made in this process)
     _context: Optional["ExplainContext"] = field(default=None, repr=False, compare=False)
@@ -221,6 +225,7 @@ class Plan:
             "training": self.training,
             "inputs": [asdict(i) for i in self.inputs],
             "hardware_source": self.hardware_source,
+            "buffer_placements": dict(self.buffer_placements),
         }
 
     def to_json(self) -> str:
@@ -256,6 +261,7 @@ class Plan:
                 training=d.get("training"),
                 inputs=tuple(PlannedInput(i["name"], tuple(i["shape"]), i["dtype"]) for i in d.get("inputs", ())),
                 hardware_source=d.get("hardware_source", "given"),
+                buffer_placements=dict(d.get("buffer_placements", {})),
             )
         except (KeyError, TypeError, IndexError) as err:
             raise PlanError(f"plan file is missing or has a malformed field: {err}") from err

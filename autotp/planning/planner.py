@@ -28,7 +28,7 @@ from autotp.planning.strategies import all_strategies
 from autotp.planning.tying import tie
 from autotp.tracing.dynamic import requirements
 from autotp.tracing.export import capture
-from autotp.tracing.graph import INPUT, OpGraph
+from autotp.tracing.graph import BUFFER, INPUT, OpGraph
 
 __all__ = ["plan", "plan_graph", "resolve_hardware", "parse_bytes"]
 
@@ -88,9 +88,12 @@ def _apply_pins(graph: OpGraph, spec: MeshSpec, rep: Mapping[str, str], strat_re
     wanted: dict[str, tuple] = {}
     for fqn, text in pin.items():
         try:
-            info = graph.parameter(fqn)
+            node_name = graph.parameter(fqn).node
         except KeyError:
-            raise ValueError(f"pin: the model has no parameter {fqn!r}") from None
+            buffers = [n.name for n in graph.nodes if n.role == BUFFER and n.param_fqn == fqn]
+            if not buffers:
+                raise ValueError(f"pin: the model has no parameter {fqn!r}") from None
+            node_name = buffers[0]
         try:
             placements = parse_placements(text)
         except ValueError as err:
@@ -98,7 +101,7 @@ def _apply_pins(graph: OpGraph, spec: MeshSpec, rep: Mapping[str, str], strat_re
         if placements is None or len(placements) != spec.ndim:
             raise ValueError(f"pin {fqn}: {text!r} gives {0 if placements is None else len(placements)} placements; "
                              f"the mesh {spec} has {spec.ndim} axes")
-        node = rep[info.node]
+        node = rep[node_name]
         if wanted.get(node, placements) != placements:
             raise ValueError(f"pin {fqn}: {text!r} conflicts with the pin of a structurally identical layer "
                              f"({format_placements(wanted[node])}); pin repeated layers alike")
@@ -188,7 +191,7 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
         gradients_bytes=sum(p.gradients_bytes for p in parts.values()),
         optimizer_bytes=sum(p.optimizer_bytes for p in parts.values()),
         activations_bytes=sum(p.activations_bytes for p in parts.values()) - saved,
-        budget_bytes=budget, recompute_saved_bytes=saved,
+        budget_bytes=budget, recompute_saved_bytes=saved, buffers_bytes=sum(p.buffers_bytes for p in parts.values()),
     )
     stats = SolveStats(
         solver=solution.solver, status=solution.status, optimal=solution.optimal, variables=solution.variables,
@@ -211,6 +214,8 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
         inputs=tuple(PlannedInput(n.name, tuple(n.outputs[0].shape), n.outputs[0].dtype)
                      for n in graph.nodes if n.role == INPUT),
         hardware_source=hardware_source or hardware_origin(hardware),
+        buffer_placements={n.param_fqn: format_placements(chosen[n.name].output) for n in graph.nodes
+                           if n.role == BUFFER and any(p.kind != "R" for p in chosen[n.name].output)},
     )
     if explainable:  # what plan.explain solves again with (autotp.planning.explain); never saved
         def solve_again(pins: dict[str, str]) -> Plan:

@@ -118,13 +118,26 @@ def header_lines(plan: "Plan") -> list[str]:
 def memory_line(plan: "Plan") -> str:
     mem = plan.memory
     budget = f" of {format_bytes(mem.budget_bytes)} budget" if mem.budget_bytes else ""
+    buffers = f", buffers {format_bytes(mem.buffers_bytes)}" if mem.buffers_bytes else ""
     if plan.mode != "train":  # no backward: no gradients, no optimizer, activations only while they are read
         return (f"Memory per device: {format_bytes(mem.total_bytes)}{budget} (parameters "
-                f"{format_bytes(mem.parameters_bytes)}, activations {format_bytes(mem.activations_bytes)}; inference: "
-                f"no gradients, no optimizer state)")
+                f"{format_bytes(mem.parameters_bytes)}, activations {format_bytes(mem.activations_bytes)}{buffers}; "
+                f"inference: no gradients, no optimizer state)")
     return (f"Memory per device: {format_bytes(mem.total_bytes)}{budget} (parameters {format_bytes(mem.parameters_bytes)}, "
             f"gradients {format_bytes(mem.gradients_bytes)}, optimizer {format_bytes(mem.optimizer_bytes)} "
-            f"({plan.optimizer.describe()}), activations {format_bytes(mem.activations_bytes)})")
+            f"({plan.optimizer.describe()}), activations {format_bytes(mem.activations_bytes)}{buffers})")
+
+
+def buffer_lines(plan: "Plan") -> list[str]:
+    """The buffers the plan stores split (a KV cache by heads), grouped by placement."""
+    if not plan.buffer_placements:
+        return []
+    by: dict[str, list[str]] = defaultdict(list)
+    for name, text in plan.buffer_placements.items():
+        by[text].append(name)
+    return ["Buffers stored split (each rank holds its piece): " + "; ".join(
+        f"{text}: {', '.join(names[:4])}{f' and {len(names) - 4} more' if len(names) > 4 else ''}"
+        for text, names in by.items())]
 
 
 def _text(plan: "Plan") -> str:
@@ -151,6 +164,7 @@ def _text(plan: "Plan") -> str:
         f"Predicted {step} time: {_t(t.total_s)} (compute {_t(t.compute_s)}, communication {_t(t.communication_s)}, "
         f"local copies included)",
         memory_line(plan),
+        *buffer_lines(plan),
         *([recompute_line(plan)] if plan.mode == "train" else []),
         f"Solve: {st.solver}, {st.status}; {st.variables} variables, {st.constraints} constraints, "
         f"{st.representatives} of {st.nodes} nodes to decide after layer tying and merging; " + (

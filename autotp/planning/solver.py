@@ -83,7 +83,8 @@ class _Problem(Formulation):
             raise MemoryBudgetError(
                 f"memory budget {budget} per device is below the minimum any plan needs on mesh "
                 f"{self.cost.mesh}: {needed} in {self.cost.mode} mode; raise the budget to at least "
-                f"{minimum:.0f} bytes, use more devices, or plan in inference mode", minimum)
+                f"{minimum:.0f} bytes" + (", use more devices, or plan in inference mode" if self.cost.train
+                                          else " or use more devices"), minimum)
         if sum(max(v) for v in mem.values()) <= self.budget:
             return  # every plan fits: the row could never bind
         # in GiB: coefficients near 1 keep the LP well scaled (bytes would reach 1e11)

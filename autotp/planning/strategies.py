@@ -41,7 +41,8 @@ from typing import Iterable, Optional, Sequence
 from autotp import ops
 from autotp.placement import R, S, Strategy, dim_divisor
 from autotp.planning.rules import BUILTIN, user_choices
-from autotp.tracing.graph import PARAMETER, OpGraph, OpNode
+from autotp.tracing.aliasing import storage_roots, writes_in_place
+from autotp.tracing.graph import BUFFER, PARAMETER, OpGraph, OpNode
 from autotp.planning.rules.blocks import (block_counts, blocked_variants, cut_choices, parameter_variants, slice_range,
                                  static_cut)
 from autotp.planning.rules.common import AxisChoice, divisible
@@ -54,11 +55,28 @@ log = logging.getLogger(__name__)
 __all__ = ["AxisChoice", "axis_choices", "node_strategies", "all_strategies"]
 
 
-def _placeholder_choices(node: OpNode, n: int) -> list[AxisChoice]:
-    if node.role == PARAMETER:
+def _placeholder_choices(node: OpNode, n: int, graph: Optional[OpGraph] = None) -> list[AxisChoice]:
+    """A parameter, and a buffer outside the state dict that the graph writes in place (a KV cache:
+    each rank keeps the heads it reads), may be stored split; other buffers (the state dict holds
+    them whole; a mask or frequencies only read, which code outside the graph may read too),
+    constants and user inputs are replicated (R -> S is a free slice on the edge)."""
+    if node.role == PARAMETER or (node.role == BUFFER and not node.persistent and graph is not None
+                                  and node.name in written_buffers(graph)):
         shape = node.output.shape
         return [((), R)] + [((), S(d)) for d in range(len(shape)) if divisible(shape[d], n)]
-    return [((), R)]  # buffers, constants, user inputs: replicated (R -> S is a free slice on the edge)
+    return [((), R)]
+
+
+def written_buffers(graph: OpGraph) -> frozenset[str]:
+    """The buffers of ``graph`` that an op writes into in place (through a view of them, too);
+    found once per graph and kept on it."""
+    found = graph.__dict__.get("_autotp_written_buffers")
+    if found is None:
+        root = storage_roots(graph)
+        found = frozenset(root[n.inputs[0]] for n in graph.nodes
+                          if writes_in_place(n) and graph[root[n.inputs[0]]].role == BUFFER)
+        object.__setattr__(graph, "_autotp_written_buffers", found)  # a frozen dataclass: a cache, not a field
+    return found
 
 
 def _replicated(node: OpNode, n: int) -> list[AxisChoice]:
@@ -132,7 +150,7 @@ def axis_choices(node: OpNode, n: int, warned: Optional[_Warned] = None,
 def _choices(node: OpNode, n: int, warned: Optional[_Warned], graph: Optional[OpGraph]) -> list[AxisChoice]:
     """The choices of autotp's own rules, else DTensor's registry, else the replicated one."""
     if node.is_placeholder:
-        return _placeholder_choices(node, n)
+        return _placeholder_choices(node, n, graph)
     t = node.target
     if t in ops.FACTORY:
         return _factory(node, n)

@@ -13,4 +13,5 @@ which it asks the planner for, with every weight kept where it is).
 - ``guard``         the input check: shapes the plan can run, the same inputs on every rank
 - ``dropout``       dropout masks on shards (one mask where ranks hold the same values)
 - ``recompute``     recomputed layers as checkpointed submodules
+- ``generation``    ``generate()``: a static KV cache split like the attention, and the decoding loop
 """

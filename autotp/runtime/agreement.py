@@ -18,12 +18,12 @@ from autotp.planning.plan import Plan
 from autotp.planning.planner import plan_graph
 from autotp.runtime.rewrite import has_active_dropout
 
-__all__ = ["agreed_plan", "dropout_seed"]
+__all__ = ["agreed_plan", "dropout_seed", "from_first_rank"]
 
 _ERRORS = {"PlanError": PlanError, "ValueError": ValueError, "TypeError": TypeError}
 
 
-def _from_first_rank(mesh, payload: list[Any]) -> list[Any]:
+def from_first_rank(mesh, payload: list[Any]) -> list[Any]:
     """The first rank's ``payload`` on every rank: a broadcast along each axis in turn (from
     coordinate 0 of that axis; ranks at coordinate 0 of the later axes pass it on)."""
     import torch.distributed as dist
@@ -58,7 +58,7 @@ def agreed_plan(graph, spec: MeshSpec, mesh, hardware: Any, mode: str, memory_bu
             payload, error = [("error", name, str(err))], err
         except BaseException as err:  # anything else: tell the others, then raise it here
             payload, error = [("error", "RuntimeError", f"the first rank failed to plan: {type(err).__name__}: {err}")], err
-    payload = _from_first_rank(mesh, payload)
+    payload = from_first_rank(mesh, payload)
     if error is not None:
         raise error
     kind, *rest = payload[0]
@@ -74,4 +74,4 @@ def agreed_plan(graph, spec: MeshSpec, mesh, hardware: Any, mode: str, memory_bu
 def dropout_seed(mesh, graph) -> Optional[int]:
     """The base seed of the dropout masks, the first rank's on every rank (:mod:`autotp.runtime.dropout`);
     None (and no broadcast) for a graph that drops nothing."""
-    return _from_first_rank(mesh, [torch.initial_seed()])[0] if has_active_dropout(graph) else None
+    return from_first_rank(mesh, [torch.initial_seed()])[0] if has_active_dropout(graph) else None

@@ -34,9 +34,15 @@ from torch import nn
 
 from autotp.tracing.dynamic import Divisibility, DynamicDim, compiled, in_input_terms, size_expression, size_hint
 
-__all__ = ["InputSpec", "InputGuard", "SameOnEveryRank", "fingerprint", "DEFAULT_INPUT_CHECKS"]
+__all__ = ["InputSpec", "InputGuard", "SameOnEveryRank", "SizeNotTraced", "fingerprint", "DEFAULT_INPUT_CHECKS"]
 
 DEFAULT_INPUT_CHECKS = 8  # calls of each graph whose inputs are compared across the ranks
+
+
+class SizeNotTraced(ValueError):
+    """A dynamic dim's size below the range the trace holds (``torch.export`` specializes sizes 0
+    and 1: a batch of one, one new token). Another trace at that size runs it: a module made by
+    ``autotp.parallelize`` makes one (:class:`autotp.runtime.module.ParallelModule`); others raise this."""
 
 
 @dataclass(frozen=True)
@@ -108,9 +114,10 @@ class InputGuard(nn.Module):
             n = sizes.get(d.symbol)
             if n is not None and (n < d.minimum or (d.maximum is not None and n > d.maximum)):
                 bounds = f">= {d.minimum}" if d.maximum is None else f"in [{d.minimum}, {d.maximum}]"
-                raise ValueError(f"input {d.input!r}: dim {d.dim} has size {n}, but this parallel module was traced "
-                                 f"for sizes {bounds} there (torch.export specializes sizes 0 and 1); give example "
-                                 f"inputs of size {n} in that dim to autotp.parallelize to run it")
+                error = SizeNotTraced if n < d.minimum else ValueError
+                raise error(f"input {d.input!r}: dim {d.dim} has size {n}, but this parallel module was traced "
+                            f"for sizes {bounds} there (torch.export specializes sizes 0 and 1); give example "
+                            f"inputs of size {n} in that dim to autotp.parallelize to run it")
         for req in self.divisibility:
             value = self._value(req.expression, sizes)
             if value % req.divisor:

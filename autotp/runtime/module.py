@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import logging
 import re
 from typing import Any, Optional
 
@@ -33,9 +34,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from autotp.placement import Placement, local_shape
 from autotp.planning.plan import Plan
 from autotp.runtime.agreement import agreed_plan, dropout_seed
+from autotp.runtime.guard import SizeNotTraced
 from autotp.runtime.rewrite import GraphRewrite, constant_name
 from autotp.runtime.shards import as_dtensor, local_shard
-from autotp.tracing.graph import OpGraph
+from autotp.tracing.graph import BUFFER, OpGraph
 
 __all__ = ["ParallelModule", "ModeSwitch", "build_parallel_module", "build_graph", "register_state", "meta_copy",
            "op_signature"]
@@ -74,9 +76,19 @@ class ModeSwitch:
         # what users read from the model itself (a Hugging Face model's config), kept on the module
         self.attributes = {name: getattr(skeleton, name, None) for name in _MODEL_ATTRIBUTES}
 
-    def graph_for(self, module: "ParallelModule", training: bool) -> tuple[torch.fx.Graph, Any, tuple]:
+    def example_of(self, args: tuple, kwargs: dict) -> Any:
+        """A call's inputs as example inputs: positional as a tuple, keywords as a dict of every input
+        by name (positional ones named by the model's ``forward``)."""
+        if not kwargs:
+            return tuple(args)
+        names = list(inspect.signature(self.skeleton.forward).parameters)
+        return {**dict(zip(names, args)), **kwargs}
+
+    def graph_for(self, module: "ParallelModule", training: bool, example_inputs: Any = None,
+                  prefix: Optional[str] = None) -> tuple[torch.fx.Graph, Any, tuple]:
         """The graph (on ``module``'s state), the plan and the ops (:func:`op_signature`) of ``module``'s
-        model in mode ``training``."""
+        model in mode ``training``, traced on the example inputs (``example_inputs``: others, such as a
+        call's inputs at a size the first trace specialized)."""
         from autotp.tracing.export import capture
         from autotp.mesh import MeshSpec
 
@@ -85,21 +97,37 @@ class ModeSwitch:
                                f"autotp could not copy the model to trace it in {_mode(training)} mode; put the "
                                f"model in {_mode(training)} mode before autotp.parallelize")
         first = module.plan
-        graph = capture(self.skeleton, self.example_inputs, self.dynamic_dims, training=training)
+        inputs = self.example_inputs if example_inputs is None else _on_meta(example_inputs)
+        graph = capture(self.skeleton, inputs, self.dynamic_dims, training=training)
         spec = MeshSpec.of(self.mesh)
         ops = op_signature(graph)
-        if ops == module.autotp_ops:
+        if ops == module.autotp_ops and example_inputs is None:
             plan = first
         else:
-            pins = dict(first.parameter_placements)
+            # every weight and every buffer that may be split stays where it is stored
+            whole = "R" * spec.ndim
+            pins = {**first.parameter_placements,
+                    **{n.param_fqn: first.buffer_placements.get(n.param_fqn, whole) for n in graph.nodes
+                       if n.role == BUFFER and not n.persistent}}
             # the first plan's mode, not the new one's: a train plan's graph in eval mode may still run a
             # backward (fine-tuning with dropout off), and only a train plan reduces its gradients
             plan = agreed_plan(graph, spec, self.mesh, first.hardware, first.mode, self.memory_budget, 0.0,
                                 first.optimizer, self.recompute, keep=pins, hardware_source=first.hardware_source)
         plan.check_matches(graph, spec)
         fx_graph = build_graph(graph, plan, self.mesh, module, dropout_seed(self.mesh, graph),
-                               prefix=_mode(training) + "_")
+                               prefix=prefix if prefix is not None else _mode(training) + "_")
         return fx_graph, plan, ops
+
+
+def _on_meta(inputs: Any) -> Any:
+    return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.detach().to("meta"), inputs)
+
+
+def _shape_key(args: tuple, kwargs: dict) -> tuple:
+    """What tells a call's graph apart: each tensor's shape and dtype, in order, keywords by name."""
+    def one(x: Any) -> Any:
+        return (tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else type(x).__name__
+    return tuple(one(a) for a in args) + tuple((k, one(v)) for k, v in sorted(kwargs.items()))
 
 
 def _mode(training: bool) -> str:
@@ -123,6 +151,8 @@ def _input_names(forward: Any) -> tuple[str, ...]:
     return tuple(n for n in inspect.signature(forward).parameters if n != "self")
 
 
+log = logging.getLogger(__name__)
+
 _MODEL_ATTRIBUTES = ("config", "generation_config", "name_or_path")
 
 _DEVICE = re.compile(r"device\(type='[^']*'(, index=\d+)?\)")
@@ -143,6 +173,9 @@ class ParallelModule(torch.fx.GraphModule):
         self.graph_training = bool(graph.training)
         self._autotp_modes = {self.graph_training: (self.graph, plan, op_signature(graph))}
         self._autotp_switch = switch
+        # graphs for sizes the first trace specialized (a batch of one, one new token), by mode and
+        # the call's shapes: the graph and its plan, made on the first such call
+        self._autotp_variants: dict[tuple, tuple[torch.fx.GraphModule, Any]] = {}
         for name in _MODEL_ATTRIBUTES:  # what users read from a Hugging Face model
             if getattr(switch, "attributes", {}).get(name) is not None:
                 setattr(self, name, switch.attributes[name])
@@ -158,7 +191,57 @@ class ParallelModule(torch.fx.GraphModule):
                                 f"{', '.join(unknown)}, which the trace did not see and the plan does not cover; give "
                                 f"them to autotp.parallelize in the example inputs, e.g. example_inputs="
                                 f"{{{', '.join(repr(n) + ': ...' for n in [*inputs, *unknown])}}}")
-        return super().__call__(*args, **kwargs)
+        key = (self.graph_training, _shape_key(args, kwargs))
+        variant = self._autotp_variants.get(key)
+        if variant is not None:
+            return variant[0](*args, **kwargs)
+        try:
+            return super().__call__(*args, **kwargs)
+        except SizeNotTraced:  # raised by the input check, before anything ran
+            if self._autotp_switch is None:
+                raise
+        # every rank is given the same inputs, so every rank comes here at the same call
+        prefix = f"{_mode(self.graph_training)}_{len(self._autotp_variants) + 1}_"
+        example = self._autotp_switch.example_of(args, kwargs)
+        fx_graph, plan, _ = self._autotp_switch.graph_for(self, self.graph_training, example, prefix)
+        module = torch.fx.GraphModule(self, fx_graph, class_name="AutotpParallelGraph")
+        self._autotp_variants[key] = (module, plan)
+        log.info("autotp: traced and planned again for inputs of shapes %s (a size the first trace specialized); "
+                 "every weight and buffer stays where it is stored", key[1])
+        return module(*args, **kwargs)
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, **options: Any) -> torch.Tensor:
+        """Generate as a Hugging Face model's ``generate`` does, with a KV cache split like the attention
+        (:mod:`autotp.runtime.generation`): greedy or sampled (``do_sample``, ``temperature``,
+        ``top_k``, ``top_p``), ``max_new_tokens``, ``eos_token_id``, ``pad_token_id``,
+        ``max_cache_len`` (default: the config's ``max_position_embeddings``), ``generator``.
+        Collective: every rank calls it with the same prompts, and every rank returns the same
+        tokens, the prompts followed by the new tokens."""
+        from autotp.runtime.generation import generate
+
+        return generate(self, input_ids, attention_mask, **options)
+
+    def _autotp_cache_graphs(self, batch: int, max_cache_len: int, prompt_len: int) -> Any:
+        from autotp.runtime.generation import CacheGraphs
+
+        graphs = getattr(self, "_autotp_generation", {})
+        self._autotp_generation = graphs
+        key = (batch, max_cache_len)
+        if key not in graphs:
+            graphs[key] = CacheGraphs(self, self._autotp_switch, batch, max_cache_len, prompt_len, build_graph, _set)
+        return graphs[key]
+
+    @property
+    def device(self) -> torch.device:
+        """The device this rank's shards are on (what a Hugging Face model's ``device`` says)."""
+        for p in self.parameters():
+            return p.to_local().device if hasattr(p, "to_local") else p.device
+        return torch.device("cpu")
+
+    @property
+    def variant_plans(self) -> dict[tuple, Any]:
+        """The plans of the graphs made for sizes the first trace specialized, by (mode, the call's shapes)."""
+        return {key: plan for key, (_, plan) in self._autotp_variants.items()}
 
     @property
     def plan(self) -> Any:
@@ -234,11 +317,20 @@ def register_state(root: nn.Module, graph: OpGraph, plan: Plan, mesh: DeviceMesh
             _set(root, name, param, "parameter")
     persistent = set(model.state_dict().keys())
     buffers = dict(model.named_buffers())
+    split = {n.param_fqn: plan.strategy(n.name).output for n in graph.nodes
+             if n.role == BUFFER and any(p.kind != "R" for p in plan.strategy(n.name).output)}
     for name, buf in buffers.items():
-        value = torch.empty_like(buf, device=device) if buf.is_meta else buf.detach().to(device).clone()
+        if name in split:  # this rank's piece only (a KV cache: the heads its attention reads)
+            shape = local_shape(buf.shape, split[name], mesh_shape, coordinate)
+            value = (torch.empty(shape, dtype=buf.dtype, device=device) if buf.is_meta
+                     else local_shard(buf.detach(), split[name], coordinate, mesh_shape).to(device).clone())
+        else:
+            value = torch.empty_like(buf, device=device) if buf.is_meta else buf.detach().to(device).clone()
         _set(root, name, value, "buffer", persistent=name in persistent)
+    read_as_buffers = {n.param_fqn for n in graph.nodes if n.role == BUFFER}
     for name, const in graph.exported.constants.items():
-        if isinstance(const, torch.Tensor):
+        # export lists non-persistent buffers among its constants too: the graph reads those as buffers
+        if isinstance(const, torch.Tensor) and name not in read_as_buffers:
             # export lifts non-persistent buffers as constants; a model traced on meta has them real
             value = buffers[name] if const.is_meta and name in buffers else const
             _set(root, constant_name(name), value.detach().to(device).clone(), "buffer", persistent=False)
@@ -280,9 +372,10 @@ def build_graph(graph: OpGraph, plan: Plan, mesh: DeviceMesh, module: ParallelMo
                 prefix: str = "") -> torch.fx.Graph:
     """The graph of ``graph`` (another mode of ``module``'s model) over ``module``'s parameters and
     buffers, its own submodules added to ``module`` under names that start with ``prefix``."""
+    read_as_buffers = {n.param_fqn for n in graph.nodes if n.role == BUFFER}
     for name, const in graph.exported.constants.items():
         target = constant_name(name)
-        if isinstance(const, torch.Tensor) and not _has_buffer(module, target):
+        if isinstance(const, torch.Tensor) and name not in read_as_buffers and not _has_buffer(module, target):
             if const.is_meta:
                 raise NotImplementedError(f"the model in this mode reads the constant {name}, which it did not read "
                                           f"when it was parallelized; parallelize it in this mode")

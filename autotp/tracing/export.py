@@ -194,12 +194,29 @@ def capture(model: torch.nn.Module, example_inputs: Any, dynamic_dims: Any = Fal
             return capture(model, example_inputs, dynamic_dims)
     args, kwargs = normalize_inputs(example_inputs)
     spec = export_spec(model, args, kwargs, dynamic_dims)
-    with _EXPORT_LOCK:
+    with _EXPORT_LOCK, _cache_off(model, kwargs):
         if _meta_parameters(model):
             args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
             with _buffers_on_meta(model):
                 return _capture(model, args, kwargs, spec, dynamic_dims is None)
         return _capture(model, args, kwargs, spec, dynamic_dims is None)
+
+
+@contextlib.contextmanager
+def _cache_off(model: torch.nn.Module, kwargs: dict) -> Iterator[None]:
+    """A model whose config asks for a KV cache (a Hugging Face model's ``config.use_cache``, True by
+    default) is traced with it off, unless the inputs say otherwise: a cache object cannot be traced,
+    and the forward with a cache is a graph of its own (``ParallelModule.generate``,
+    :mod:`autotp.runtime.generation`). The config is put back as it was."""
+    config = getattr(model, "config", None)
+    if "use_cache" in kwargs or getattr(config, "use_cache", None) is not True:
+        yield
+        return
+    config.use_cache = False
+    try:
+        yield
+    finally:
+        config.use_cache = True
 
 
 @contextlib.contextmanager
@@ -337,7 +354,7 @@ def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.
             outs = _node_outputs(node)
             if not outs:
                 continue  # a non-tensor input (an int, None): nothing to place
-            fqn = None
+            fqn, persistent = None, True
             if kind == "PARAMETER":
                 fqn = canonical.get(spec.target, spec.target)
                 if fqn in param_node:
@@ -348,6 +365,7 @@ def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.
                 role = PARAMETER
             elif kind == "BUFFER":
                 role, fqn = BUFFER, spec.target
+                persistent = bool(spec.persistent)
             elif kind in ("CONSTANT_TENSOR", "CUSTOM_OBJ", "TOKEN"):
                 role = CONSTANT
             else:
@@ -358,7 +376,8 @@ def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.
             infos[node.name] = outs
             if dims := _symbolic_dims(node):
                 symbolic[node.name] = dims
-            nodes.append(OpNode(node.name, role, role, (), (), outs, param_fqn=fqn, requires_grad=needs_grad))
+            nodes.append(OpNode(node.name, role, role, (), (), outs, param_fqn=fqn, requires_grad=needs_grad,
+                                persistent=persistent))
         elif node.op == "call_function":
             check_written_arguments(node)
             outs = _node_outputs(node)

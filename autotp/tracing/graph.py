@@ -177,6 +177,7 @@ class OpNode:
     requires_grad: bool = False
     is_view: bool = False
     args: OpArgs = OpArgs()
+    persistent: bool = True  # a buffer: in the model's state_dict (False: a cache, a mask)
 
     @property
     def output(self) -> TensorInfo:

@@ -288,7 +288,7 @@ def test_a_value_read_from_a_tensor_into_python_is_a_capture_error_naming_the_op
 
 
 def test_a_capture_error_leads_with_what_to_do_and_keeps_exports_traceback_off_the_screen():
-    """A Hugging Face model left with use_cache=True (its default): the message's first line is what to
+    """A Hugging Face model called with use_cache=True (traced with it off unless asked): the message's first line is what to
     do; the original error is the __cause__, printed as one line, its traceback kept as text. Each rank
     printed two chained tracebacks of about 100 lines before."""
     import traceback
@@ -298,7 +298,7 @@ def test_a_capture_error_leads_with_what_to_do_and_keeps_exports_traceback_off_t
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
                                        bos_token_id=0, eos_token_id=0))
     with pytest.raises(autotp.CaptureError) as info:
-        autotp.capture(model, (torch.zeros(1, 8, dtype=torch.long),))
+        autotp.capture(model, {"input_ids": torch.zeros(1, 8, dtype=torch.long), "use_cache": True})
     err = info.value
     assert str(err).startswith("what to do: build the model with use_cache=False")
     assert isinstance(err.__cause__, Exception) and err.__cause__.__traceback__ is None

@@ -175,11 +175,29 @@ def test_report_lists_dynamic_dims_and_what_the_plan_needs():
     assert "input_ids dim 1: example 16, any size >= 2 and <= 512, a multiple of 2" in text, text
 
 
+NEW_TOKENS = 16
+
+
+def build():
+    """A small random Llama (seeded, built one thread at a time) and a 12-token prompt."""
+    return models.hf_llama(n_layer=2, hidden=128, ffn=256, heads=8, kv_heads=4, vocab=512, seq=12)
+
+
+def greedy(model, prompt: torch.Tensor, steps: int) -> list[int]:
+    """``steps`` tokens, each the argmax of the logits of the whole sequence so far (no cache: the
+    module sees every length from the prompt's on)."""
+    ids = prompt
+    with torch.inference_mode():
+        for _ in range(steps):
+            logits = model(ids).logits
+            ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, prompt.shape[1]:].tolist()
+
+
 def _generate(rank, world, prepared, prompt):
     from torch.distributed.device_mesh import init_device_mesh
 
     from autotp.runtime.module import build_parallel_module
-    from examples.generate import NEW_TOKENS, build, greedy
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     graph, plan = prepared
@@ -188,11 +206,10 @@ def _generate(rank, world, prepared, prompt):
 
 
 def test_greedy_generation_under_inference_mode_equals_one_process():
-    """examples/generate.py's loop on two ranks: an inference plan for a 12-token prompt runs every
-    length from 12 to 27 under torch.inference_mode() and picks the same tokens as one process."""
+    """Greedy decoding without a cache on two ranks: an inference plan for a 12-token prompt runs
+    every length from 12 to 27 under torch.inference_mode() and picks the same tokens as one process."""
     import autotp
     from autotp.planning.planner import plan_graph
-    from examples.generate import NEW_TOKENS, build, greedy
 
     model, (prompt,) = build()
     prompt = prompt[:1]

@@ -1,0 +1,132 @@
+"""``generate()`` on the parallel module of a Hugging Face causal LM, with a KV cache split like its attention.
+
+References: the model's own ``generate`` in one process (greedy tokens; sampled tokens from the same
+seed), and the plans of the two cache graphs (the prompt's and one token's) for placements and
+collectives. The models are built from their configs with ``use_cache`` at its default (True), and
+planned under a budget that makes the plan split attention by heads. One run of 2 gloo processes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autotp
+from examples.ranks import run_ranks
+from tests.helpers.observed import CollectiveLog, planned
+
+NEW_TOKENS = 6
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def _prompt(batch: int = 2, length: int = 8) -> torch.Tensor:
+    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(1))
+
+
+def _budget(model) -> float:
+    return 0.6 * sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _rank(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model, prompt = _llama(), _prompt()
+    pm = autotp.parallelize(model, mesh, (prompt,), mode="inference", hardware="cpu-gloo", memory_budget=_budget(model))
+    out = {"greedy": pm.generate(prompt, max_new_tokens=NEW_TOKENS).tolist()}
+    out["sampled"] = pm.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=True, temperature=0.8, top_k=20,
+                                 top_p=0.9, generator=torch.Generator().manual_seed(5)).tolist()
+    out["seeded_alike"] = pm.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=True).tolist()
+    eos = out["greedy"][0][prompt.shape[1] + 2]  # the first sequence's third new token
+    out["eos"], out["stopped"] = eos, pm.generate(prompt, max_new_tokens=NEW_TOKENS, eos_token_id=eos,
+                                                  pad_token_id=0).tolist()
+    graphs = pm._autotp_generation[(2, 64)]
+    with CollectiveLog(mesh) as log:  # one decode step, observed
+        graphs.graphs["token"](prompt[:, :1], torch.tensor([prompt.shape[1]]))
+    out["observed"], out["bytes"] = log.counts(), [s.bytes for s in log.seen]
+    out["plans"] = {k: p.to_json() for k, p in graphs.plans.items()}
+    out["held"] = {n: tuple(b.shape) for n, b in pm.named_buffers() if n.startswith("autotp_kv_")}
+    out["held_bytes"] = sum(b.numel() * b.element_size() for n, b in pm.named_buffers() if n.startswith("autotp_kv_"))
+    out["cache_bytes"] = graphs.cache_bytes()
+    for kwargs, error in (({"num_beams": 2}, NotImplementedError), ({"max_new_tokens": 100}, ValueError),
+                          ({"guidance_scale": 2.0}, TypeError)):
+        try:
+            pm.generate(prompt, **kwargs)
+        except error as err:
+            out[f"refused {sorted(kwargs)[0]}"] = str(err)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_ranks(_rank, 2)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model, prompt = _llama(), _prompt()
+    greedy = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+    torch.manual_seed(5)  # Hugging Face samples from the global generator; autotp from the one given
+    sampled = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=True, temperature=0.8, top_k=20, top_p=0.9)
+    return model, prompt, greedy.tolist(), sampled.tolist()
+
+
+def test_greedy_tokens_equal_the_model_s_own_generate(ranks, reference):
+    _, _, greedy, _ = reference
+    assert len({t for row in greedy for t in row[8:]}) > 2, "a degenerate reference would prove little"
+    assert [r["greedy"] for r in ranks] == [greedy, greedy]
+
+
+def test_sampling_from_a_seed_equals_the_model_s_own_and_every_rank_picks_the_same(ranks, reference):
+    _, _, _, sampled = reference
+    assert [r["sampled"] for r in ranks] == [sampled, sampled]
+    assert ranks[0]["seeded_alike"] == ranks[1]["seeded_alike"]  # no generator: the first rank's seed
+
+
+def test_a_sequence_stops_at_its_end_token_and_is_padded_after(ranks, reference):
+    model, prompt, _, _ = reference
+    r = ranks[0]
+    expected = model.generate(prompt, max_new_tokens=NEW_TOKENS, eos_token_id=r["eos"], pad_token_id=0).tolist()
+    assert r["stopped"] == expected == ranks[1]["stopped"]
+
+
+def test_the_cache_is_split_like_the_attention_and_a_decode_step_runs_its_plan(ranks, reference):
+    model, _, _, _ = reference
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    for rank, r in enumerate(ranks):
+        prompt_plan, token_plan = (autotp.Plan.from_json(r["plans"][k]) for k in ("prompt", "token"))
+        split = prompt_plan.buffer_placements
+        assert {n for n in split if n.endswith(("keys", "values"))} == {
+            f"autotp_kv_{i}_{kind}" for i in range(cfg.num_hidden_layers) for kind in ("keys", "values")}
+        assert set(split.values()) == {"S(1)"}  # by kv heads
+        assert token_plan.buffer_placements == split  # the one-token graph keeps them where they are
+        assert token_plan.parameter_placements == prompt_plan.parameter_placements
+        whole = (2, cfg.num_key_value_heads, cfg.max_position_embeddings, head_dim)
+        assert all(r["held"][n] == (2, 1, *whole[2:]) for n in split), r["held"]  # each rank: its kv head
+        assert r["cache_bytes"] == r["held_bytes"] > sum(4 * torch.Size(r["held"][n]).numel() for n in split) / 2
+        assert token_plan.memory.buffers_bytes >= r["cache_bytes"]
+        # a decode step communicates what its plan lists: two all-reduces per block in this layout,
+        # and nothing cache-sized (no gather of keys or values)
+        assert r["observed"] == planned(token_plan, "forward")
+        styles = token_plan.module_styles()
+        if all(styles[f"model.layers.{i}.self_attn.o_proj"] == "rowwise" == styles[f"model.layers.{i}.mlp.down_proj"]
+               for i in range(cfg.num_hidden_layers)):
+            assert sum(r["observed"].values()) == 2 * cfg.num_hidden_layers
+        cache_piece = 4 * torch.Size(r["held"][next(iter(split))]).numel()
+        assert all(b < cache_piece for b in r["bytes"]), r["bytes"]
+
+
+def test_what_generate_does_not_do_is_refused_by_name(ranks):
+    r = ranks[0]
+    assert "num_beams" in r["refused num_beams"] and "not supported" in r["refused num_beams"]
+    assert "cache of 108 positions" in r["refused max_new_tokens"] and "holds 64" in r["refused max_new_tokens"]
+    assert "guidance_scale" in r["refused guidance_scale"]
