@@ -192,7 +192,7 @@ def capture(model: torch.nn.Module, example_inputs: Any, dynamic_dims: Any = Fal
     if training is not None and any(m.training != training for m in model.modules()):
         with in_mode(model, training):
             return capture(model, example_inputs, dynamic_dims)
-    args, kwargs = normalize_inputs(example_inputs)
+    args, kwargs = _distinct(*normalize_inputs(example_inputs))
     spec = export_spec(model, args, kwargs, dynamic_dims)
     with _EXPORT_LOCK, _cache_off(model, kwargs):
         if _meta_parameters(model):
@@ -200,6 +200,22 @@ def capture(model: torch.nn.Module, example_inputs: Any, dynamic_dims: Any = Fal
             with _buffers_on_meta(model):
                 return _capture(model, args, kwargs, spec, dynamic_dims is None)
         return _capture(model, args, kwargs, spec, dynamic_dims is None)
+
+
+def _distinct(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The example inputs with a tensor given twice (``{"input_ids": ids, "labels": ids}``) given as a
+    copy the second time. ``torch.export`` traces one tensor given twice as one input: every use of
+    either would read the same placeholder, and the module, called later with two different tensors,
+    would silently compute with one of them for both."""
+    seen: set[int] = set()
+
+    def once(x: Any) -> Any:
+        if id(x) in seen:
+            return x.clone()
+        seen.add(id(x))
+        return x
+
+    return torch.utils._pytree.tree_map_only(torch.Tensor, once, (args, kwargs))
 
 
 @contextlib.contextmanager

@@ -305,3 +305,22 @@ def test_a_capture_error_leads_with_what_to_do_and_keeps_exports_traceback_off_t
     assert "Traceback" in err.original_traceback and "DynamicCache" in err.original_traceback
     printed = "".join(traceback.format_exception(err))
     assert printed.count("Traceback (most recent call last)") == 1 and len(printed.splitlines()) < 40
+
+
+def test_a_tensor_given_twice_is_traced_as_two_inputs():
+    """``{"input_ids": ids, "labels": ids}``: torch.export traces one tensor given twice as one input
+    (every use reads the same placeholder), so a module built from it, called with other labels,
+    computed the loss against the input ids. Capture gives the second a copy: each input is read
+    where the model reads it."""
+
+    class Difference(torch.nn.Module):
+        def forward(self, x, y):
+            return x * 2 - y
+
+    t = torch.randn(2, 4)
+    graph = autotp.capture(Difference(), (t, t))
+    ops = {str(n.target): n.args for n in graph.exported.graph.nodes if n.op == "call_function"}
+    assert str(ops["aten.mul.Tensor"][0]) == "x" and str(ops["aten.sub.Tensor"][1]) == "y", ops
+    program = graph.exported.module()
+    other = torch.randn(2, 4)
+    assert torch.equal(program(t, other), Difference()(t, other))
