@@ -5,7 +5,8 @@ hidden 768, 12 heads, 4 kv heads, ffn 2048, vocab 32000), prompts of 128 tokens,
 greedy, at batch 1 and batch 8. Side by side in one run:
 
 * autotp: ``autotp.parallelize(model, mesh, (prompt,), mode="inference", hardware="cpu-gloo")``,
-  then ``pmodel.generate`` (a static cache split like the attention);
+  then ``pmodel.generate`` (a static cache split like the attention, as long as the run needs:
+  prompt + new tokens);
 * hand plan: PyTorch's ``parallelize_module`` with the Megatron layout of the model's own
   ``base_model_tp_plan`` (q, k, v, gate, up ``ColwiseParallel``; o, down ``RowwiseParallel``), then the
   model's own ``generate`` (its dynamic cache holds the local heads);
@@ -81,13 +82,14 @@ def _ranks(rank: int, world: int, batches: list[int], new: int, layers: int) -> 
     for batch in batches:
         prompt = torch.randint(0, 32000, (batch, PROMPT), generator=torch.Generator().manual_seed(batch))
         pmodel = autotp.parallelize(build(layers), mesh, (prompt,), mode="inference", hardware="cpu-gloo")
-        pmodel.generate(prompt, max_new_tokens=2)  # traces and plans the cache graphs
+        cache = PROMPT + new  # a static cache as long as the run needs (the config allows 512)
+        pmodel.generate(prompt, max_new_tokens=2, max_cache_len=cache)  # traces and plans the cache graphs
         graphs = next(iter(pmodel._autotp_generation.values()))
         clock = Clock()
         for g in graphs.graphs.values():
             g.register_forward_hook(clock.hook)
         start = time.perf_counter()
-        tokens = pmodel.generate(prompt, max_new_tokens=new)
+        tokens = pmodel.generate(prompt, max_new_tokens=new, max_cache_len=cache)
         autotp_times = per_token(clock.ends, start)
         hand = _hand(build(layers), mesh)
         hand_clock = Clock()

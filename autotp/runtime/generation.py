@@ -13,9 +13,9 @@ them. Each rank then holds its piece of each cache, zeroed, as a buffer of the p
 
 The loop is Hugging Face's: greedy, or sampling through ``transformers``' own temperature, top-k
 and top-p warpers from a generator seeded alike on every rank (the first rank's seed), so every rank
-picks the same token; a sequence that reaches an end token is padded after it, and the loop stops
-when every sequence has. What it does not do (beam search, assisted or speculative decoding,
-prompts of different lengths) is refused by name.
+picks the same token; prompts of different lengths come left-padded with their ``attention_mask``;
+a sequence that reaches an end token is padded after it, and the loop stops when every sequence
+has. What it does not do (beam search, assisted or speculative decoding) is refused by name.
 """
 
 from __future__ import annotations
@@ -136,7 +136,8 @@ def _with_static_cache(skeleton: nn.Module, batch: int, max_cache_len: int) -> n
     forward = type(model).forward
     cache_arg = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
-    def cached_forward(self: nn.Module, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+    def cached_forward(self: nn.Module, input_ids: torch.Tensor, cache_position: torch.Tensor,
+                       attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         # the cache reads the module's buffers as they are now: while torch.export traces, those are
         # its stand-ins, so the writes the trace records are writes into the buffers
         for layer, name, buffer in slots:
@@ -144,7 +145,8 @@ def _with_static_cache(skeleton: nn.Module, batch: int, max_cache_len: int) -> n
         for layer in cache.layers:
             if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
                 layer.cumulative_length.copy_(cache_position[0])
-        out = forward(self, input_ids=input_ids, cache_position=cache_position, use_cache=True, **{cache_arg: cache})
+        out = forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      cache_position=cache_position, use_cache=True, **{cache_arg: cache})
         return out.logits
 
     model.forward = types.MethodType(cached_forward, model)
@@ -172,8 +174,11 @@ class CacheGraphs:
         length = max(prompt_len, 2)  # the prompt's graph holds every length from 2 (a length of 1 is the other)
         for kind, n in (("prompt", length), ("token", 1)):
             ids = torch.zeros(batch, n, dtype=torch.int64, device="meta")
-            dims = {"input_ids": (1,), "cache_position": (0,)} if n > 1 else False
-            graph = capture(model, (ids, torch.arange(n, device="meta")), dynamic_dims=dims, training=False)
+            mask = torch.ones(batch, max_cache_len, dtype=torch.int64, device="meta")  # over the whole cache
+            dims = {"input_ids": (1,), "cache_position": (0,), "position_ids": (1,)} if n > 1 else False
+            positions = torch.zeros(batch, n, dtype=torch.int64, device="meta")  # not ids: one tensor twice is one input
+            graph = capture(model, (ids, torch.arange(n, device="meta"), mask, positions), dynamic_dims=dims,
+                            training=False)
             # the weights stay as stored; the caches must fit the device (parallelize's budget was the model's)
             plan = agreed_plan(graph, spec, switch.mesh, first.hardware, "inference", None, 0.0,
                                first.optimizer, None, keep=pins, hardware_source=first.hardware_source)
@@ -217,10 +222,10 @@ def generate(module: nn.Module, input_ids: torch.Tensor, attention_mask: Optiona
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError(f"input_ids: expected a (batch, length) tensor of token ids, got "
                          f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
-    if attention_mask is not None and not bool(attention_mask.bool().all()):
-        raise NotImplementedError("generate(attention_mask=...) with padding: autotp's generate runs prompts of "
-                                  "one length (a mask of ones); give prompts of the same length, or one at a time")
     batch, length = input_ids.shape
+    if attention_mask is not None and tuple(attention_mask.shape) != (batch, length):
+        raise ValueError(f"attention_mask has shape {list(attention_mask.shape)}; expected the prompts' "
+                         f"{[batch, length]} (1 for a token, 0 for padding)")
     config = getattr(module, "generation_config", None)
     opts = GenerateOptions.of(config, length, **options)
     model_config = getattr(module, "config", None)
@@ -241,8 +246,15 @@ def generate(module: nn.Module, input_ids: torch.Tensor, attention_mask: Optiona
         generator = torch.Generator(device=input_ids.device).manual_seed(seed)
     tokens = input_ids
     done = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+    # the mask over the whole cache (prompts left-padded: 0 where a pad is), and each token's position
+    # counted from its sequence's first real token, as Hugging Face's generate counts them
+    given = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(torch.int64)
+    mask = torch.zeros(batch, limit, dtype=torch.int64, device=input_ids.device)
+    mask[:, :length] = given
+    positions = (given.cumsum(-1) - 1).masked_fill(given == 0, 1)
     with torch.no_grad():
-        logits = graphs.graphs["prompt" if length > 1 else "token"](input_ids, torch.arange(length))
+        logits = graphs.graphs["prompt" if length > 1 else "token"](input_ids, torch.arange(length), mask, positions)
+        position = positions[:, -1:]
         for step in range(opts.max_new_tokens):
             nxt = opts.choose(tokens, logits[:, -1], generator)
             if opts.pad_token_id is not None:
@@ -253,6 +265,8 @@ def generate(module: nn.Module, input_ids: torch.Tensor, attention_mask: Optiona
                 if bool(done.all()):
                     break
             if step + 1 < opts.max_new_tokens:
-                logits = graphs.graphs["token"](nxt[:, None], torch.tensor([length + step]))
+                mask[:, length + step] = 1
+                position = position + 1
+                logits = graphs.graphs["token"](nxt[:, None], torch.tensor([length + step]), mask, position)
     return tokens
 

@@ -31,6 +31,13 @@ def _prompt(batch: int = 2, length: int = 8) -> torch.Tensor:
     return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(1))
 
 
+def _padded() -> tuple[torch.Tensor, torch.Tensor]:
+    """Two prompts of 8 and 5 tokens, the second left-padded, and their attention mask."""
+    ids, mask = _prompt(), torch.ones(2, 8, dtype=torch.int64)
+    ids[1, :3], mask[1, :3] = 0, 0
+    return ids, mask
+
+
 def _budget(model) -> float:
     return 0.6 * sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -48,9 +55,13 @@ def _rank(rank, world):
     eos = out["greedy"][0][prompt.shape[1] + 2]  # the first sequence's third new token
     out["eos"], out["stopped"] = eos, pm.generate(prompt, max_new_tokens=NEW_TOKENS, eos_token_id=eos,
                                                   pad_token_id=0).tolist()
+    padded, mask = _padded()
+    out["padded"] = pm.generate(padded, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0).tolist()
     graphs = pm._autotp_generation[(2, 64)]
+    T = prompt.shape[1]
     with CollectiveLog(mesh) as log:  # one decode step, observed
-        graphs.graphs["token"](prompt[:, :1], torch.tensor([prompt.shape[1]]))
+        graphs.graphs["token"](prompt[:, :1], torch.tensor([T]), torch.ones(2, 64, dtype=torch.int64),
+                               torch.full((2, 1), T))
     out["observed"], out["bytes"] = log.counts(), [s.bytes for s in log.seen]
     out["plans"] = {k: p.to_json() for k, p in graphs.plans.items()}
     out["held"] = {n: tuple(b.shape) for n, b in pm.named_buffers() if n.startswith("autotp_kv_")}
@@ -96,6 +107,16 @@ def test_a_sequence_stops_at_its_end_token_and_is_padded_after(ranks, reference)
     r = ranks[0]
     expected = model.generate(prompt, max_new_tokens=NEW_TOKENS, eos_token_id=r["eos"], pad_token_id=0).tolist()
     assert r["stopped"] == expected == ranks[1]["stopped"]
+
+
+def test_prompts_of_different_lengths_left_padded_equal_the_model_s_own(ranks, reference):
+    model, _, _, _ = reference
+    ids, mask = _padded()
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                              pad_token_id=0).tolist()
+    unpadded = model.generate(ids[1:, 3:], max_new_tokens=NEW_TOKENS, do_sample=False).tolist()
+    assert expected[1][3:] == unpadded[0]  # the reference: padding changes nothing of the short prompt's
+    assert [r["padded"] for r in ranks] == [expected, expected]
 
 
 def test_the_cache_is_split_like_the_attention_and_a_decode_step_runs_its_plan(ranks, reference):
