@@ -63,6 +63,13 @@ def _rank(rank, world):
         graphs.graphs["token"](prompt[:, :1], torch.tensor([T]), torch.ones(2, 64, dtype=torch.int64),
                                torch.full((2, 1), T))
     out["observed"], out["bytes"] = log.counts(), [s.bytes for s in log.seen]
+    # the decode step compiles to one graph (fullgraph: a break is an error) and computes what it did eager
+    step_inputs = (prompt[:, :1], torch.tensor([T]), torch.ones(2, 64, dtype=torch.int64), torch.full((2, 1), T))
+    graphs.reset()
+    eager = graphs.graphs["token"](*step_inputs)
+    graphs.reset()
+    compiled = torch.compile(graphs.graphs["token"], backend="aot_eager", fullgraph=True)(*step_inputs)
+    out["compiled_diff"] = (compiled - eager).abs().max().item()
     out["plans"] = {k: p.to_json() for k, p in graphs.plans.items()}
     out["held"] = {n: tuple(b.shape) for n, b in pm.named_buffers() if n.startswith("autotp_kv_")}
     out["held_bytes"] = sum(b.numel() * b.element_size() for n, b in pm.named_buffers() if n.startswith("autotp_kv_"))
@@ -144,6 +151,10 @@ def test_the_cache_is_split_like_the_attention_and_a_decode_step_runs_its_plan(r
             assert sum(r["observed"].values()) == 2 * cfg.num_hidden_layers
         cache_piece = 4 * torch.Size(r["held"][next(iter(split))]).numel()
         assert all(b < cache_piece for b in r["bytes"]), r["bytes"]
+
+
+def test_the_decode_step_compiles_to_one_graph_and_computes_the_same(ranks):
+    assert [r["compiled_diff"] for r in ranks] == [0.0, 0.0]
 
 
 def test_what_generate_does_not_do_is_refused_by_name(ranks):
