@@ -1,8 +1,8 @@
 """Every example runs as its docstring says, from the repository root, with nothing else set up.
 
-The README's example (examples/train_hf.py, two ranks under torchrun) runs in the default suite;
-the others, each a few spawned ranks, in the slow one (their code paths are the default suite's:
-tests/test_cli.py, tests/runtime/, tests/weights/).
+Each is a few ranks under torchrun or spawned, so they run in the slow suite (``make test-slow``);
+their code paths are the default suite's (tests/test_cli.py, tests/runtime/, tests/weights/), and
+tests/test_docs.py checks there that the README shows examples/train_hf.py as it is.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ def run(command: str, timeout_s: float) -> subprocess.CompletedProcess:
     return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
 
 
+@pytest.mark.slow  # its steps run in the default suite: tests/weights/test_loading.py (meta, load, train)
 def test_the_readme_example_runs_as_written():
     proc = run(run_line(ROOT / "examples" / "train_hf.py"), 300)
     assert proc.returncode == 0, proc.stderr[-3000:]
