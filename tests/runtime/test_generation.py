@@ -162,3 +162,40 @@ def test_what_generate_does_not_do_is_refused_by_name(ranks):
     assert "num_beams" in r["refused num_beams"] and "not supported" in r["refused num_beams"]
     assert "cache of 108 positions" in r["refused max_new_tokens"] and "holds 64" in r["refused max_new_tokens"]
     assert "guidance_scale" in r["refused guidance_scale"]
+
+
+def _family(name: str):
+    from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    if name == "gpt2":  # a fused q|k|v projection (Conv1D)
+        return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64)).eval()
+    # one kv head for two ranks: each rank holds the whole of it
+    return Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=1, vocab_size=128,
+                                        max_position_embeddings=64)).eval()
+
+
+def _family_rank(rank, world, name):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model, prompt = _family(name), _prompt()
+    pm = autotp.parallelize(model, mesh, (prompt,), mode="inference", hardware="cpu-gloo", memory_budget=_budget(model))
+    tokens = pm.generate(prompt, max_new_tokens=NEW_TOKENS).tolist()
+    plan = next(iter(pm._autotp_generation.values())).plans["prompt"]
+    return tokens, dict(plan.buffer_placements), sorted(set(plan.module_styles().values()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2", "qwen2"])
+def test_other_families_generate_the_model_s_own_greedy_tokens(name):
+    expected = _family(name).generate(_prompt(), max_new_tokens=NEW_TOKENS, do_sample=False).tolist()
+    results = run_ranks(_family_rank, 2, name)
+    assert [r[0] for r in results] == [expected, expected]
+    tokens, split, styles = results[0]
+    assert {"colwise", "rowwise"} <= set(styles)  # the plan splits the blocks
+    if name == "gpt2":  # 4 heads over 2 ranks: each holds 2
+        assert split and set(split.values()) == {"S(1)"}
+    else:  # one kv head cannot be split: it stays whole, read by both ranks' query heads
+        assert not any(n.endswith(("keys", "values")) for n in split)
