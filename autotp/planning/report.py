@@ -46,6 +46,34 @@ def _collective_rows(plan: "Plan") -> list[list[str]]:
             for (phase, kind, axis), b in sorted(groups.items(), key=lambda kv: (order[kv[0][0]], kv[0][1:]))]
 
 
+_NUMBERED = re.compile(r"(.+?)\.(\d+)(?:\.|$)")  # "model.layers.3.mlp" -> ("model.layers", 3)
+
+
+def per_block_lines(plan: "Plan") -> list[str]:
+    """Per stack of numbered blocks (``model.layers.0``, ``model.layers.1``, ...), the collectives one
+    block runs in a step, by phase and kind, as most of its blocks run them (the blocks that run
+    others, the recomputed ones, counted apart); from the module of the node each collective is at."""
+    module_of = {n.name: n.module for n in plan.nodes}
+    blocks: dict[str, dict[int, Counter]] = defaultdict(lambda: defaultdict(Counter))
+    for c in plan.collective_list:
+        found = _NUMBERED.match(module_of.get(c.at, ""))
+        if found:
+            blocks[found.group(1)][int(found.group(2))][(c.phase, c.kind)] += 1
+    lines = []
+    for stack, per in blocks.items():
+        if len(per) < 2:
+            continue
+        order = {"forward": 0, "backward": 1, "recompute": 2}
+        kinds = Counter(tuple(sorted(counts.items(), key=lambda kv: (order.get(kv[0][0], 3), kv[0][1])))
+                        for counts in per.values())
+        usual, many = kinds.most_common(1)[0]
+        text = "; ".join(f"{phase} {n} {kind}" for (phase, kind), n in usual) or "none"
+        other = len(per) - many
+        lines.append(f"per block of {stack} ({len(per)} blocks): {text}" +
+                     (f" ({other} of them {'runs' if other == 1 else 'run'} others)" if other else ""))
+    return lines
+
+
 def partial_gradient_lines(plan: "Plan") -> list[str]:
     """One line per kind of op whose output the plan leaves ``Rg`` (its gradient passed on to its
     inputs as partial sums), by module, repeated layers counted once with how many there are."""
@@ -147,6 +175,7 @@ def _text(plan: "Plan") -> str:
     lines += ["", "Collectives per step"]
     rows = _collective_rows(plan)
     lines += _table(["phase", "kind", "axis", "count", "bytes"], rows) if rows else ["(none: every rank works alone)"]
+    lines += per_block_lines(plan)
     if plan.uneven:
         lines += ["", "Uneven splits (whole heads or rows the ranks do not divide)"]
         lines += [f"  {u.describe()}" for u in plan.uneven]

@@ -232,6 +232,12 @@ class ParallelModule(torch.fx.GraphModule):
         return graphs[key]
 
     @property
+    def generation_plans(self) -> dict[tuple, dict[str, Any]]:
+        """The plans of ``generate``'s graphs, by (batch, cache length): ``{"prompt": plan, "token": plan}``
+        (``plan.report()`` of the token's shows what one decoded token runs)."""
+        return {key: dict(graphs.plans) for key, graphs in getattr(self, "_autotp_generation", {}).items()}
+
+    @property
     def device(self) -> torch.device:
         """The device this rank's shards are on (what a Hugging Face model's ``device`` says)."""
         for p in self.parameters():

@@ -149,6 +149,8 @@ def test_the_cache_is_split_like_the_attention_and_a_decode_step_runs_its_plan(r
         if all(styles[f"model.layers.{i}.self_attn.o_proj"] == "rowwise" == styles[f"model.layers.{i}.mlp.down_proj"]
                for i in range(cfg.num_hidden_layers)):
             assert sum(r["observed"].values()) == 2 * cfg.num_hidden_layers
+            assert f"per block of model.layers ({cfg.num_hidden_layers} blocks): forward 2 all_reduce" in \
+                token_plan.report()
         cache_piece = 4 * torch.Size(r["held"][next(iter(split))]).numel()
         assert all(b < cache_piece for b in r["bytes"]), r["bytes"]
 
