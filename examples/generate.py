@@ -46,8 +46,8 @@ def run(rank: int, world: int) -> list[list[int]]:
     sampled = pmodel.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=True, top_p=0.9,
                               generator=torch.Generator().manual_seed(0))
     if rank == 0:
-        graphs = next(iter(pmodel._autotp_generation.values()))
-        print(graphs.plans["token"].report())
+        (plans,) = pmodel.generation_plans.values()  # the prompt's and one token's, for this batch
+        print(plans["token"].report())
         print(f"greedy: {tokens[:, prompt.shape[1]:].tolist()}")
         print(f"sampled (top_p 0.9): {sampled[:, prompt.shape[1]:].tolist()}")
     return tokens.tolist()
