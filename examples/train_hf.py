@@ -16,7 +16,7 @@ import autotp
 
 dist.init_process_group("gloo")
 config = LlamaConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=8,
-                     num_key_value_heads=4, vocab_size=2048, use_cache=False)  # no KV cache in training
+                     num_key_value_heads=4, vocab_size=2048)  # the other fields: LlamaConfig's defaults
 path = os.path.join(tempfile.gettempdir(), "autotp-train-hf")
 if dist.get_rank() == 0: LlamaForCausalLM(config).save_pretrained(path)  # stands in for a download
 dist.barrier()
