@@ -150,7 +150,8 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
     # the mode traced now: the plan's, where a plan says (it was made for that graph)
     traced = plan.training if plan is not None and plan.training is not None else training
     t0 = time.perf_counter()
-    graph = capture(model, example_inputs, dynamic_dims, training=traced)  # a CaptureError says what failed
+    graph = capture(model, example_inputs, dynamic_dims, training=traced,  # a CaptureError says what failed
+                    device=getattr(mesh, "device_type", None))
     unfillable = unfillable_state(model, graph.exported.constants)
     if unfillable:
         raise ValueError(f"the model is on the meta device, and nothing could give these their values: "

@@ -115,9 +115,10 @@ class GenerateOptions:
         return torch.multinomial(scores.softmax(-1), 1, generator=generator).squeeze(1)
 
 
-def _with_static_cache(skeleton: nn.Module, batch: int, max_cache_len: int) -> nn.Module:
-    """A copy of the (meta) model whose forward is ``(input_ids, cache_position) -> logits`` over a
-    static cache whose tensors are buffers of the copy."""
+def _with_static_cache(skeleton: nn.Module, batch: int, max_cache_len: int, device: Any) -> nn.Module:
+    """A copy of the (meta) model whose forward is ``(input_ids, cache_position, attention_mask,
+    position_ids) -> logits`` over a static cache whose tensors are buffers of the copy, made on meta;
+    the cache's own device says ``device``, the one the graph is traced for and runs on."""
     from transformers.cache_utils import StaticCache
 
     model = copy.deepcopy(skeleton)
@@ -127,6 +128,9 @@ def _with_static_cache(skeleton: nn.Module, batch: int, max_cache_len: int) -> n
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     dtype = next(model.parameters()).dtype
     cache.early_initialization(batch, heads, head_dim, dtype, torch.device("meta"))
+    for layer in cache.layers:  # the positions it makes are on the device the run is on
+        if isinstance(getattr(layer, "device", None), torch.device):
+            layer.device = torch.device(device)
     slots = []  # (layer, attribute, buffer name)
     for i, layer in enumerate(cache.layers):
         for name, value in list(vars(layer).items()):
@@ -166,7 +170,7 @@ class CacheGraphs:
                                       "autotp.parallelize; for a model with a cache of its own, call the "
                                       "parallel module in a decoding loop (examples/models.py: greedy_with_cache)")
         self.batch, self.max_cache_len = batch, max_cache_len
-        model = _with_static_cache(switch.skeleton, batch, max_cache_len)
+        model = _with_static_cache(switch.skeleton, batch, max_cache_len, switch.mesh.device_type)
         spec = MeshSpec.of(switch.mesh)
         first = module.plan
         self.graphs, self.plans = {}, {}
@@ -178,7 +182,7 @@ class CacheGraphs:
             dims = {"input_ids": (1,), "cache_position": (0,), "position_ids": (1,)} if n > 1 else False
             positions = torch.zeros(batch, n, dtype=torch.int64, device="meta")  # not ids: one tensor twice is one input
             graph = capture(model, (ids, torch.arange(n, device="meta"), mask, positions), dynamic_dims=dims,
-                            training=False)
+                            training=False, device=switch.mesh.device_type)
             # the weights stay as stored; the caches must fit the device (parallelize's budget was the model's)
             plan = agreed_plan(graph, spec, switch.mesh, first.hardware, "inference", None, 0.0,
                                first.optimizer, None, keep=pins, hardware_source=first.hardware_source)

@@ -98,7 +98,7 @@ class ModeSwitch:
                                f"model in {_mode(training)} mode before autotp.parallelize")
         first = module.plan
         inputs = self.example_inputs if example_inputs is None else _on_meta(example_inputs)
-        graph = capture(self.skeleton, inputs, self.dynamic_dims, training=training)
+        graph = capture(self.skeleton, inputs, self.dynamic_dims, training=training, device=self.mesh.device_type)
         spec = MeshSpec.of(self.mesh)
         ops = op_signature(graph)
         if ops == module.autotp_ops and example_inputs is None:
@@ -338,7 +338,7 @@ def register_state(root: nn.Module, graph: OpGraph, plan: Plan, mesh: DeviceMesh
         # export lists non-persistent buffers among its constants too: the graph reads those as buffers
         if isinstance(const, torch.Tensor) and name not in read_as_buffers:
             # export lifts non-persistent buffers as constants; a model traced on meta has them real
-            value = buffers[name] if const.is_meta and name in buffers else const
+            value = buffers[name] if _no_values(const) and name in buffers else const
             _set(root, constant_name(name), value.detach().to(device).clone(), "buffer", persistent=False)
     return placements_of
 
@@ -382,7 +382,7 @@ def build_graph(graph: OpGraph, plan: Plan, mesh: DeviceMesh, module: ParallelMo
     for name, const in graph.exported.constants.items():
         target = constant_name(name)
         if isinstance(const, torch.Tensor) and name not in read_as_buffers and not _has_buffer(module, target):
-            if const.is_meta:
+            if _no_values(const):
                 raise NotImplementedError(f"the model in this mode reads the constant {name}, which it did not read "
                                           f"when it was parallelized; parallelize it in this mode")
             _set(module, target, const.detach().to(torch.device(mesh.device_type)).clone(), "buffer",
@@ -398,6 +398,13 @@ def build_graph(graph: OpGraph, plan: Plan, mesh: DeviceMesh, module: ParallelMo
         if not hasattr(module, name):
             module.add_module(name, child)
     return gm.graph
+
+
+def _no_values(t: torch.Tensor) -> bool:
+    """A tensor with no values: on meta, or a fake one (a trace on a fake device)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return t.is_meta or isinstance(t, FakeTensor)
 
 
 def _has_buffer(module: nn.Module, target: str) -> bool:

@@ -175,7 +175,7 @@ _EXPORT_LOCK = threading.RLock()
 
 
 def capture(model: torch.nn.Module, example_inputs: Any, dynamic_dims: Any = False,
-            training: bool | None = None) -> OpGraph:
+            training: bool | None = None, device: Any = None) -> OpGraph:
     """Trace ``model`` on ``example_inputs`` and return its :class:`OpGraph`.
 
     ``example_inputs`` is what ``model(*example_inputs)`` would be called with (a tuple, a single
@@ -186,17 +186,23 @@ def capture(model: torch.nn.Module, example_inputs: Any, dynamic_dims: Any = Fal
     the graph then records (``OpGraph.dynamic``, ``OpGraph.symbolic``); a dict names the dims.
     ``training``: trace the model in train (True) or eval (False) mode, every submodule's flag put
     back afterwards; None (default) traces it in the mode it is in. ``OpGraph.training`` records it.
+    ``device``: for a model on meta, the device it will run on (``"cpu"``, ``"cuda"``): it is traced
+    with fake tensors that say that device, so code that branches on its tensors' device takes the
+    branch the run will take (on meta, it would take another: ``torch.histc`` on integers off CPU).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model is a {type(model).__name__}; expected a torch.nn.Module")
     if training is not None and any(m.training != training for m in model.modules()):
         with in_mode(model, training):
-            return capture(model, example_inputs, dynamic_dims)
+            return capture(model, example_inputs, dynamic_dims, device=device)
     args, kwargs = _distinct(*normalize_inputs(example_inputs))
     spec = export_spec(model, args, kwargs, dynamic_dims)
     with _EXPORT_LOCK, _cache_off(model, kwargs):
         if _meta_parameters(model):
             args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+            if device is not None and torch.device(device).type != "meta":
+                with _on_fake_device(model, torch.device(device), (args, kwargs)) as (args, kwargs):
+                    return _capture(model, args, kwargs, spec, dynamic_dims is None)
             with _buffers_on_meta(model):
                 return _capture(model, args, kwargs, spec, dynamic_dims is None)
         return _capture(model, args, kwargs, spec, dynamic_dims is None)
@@ -252,6 +258,40 @@ def _meta_parameters(model: torch.nn.Module) -> bool:
     """Parameters all on meta (a model built under ``autotp.meta_init``, or wholly on meta)."""
     params = list(model.parameters())
     return bool(params) and all(p.is_meta for p in params)
+
+
+@contextlib.contextmanager
+def _on_fake_device(model: torch.nn.Module, device: torch.device, inputs: Any) -> Iterator[Any]:
+    """The (meta) model's parameters and buffers, and the (meta) inputs, as fake tensors that say
+    ``device``, while it is traced; the originals put back. Yields the inputs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    fake: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (the tensor, kept alive; its fake)
+
+    def on_device(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in fake:  # one tensor, one fake: a tied weight stays tied
+            fake[id(t)] = (t, mode.fake_tensor_converter.from_meta_and_device(mode, t.detach().to("meta"), device))
+        return fake[id(t)][1]
+
+    saved, params = [], {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                saved.append((module._parameters, name, p))
+                if id(p) not in params:  # a tied parameter: one fake Parameter for every name of it
+                    params[id(p)] = torch.nn.Parameter(on_device(p), requires_grad=p.requires_grad)
+                module._parameters[name] = params[id(p)]
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                saved.append((module._buffers, name, b))
+                module._buffers[name] = on_device(b)
+    try:
+        yield torch.utils._pytree.tree_map_only(torch.Tensor, on_device, inputs)
+    finally:
+        for table, name, value in saved:
+            table[name] = value
 
 
 @contextlib.contextmanager

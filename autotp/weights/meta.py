@@ -62,6 +62,8 @@ def unfillable_state(model: nn.Module, constants: dict) -> list[str]:
     buffers = dict(model.named_buffers())
     out = [f"buffer {name} (not saved in checkpoints)" for name, buf in buffers.items()
            if buf.is_meta and name not in persistent]
+    from torch._subclasses.fake_tensor import FakeTensor  # a trace on a fake device: no values either
+
     out += [f"constant {name} (made in forward)" for name, c in constants.items()
-            if isinstance(c, torch.Tensor) and c.is_meta and name not in buffers]  # a buffer's: checked above
+            if isinstance(c, torch.Tensor) and (c.is_meta or isinstance(c, FakeTensor)) and name not in buffers]
     return out

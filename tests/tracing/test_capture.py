@@ -324,3 +324,29 @@ def test_a_tensor_given_twice_is_traced_as_two_inputs():
     program = graph.exported.module()
     other = torch.randn(2, 4)
     assert torch.equal(program(t, other), Difference()(t, other))
+
+
+def test_a_model_on_meta_is_traced_for_the_device_it_will_run_on():
+    """Code that branches on its tensors' device (Hugging Face's expert counts: a float histc on CPU,
+    an integer one elsewhere) takes, traced on meta with ``device="cpu"``, the branch a CPU run
+    takes; traced on meta alone, the other one, which a CPU run refuses."""
+
+    class Counts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(4, 4))
+
+        def forward(self, x):
+            ids = (x @ self.w).argmax(-1)
+            ids = ids.float() if ids.device.type == "cpu" else ids.int()
+            return torch.histc(ids, bins=4, min=0, max=3)
+
+    with torch.device("meta"):
+        model = Counts()
+    x = torch.randn(8, 4, device="meta")
+    on_cpu = autotp.capture(model, (x,), device="cpu")
+    on_meta = autotp.capture(model, (x,))
+    kinds = {g: [n.outputs[0].dtype for n in graph.nodes if n.target == "aten.histc.default"] for g, graph in
+             (("cpu", on_cpu), ("meta", on_meta))}
+    assert kinds == {"cpu": ["float32"], "meta": ["int32"]}, kinds
+    assert all(p.is_meta for p in model.parameters()) and type(model.w) is torch.nn.Parameter  # put back
