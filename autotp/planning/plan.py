@@ -28,7 +28,7 @@ from autotp.planning.explain import ExplainContext, explain
 from autotp.planning.program import Collective
 from autotp.planning.report import render
 from autotp.tracing.dynamic import Divisibility, DynamicDim
-from autotp.tracing.graph import INPUT, OpGraph, PARAMETER
+from autotp.tracing.graph import BUFFER, INPUT, OpGraph, PARAMETER
 
 __all__ = ["Plan", "PlannedInput", "PredictedTime", "MemoryPerDevice", "SolveStats", "ModuleChoice", "load_plan"]
 
@@ -199,6 +199,15 @@ class Plan:
         """Why ``module`` is split as it is: each placement its largest weight could have, with the step
         time, collectives and memory of the best plan that stores it so (:mod:`autotp.planning.explain`)."""
         return explain(self, module)
+
+    def storage_pins(self, graph: OpGraph) -> dict[str, str]:
+        """What a later plan of another graph of the model must store where this plan does (``keep``
+        of :func:`autotp.planning.planner.plan_graph`): every parameter, and every buffer of ``graph``
+        that may be stored split, as this plan stores it (whole where it does not split it)."""
+        whole = "R" * self.mesh.ndim
+        return {**self.parameter_placements,
+                **{n.param_fqn: self.buffer_placements.get(n.param_fqn, whole) for n in graph.nodes
+                   if n.role == BUFFER and not n.persistent}}
 
     # -- persistence ---------------------------------------------------------------------------
 

@@ -86,14 +86,14 @@ def _apply_pins(graph: OpGraph, spec: MeshSpec, rep: Mapping[str, str], strat_re
     if not pin:
         return
     wanted: dict[str, tuple] = {}
+    buffers = {n.param_fqn: n.name for n in graph.nodes if n.role == BUFFER}  # a cache may be pinned too
     for fqn, text in pin.items():
         try:
             node_name = graph.parameter(fqn).node
         except KeyError:
-            buffers = [n.name for n in graph.nodes if n.role == BUFFER and n.param_fqn == fqn]
-            if not buffers:
+            if fqn not in buffers:
                 raise ValueError(f"pin: the model has no parameter {fqn!r}") from None
-            node_name = buffers[0]
+            node_name = buffers[fqn]
         try:
             placements = parse_placements(text)
         except ValueError as err:

@@ -24,15 +24,15 @@ import copy
 import inspect
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.fx
 from torch import nn
 
 from autotp.mesh import MeshSpec
-from autotp.placement import local_shape
 from autotp.runtime.agreement import agreed_plan, dropout_seed, from_first_rank
+from autotp.runtime.state import buffer_piece, build_graph, put
 from autotp.tracing.export import capture
 from autotp.tracing.graph import BUFFER
 
@@ -71,9 +71,11 @@ class GenerateOptions:
             raise TypeError(f"generate() got {', '.join(unknown)}, which autotp's generate does not take; it takes "
                             f"{', '.join(sorted(known | {'input_ids', 'attention_mask', 'max_cache_len', 'generator'}))}")
 
-        def pick(name: str, default: Any) -> Any:
-            value = given.get(name)
-            return value if value is not None else getattr(config, name, None) if getattr(config, name, None) is not None else default
+        def pick(name: str, default: Any) -> Any:  # given, else the generation config's, else the default
+            for value in (given.get(name), getattr(config, name, None)):
+                if value is not None:
+                    return value
+            return default
 
         new = given.get("max_new_tokens")
         if new is None:
@@ -161,10 +163,7 @@ class CacheGraphs:
     """The prompt's graph and the one-token graph of one batch size and cache length, over a parallel
     module's state, with its pieces of the caches (module docstring)."""
 
-    def __init__(self, module: nn.Module, switch: Any, batch: int, max_cache_len: int, prompt_len: int,
-                 build_graph: Callable[..., torch.fx.Graph], set_buffer: Callable[..., None]) -> None:
-        """``build_graph`` and ``set_buffer``: the parallel module's own (:mod:`autotp.runtime.module`,
-        which imports this module)."""
+    def __init__(self, module: nn.Module, switch: Any, batch: int, max_cache_len: int, prompt_len: int) -> None:
         if switch is None or switch.skeleton is None or not hasattr(switch.skeleton, "config"):
             raise NotImplementedError("generate() runs a Hugging Face causal language model parallelized by "
                                       "autotp.parallelize; for a model with a cache of its own, call the "
@@ -174,39 +173,35 @@ class CacheGraphs:
         spec = MeshSpec.of(switch.mesh)
         first = module.plan
         self.graphs, self.plans = {}, {}
-        pins = dict(first.parameter_placements)
         length = max(prompt_len, 2)  # the prompt's graph holds every length from 2 (a length of 1 is the other)
+        pins = dict(first.parameter_placements)  # the prompt's: the weights as stored, the caches free
         for kind, n in (("prompt", length), ("token", 1)):
             ids = torch.zeros(batch, n, dtype=torch.int64, device="meta")
             mask = torch.ones(batch, max_cache_len, dtype=torch.int64, device="meta")  # over the whole cache
-            dims = {"input_ids": (1,), "cache_position": (0,), "position_ids": (1,)} if n > 1 else False
             positions = torch.zeros(batch, n, dtype=torch.int64, device="meta")  # not ids: one tensor twice is one input
+            dims = {"input_ids": (1,), "cache_position": (0,), "position_ids": (1,)} if n > 1 else False
             graph = capture(model, (ids, torch.arange(n, device="meta"), mask, positions), dynamic_dims=dims,
                             training=False, device=switch.mesh.device_type)
+            if kind == "token":  # the caches too where the prompt's plan stores them
+                pins = self.plans["prompt"].storage_pins(graph)
             # the weights stay as stored; the caches must fit the device (parallelize's budget was the model's)
             plan = agreed_plan(graph, spec, switch.mesh, first.hardware, "inference", None, 0.0,
                                first.optimizer, None, keep=pins, hardware_source=first.hardware_source)
             if kind == "prompt":
-                self._allocate(module, graph, plan, switch.mesh, set_buffer)
-                whole = "R" * spec.ndim
-                pins = {**pins, **{n.param_fqn: plan.buffer_placements.get(n.param_fqn, whole) for n in graph.nodes
-                                   if n.role == BUFFER and not n.persistent}}
+                self._allocate(module, graph, plan, switch.mesh)
             fx_graph = build_graph(graph, plan, switch.mesh, module, dropout_seed(switch.mesh, graph),
                                    prefix=f"generate_{batch}x{max_cache_len}_{kind}_")
             self.graphs[kind] = torch.fx.GraphModule(module, fx_graph, class_name="AutotpGenerateGraph")
             self.plans[kind] = plan
 
     @staticmethod
-    def _allocate(module: nn.Module, graph: Any, plan: Any, mesh: Any, set_buffer: Callable[..., None]) -> None:
+    def _allocate(module: nn.Module, graph: Any, plan: Any, mesh: Any) -> None:
         """This rank's piece of each cache tensor, zeroed, as a non-persistent buffer of ``module``."""
-        mesh_shape, coordinate = tuple(int(n) for n in mesh.mesh.shape), mesh.get_coordinate()
-        device = torch.device(mesh.device_type)
         for node in graph.nodes:
             if node.role == BUFFER and node.param_fqn.startswith(CACHE_PREFIX):
-                info = node.output
-                shape = local_shape(info.shape, plan.strategy(node.name).output, mesh_shape, coordinate)
-                set_buffer(module, node.param_fqn, torch.zeros(shape, dtype=getattr(torch, info.dtype), device=device), "buffer",
-                     persistent=False)
+                piece = buffer_piece(node.output.shape, getattr(torch, node.output.dtype), plan.strategy(node.name).output,
+                                     mesh)
+                put(module, node.param_fqn, piece.zero_(), "buffer", persistent=False)
 
     def cache_bytes(self) -> int:
         """Bytes of cache this rank holds."""
@@ -233,8 +228,9 @@ def generate(module: nn.Module, input_ids: torch.Tensor, attention_mask: Optiona
     config = getattr(module, "generation_config", None)
     opts = GenerateOptions.of(config, length, **options)
     model_config = getattr(module, "config", None)
-    limit = max_cache_len or getattr(getattr(config, "cache_config", None) or {}, "get", lambda *_: None)(
-        "max_cache_len") or getattr(model_config, "max_position_embeddings", None)
+    cache_config = getattr(config, "cache_config", None) or {}
+    limit = (max_cache_len or (cache_config.get("max_cache_len") if isinstance(cache_config, dict) else None)
+             or getattr(model_config, "max_position_embeddings", None))
     if limit is None:
         raise ValueError("generate() needs max_cache_len: the model's config gives no max_position_embeddings")
     if length + opts.max_new_tokens > limit:

@@ -31,15 +31,14 @@ import torch.fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from autotp.placement import Placement, local_shape
 from autotp.planning.plan import Plan
 from autotp.runtime.agreement import agreed_plan, dropout_seed
 from autotp.runtime.guard import SizeNotTraced
-from autotp.runtime.rewrite import GraphRewrite, constant_name
-from autotp.runtime.shards import as_dtensor, local_shard
-from autotp.tracing.graph import BUFFER, OpGraph
+from autotp.runtime.rewrite import GraphRewrite
+from autotp.runtime.state import build_graph, put, register_state
+from autotp.tracing.graph import OpGraph
 
-__all__ = ["ParallelModule", "ModeSwitch", "build_parallel_module", "build_graph", "register_state", "meta_copy",
+__all__ = ["ParallelModule", "ModeSwitch", "build_parallel_module", "meta_copy",
            "op_signature"]
 
 
@@ -104,11 +103,7 @@ class ModeSwitch:
         if ops == module.autotp_ops and example_inputs is None:
             plan = first
         else:
-            # every weight and every buffer that may be split stays where it is stored
-            whole = "R" * spec.ndim
-            pins = {**first.parameter_placements,
-                    **{n.param_fqn: first.buffer_placements.get(n.param_fqn, whole) for n in graph.nodes
-                       if n.role == BUFFER and not n.persistent}}
+            pins = first.storage_pins(graph)  # every weight and buffer stays where it is stored
             # the first plan's mode, not the new one's: a train plan's graph in eval mode may still run a
             # backward (fine-tuning with dropout off), and only a train plan reduces its gradients
             plan = agreed_plan(graph, spec, self.mesh, first.hardware, first.mode, self.memory_budget, 0.0,
@@ -191,15 +186,16 @@ class ParallelModule(torch.fx.GraphModule):
                                 f"{', '.join(unknown)}, which the trace did not see and the plan does not cover; give "
                                 f"them to autotp.parallelize in the example inputs, e.g. example_inputs="
                                 f"{{{', '.join(repr(n) + ': ...' for n in [*inputs, *unknown])}}}")
-        key = (self.graph_training, _shape_key(args, kwargs))
-        variant = self._autotp_variants.get(key)
-        if variant is not None:
-            return variant[0](*args, **kwargs)
+        if self._autotp_variants:  # the call's shapes read only once a graph for other sizes exists
+            variant = self._autotp_variants.get((self.graph_training, _shape_key(args, kwargs)))
+            if variant is not None:
+                return variant[0](*args, **kwargs)
         try:
             return super().__call__(*args, **kwargs)
         except SizeNotTraced:  # raised by the input check, before anything ran
             if self._autotp_switch is None:
                 raise
+        key = (self.graph_training, _shape_key(args, kwargs))
         # every rank is given the same inputs, so every rank comes here at the same call
         prefix = f"{_mode(self.graph_training)}_{len(self._autotp_variants) + 1}_"
         example = self._autotp_switch.example_of(args, kwargs)
@@ -228,7 +224,7 @@ class ParallelModule(torch.fx.GraphModule):
         self._autotp_generation = graphs
         key = (batch, max_cache_len)
         if key not in graphs:
-            graphs[key] = CacheGraphs(self, self._autotp_switch, batch, max_cache_len, prompt_len, build_graph, _set)
+            graphs[key] = CacheGraphs(self, self._autotp_switch, batch, max_cache_len, prompt_len)
         return graphs[key]
 
     @property
@@ -279,74 +275,10 @@ class ParallelModule(torch.fx.GraphModule):
 
 # -- building ----------------------------------------------------------------------------------------
 
-def _set(root: nn.Module, fqn: str, value: Any, kind: str, persistent: bool = True) -> None:
-    *path, leaf = fqn.split(".")
-    mod = root
-    for part in path:
-        if not hasattr(mod, part):
-            mod.add_module(part, nn.Module())
-        mod = getattr(mod, part)
-    if kind == "parameter":
-        mod.register_parameter(leaf, value)
-    else:
-        if leaf in mod._buffers:
-            del mod._buffers[leaf]
-            mod._non_persistent_buffers_set.discard(leaf)
-        mod.register_buffer(leaf, value, persistent=persistent)
-
-
-def register_state(root: nn.Module, graph: OpGraph, plan: Plan, mesh: DeviceMesh,
-                   model: nn.Module) -> dict[str, tuple[Placement, ...]]:
-    """This rank's state on ``root``: parameters as DTensors of its shard, buffers and constants as
-    they are, each a copy (the module owns its tensors: training it leaves ``model`` as it was). A
-    parameter on the meta device gets an uninitialized shard of its local shape on the mesh's device
-    (never its full size); a buffer on meta an uninitialized tensor (``autotp.load_weights`` fills
-    both). Returns autotp's placements of every parameter name (tied names too)."""
-    mesh_shape, coordinate = tuple(int(n) for n in mesh.mesh.shape), mesh.get_coordinate()
-    params = dict(model.named_parameters(remove_duplicate=False))
-    device = torch.device(mesh.device_type)
-    placements_of: dict[str, tuple[Placement, ...]] = {}
-    for p in graph.parameters:
-        full = params[p.fqn].detach()
-        placements = plan.strategy(p.node).output
-        if full.is_meta:
-            local = torch.empty(local_shape(full.shape, placements, mesh_shape, coordinate), dtype=full.dtype,
-                                device=device)
-        else:
-            local = local_shard(full, placements, coordinate, mesh_shape)
-            if local.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
-                local = local.clone()  # a replicated parameter would be the model's own tensor
-        param = nn.Parameter(as_dtensor(local, mesh, placements, full.shape), requires_grad=params[p.fqn].requires_grad)
-        param._autotp_placements = placements  # type: ignore[attr-defined]
-        for name in (p.fqn, *p.aliases):
-            placements_of[name] = placements
-            _set(root, name, param, "parameter")
-    persistent = set(model.state_dict().keys())
-    buffers = dict(model.named_buffers())
-    split = {n.param_fqn: plan.strategy(n.name).output for n in graph.nodes
-             if n.role == BUFFER and any(p.kind != "R" for p in plan.strategy(n.name).output)}
-    for name, buf in buffers.items():
-        if name in split:  # this rank's piece only (a KV cache: the heads its attention reads)
-            shape = local_shape(buf.shape, split[name], mesh_shape, coordinate)
-            value = (torch.empty(shape, dtype=buf.dtype, device=device) if buf.is_meta
-                     else local_shard(buf.detach(), split[name], coordinate, mesh_shape).to(device).clone())
-        else:
-            value = torch.empty_like(buf, device=device) if buf.is_meta else buf.detach().to(device).clone()
-        _set(root, name, value, "buffer", persistent=name in persistent)
-    read_as_buffers = {n.param_fqn for n in graph.nodes if n.role == BUFFER}
-    for name, const in graph.exported.constants.items():
-        # export lists non-persistent buffers among its constants too: the graph reads those as buffers
-        if isinstance(const, torch.Tensor) and name not in read_as_buffers:
-            # export lifts non-persistent buffers as constants; a model traced on meta has them real
-            value = buffers[name] if _no_values(const) and name in buffers else const
-            _set(root, constant_name(name), value.detach().to(device).clone(), "buffer", persistent=False)
-    return placements_of
-
-
 def build_parallel_module(graph: OpGraph, plan: Plan, mesh: DeviceMesh, model: nn.Module,
                           seed: int | None = None, switch: ModeSwitch | None = None,
                           check_inputs: int | None = 0) -> ParallelModule:
-    """The parallel module of this rank: its state (:func:`register_state`) and the graph of
+    """The parallel module of this rank: its state (:func:`autotp.runtime.state.register_state`) and the graph of
     :class:`autotp.runtime.rewrite.GraphRewrite`. ``seed``: the base seed of the dropout masks
     (:mod:`autotp.runtime.dropout`), equal on every rank; default ``torch.initial_seed()``. ``switch``: how to
     make the graph of the model's other mode when ``train()``/``eval()`` asks for it; without it the
@@ -362,54 +294,13 @@ def build_parallel_module(graph: OpGraph, plan: Plan, mesh: DeviceMesh, model: n
     present = set(dict(gm.named_parameters(remove_duplicate=False))) | set(dict(gm.named_buffers()))
     for name, param in root.named_parameters(remove_duplicate=False):
         if name not in present:
-            _set(gm, name, param, "parameter")
+            put(gm, name, param, "parameter")
     persistent = set(model.state_dict().keys())
     for name, buf in root.named_buffers():
         # GraphModule re-registers the buffers it reads as persistent: restore the model's choice
-        _set(gm, name, buf, "buffer", persistent=name in persistent)
+        put(gm, name, buf, "buffer", persistent=name in persistent)
     # by name on the module, where they outlive .to() and .half() (which make new parameters)
     gm.autotp_placements = placements  # type: ignore[assignment]
     rewrite.finish(gm)
     gm._autotp_init(graph, plan, switch, check_inputs)
     return gm
-
-
-def build_graph(graph: OpGraph, plan: Plan, mesh: DeviceMesh, module: ParallelModule, seed: int | None = None,
-                prefix: str = "") -> torch.fx.Graph:
-    """The graph of ``graph`` (another mode of ``module``'s model) over ``module``'s parameters and
-    buffers, its own submodules added to ``module`` under names that start with ``prefix``."""
-    read_as_buffers = {n.param_fqn for n in graph.nodes if n.role == BUFFER}
-    for name, const in graph.exported.constants.items():
-        target = constant_name(name)
-        if isinstance(const, torch.Tensor) and name not in read_as_buffers and not _has_buffer(module, target):
-            if _no_values(const):
-                raise NotImplementedError(f"the model in this mode reads the constant {name}, which it did not read "
-                                          f"when it was parallelized; parallelize it in this mode")
-            _set(module, target, const.detach().to(torch.device(mesh.device_type)).clone(), "buffer",
-                 persistent=False)
-    rewrite = GraphRewrite(graph, plan, mesh, module, seed, prefix=prefix, check_inputs=module.autotp_check_inputs)
-    rewrite.emit()
-    gm = rewrite.finish(torch.fx.GraphModule(module, rewrite.fx))  # over the module's state, for a while
-    # the recomputed layers' modules go to the module; the ones moved into them leave it
-    for name in rewrite.added:
-        if not hasattr(gm, name):
-            delattr(module, name)
-    for name, child in gm.named_children():
-        if not hasattr(module, name):
-            module.add_module(name, child)
-    return gm.graph
-
-
-def _no_values(t: torch.Tensor) -> bool:
-    """A tensor with no values: on meta, or a fake one (a trace on a fake device)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return t.is_meta or isinstance(t, FakeTensor)
-
-
-def _has_buffer(module: nn.Module, target: str) -> bool:
-    try:
-        module.get_buffer(target)
-        return True
-    except AttributeError:
-        return False

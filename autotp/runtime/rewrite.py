@@ -53,7 +53,7 @@ def constant_name(name: str) -> str:
 
 class GraphRewrite:
     """The graph of one rank, emitted over ``root``: a module that already holds the parameters,
-    buffers and constants under their names (:func:`autotp.runtime.module.register_state`). The submodules
+    buffers and constants under their names (:func:`autotp.runtime.state.register_state`). The submodules
     the graph calls (collectives, dropout, the input guard, recomputed layers) are added to ``root``
     under names that start with ``prefix`` (another mode's graph of the same module names its own).
     ``check_inputs``: how many calls compare the inputs across the ranks (None: every call).

@@ -6,6 +6,7 @@ path, and which placeholder is which parameter. It refuses, by name, what no pla
 It imports nothing from the later stages.
 
 - ``export``     ``capture(model, inputs)``: export, inline, describe; ``CaptureError``
+- ``inputs``     what the trace is given: the example inputs, the model's mode, its device
 - ``graph``      ``OpGraph``, ``OpNode``, ``TensorInfo``: the graph as data
 - ``arguments``  an op's arguments by schema name (``OpArgs``, ``TensorArg``, ``SizeArg``)
 - ``dynamic``    dynamic dims: the input sizes a graph accepts, and what a plan requires of them

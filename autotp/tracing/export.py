@@ -32,52 +32,16 @@ from autotp import ops
 from autotp.tracing.arguments import _node_outputs, map_tensor_arguments, op_args, tensor_arguments
 from autotp.tracing.dynamic import DynamicDim, export_spec, size_expression, size_hint
 from autotp.tracing.graph import BUFFER, CONSTANT, INPUT, OP, PARAMETER, OpGraph, OpNode, ParameterInfo, TensorInfo
+from autotp.tracing.inputs import (buffers_on_meta, cache_off, check_devices, distinct, in_mode, meta_parameters,
+                                   normalize_inputs, on_fake_device)
 from autotp.tracing.refusals import (CaptureError, check_data_dependent_sizes, check_higher_order_ops, check_operand_dtypes,
                              check_parameter_writes, check_written_arguments, module_info)
 from autotp.tracing.regions import RegionError, inline_regions
 
-__all__ = ["capture", "CaptureError", "normalize_inputs", "concrete", "op_args", "map_tensor_arguments",
+__all__ = ["capture", "CaptureError", "concrete", "op_args", "map_tensor_arguments",
            "tensor_arguments"]
 
 aten = torch.ops.aten
-
-def normalize_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Turn the user's example inputs into ``(args, kwargs)`` or raise a clear ``TypeError``.
-
-    Accepted: a tensor, a tuple or list of tensors (and plain Python scalars / None), or a dict of
-    keyword arguments.
-    """
-    if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,), {}
-    if isinstance(example_inputs, dict):
-        if not all(isinstance(k, str) for k in example_inputs):
-            raise TypeError("example_inputs: a dict must map argument names (str) to values")
-        return (), dict(example_inputs)
-    if isinstance(example_inputs, (tuple, list)):
-        for i, x in enumerate(example_inputs):
-            if not isinstance(x, (torch.Tensor, int, float, bool, type(None))):
-                raise TypeError(
-                    f"example_inputs[{i}] is a {type(x).__name__}; expected a torch.Tensor "
-                    "(or an int/float/bool/None)"
-                )
-        return tuple(example_inputs), {}
-    raise TypeError(
-        f"example_inputs is a {type(example_inputs).__name__}; expected a tuple of tensors "
-        "(the positional arguments of model.forward), a single tensor, or a dict of keyword arguments"
-    )
-
-
-def _check_devices(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    model_devices = {p.device.type for p in model.parameters()} | {b.device.type for b in model.buffers()}
-    input_devices = {x.device.type for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)}
-    if len(model_devices) > 1:
-        raise CaptureError(f"the model's parameters and buffers are spread over devices {sorted(model_devices)}; "
-                           "put the whole model on one device (or on 'meta' for planning only)")
-    if model_devices and input_devices and model_devices != input_devices:
-        raise CaptureError(
-            f"the model is on {sorted(model_devices)[0]!r} but the example inputs are on {sorted(input_devices)}; "
-            "put the example inputs on the model's device (for a model on 'meta', build inputs with device='meta')"
-        )
 
 
 def _explain_export_failure(err: BaseException) -> str:
@@ -195,119 +159,17 @@ def capture(model: torch.nn.Module, example_inputs: Any, dynamic_dims: Any = Fal
     if training is not None and any(m.training != training for m in model.modules()):
         with in_mode(model, training):
             return capture(model, example_inputs, dynamic_dims, device=device)
-    args, kwargs = _distinct(*normalize_inputs(example_inputs))
+    args, kwargs = distinct(*normalize_inputs(example_inputs))
     spec = export_spec(model, args, kwargs, dynamic_dims)
-    with _EXPORT_LOCK, _cache_off(model, kwargs):
-        if _meta_parameters(model):
+    with _EXPORT_LOCK, cache_off(model, kwargs):
+        if meta_parameters(model):
             args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
             if device is not None and torch.device(device).type != "meta":
-                with _on_fake_device(model, torch.device(device), (args, kwargs)) as (args, kwargs):
+                with on_fake_device(model, torch.device(device), (args, kwargs)) as (args, kwargs):
                     return _capture(model, args, kwargs, spec, dynamic_dims is None)
-            with _buffers_on_meta(model):
+            with buffers_on_meta(model):
                 return _capture(model, args, kwargs, spec, dynamic_dims is None)
         return _capture(model, args, kwargs, spec, dynamic_dims is None)
-
-
-def _distinct(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The example inputs with a tensor given twice (``{"input_ids": ids, "labels": ids}``) given as a
-    copy the second time. ``torch.export`` traces one tensor given twice as one input: every use of
-    either would read the same placeholder, and the module, called later with two different tensors,
-    would silently compute with one of them for both."""
-    seen: set[int] = set()
-
-    def once(x: Any) -> Any:
-        if id(x) in seen:
-            return x.clone()
-        seen.add(id(x))
-        return x
-
-    return torch.utils._pytree.tree_map_only(torch.Tensor, once, (args, kwargs))
-
-
-@contextlib.contextmanager
-def _cache_off(model: torch.nn.Module, kwargs: dict) -> Iterator[None]:
-    """A model whose config asks for a KV cache (a Hugging Face model's ``config.use_cache``, True by
-    default) is traced with it off, unless the inputs say otherwise: a cache object cannot be traced,
-    and the forward with a cache is a graph of its own (``ParallelModule.generate``,
-    :mod:`autotp.runtime.generation`). The config is put back as it was."""
-    config = getattr(model, "config", None)
-    if "use_cache" in kwargs or getattr(config, "use_cache", None) is not True:
-        yield
-        return
-    config.use_cache = False
-    try:
-        yield
-    finally:
-        config.use_cache = True
-
-
-@contextlib.contextmanager
-def in_mode(model: torch.nn.Module, training: bool) -> Iterator[None]:
-    """``model`` in train or eval mode for the block; every submodule's own flag restored after (a
-    model the user left half in eval, a frozen norm, stays as it was)."""
-    flags = [(m, m.training) for m in model.modules()]
-    model.train(training)
-    try:
-        yield
-    finally:
-        for m, flag in flags:
-            m.training = flag
-
-
-def _meta_parameters(model: torch.nn.Module) -> bool:
-    """Parameters all on meta (a model built under ``autotp.meta_init``, or wholly on meta)."""
-    params = list(model.parameters())
-    return bool(params) and all(p.is_meta for p in params)
-
-
-@contextlib.contextmanager
-def _on_fake_device(model: torch.nn.Module, device: torch.device, inputs: Any) -> Iterator[Any]:
-    """The (meta) model's parameters and buffers, and the (meta) inputs, as fake tensors that say
-    ``device``, while it is traced; the originals put back. Yields the inputs."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
-    fake: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (the tensor, kept alive; its fake)
-
-    def on_device(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in fake:  # one tensor, one fake: a tied weight stays tied
-            fake[id(t)] = (t, mode.fake_tensor_converter.from_meta_and_device(mode, t.detach().to("meta"), device))
-        return fake[id(t)][1]
-
-    saved, params = [], {}
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is not None:
-                saved.append((module._parameters, name, p))
-                if id(p) not in params:  # a tied parameter: one fake Parameter for every name of it
-                    params[id(p)] = torch.nn.Parameter(on_device(p), requires_grad=p.requires_grad)
-                module._parameters[name] = params[id(p)]
-        for name, b in list(module._buffers.items()):
-            if b is not None:
-                saved.append((module._buffers, name, b))
-                module._buffers[name] = on_device(b)
-    try:
-        yield torch.utils._pytree.tree_map_only(torch.Tensor, on_device, inputs)
-    finally:
-        for table, name, value in saved:
-            table[name] = value
-
-
-@contextlib.contextmanager
-def _buffers_on_meta(model: torch.nn.Module) -> Iterator[None]:
-    """The model's buffers swapped for meta copies while it is traced; the originals put back."""
-    saved = []
-    for module in model.modules():
-        for name, buf in list(module._buffers.items()):
-            if buf is not None and not buf.is_meta:
-                saved.append((module, name, buf))
-                module._buffers[name] = buf.to("meta")
-    try:
-        yield
-    finally:
-        for module, name, buf in saved:
-            module._buffers[name] = buf
 
 
 @contextlib.contextmanager
@@ -323,7 +185,7 @@ def _quiet_fake_tensor_errors() -> Iterator[None]:
 
 
 def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, spec: Any = None, fall_back: bool = False) -> OpGraph:
-    _check_devices(model, args, kwargs)
+    check_devices(model, args, kwargs)
     # Stack traces on every traced node cost about a third of export's time on a large model and
     # autotp never reads them; errors still carry the user's own traceback.
     try:
