@@ -77,6 +77,15 @@ def _mesh(world: int):
     return init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
 
 
+class _Masked(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x, mask):
+        return self.inner(x) * mask
+
+
 def _one_rank_cases(rank, world):
     """Every refusal that a one-rank mesh can show."""
     mesh = _mesh(world)
@@ -147,6 +156,10 @@ def _one_rank_outcomes(mesh):
     out["call_unknown_keyword"] = _attempt(
         mesh, gpt2, lambda: gpt2_pm(gpt2_ids, attention_mask=torch.ones_like(gpt2_ids)))
     out["config"] = (gpt2_pm.config.to_dict() == gpt2.config.to_dict(), gpt2_pm.config is gpt2.config)
+    masked = torch.nn.Linear(8, 8)  # traced with two inputs, called with one of them
+    masked_pm = autotp.parallelize(_Masked(masked), mesh, {"x": torch.randn(4, 8), "mask": torch.ones(4, 8)},
+                                   hardware="cpu-gloo")
+    out["call_missing_input"] = _attempt(mesh, masked, lambda: masked_pm(torch.randn(4, 8)))
 
     # a plan made in one mode: an inference plan asked to train is refused; a train plan given a model
     # in eval mode builds the graph it was made for and switches to eval, as model.eval() would
@@ -238,6 +251,13 @@ def test_a_keyword_the_trace_did_not_see_says_how_to_give_it(one_rank):
     _assert_refused(one_rank["call_unknown_keyword"], "TypeError", "traced with the inputs (input_ids)",
                     "attention_mask", "example_inputs={'input_ids': ..., 'attention_mask': ...}")
     assert one_rank["config"] == (True, False)
+
+
+def test_an_input_the_trace_had_and_the_call_lacks_says_so(one_rank):
+    """A module traced with ``(x, mask)`` called with ``x`` alone was Python's bare "missing 1 required
+    positional argument"; the message names the inputs, the one missing and the two ways out."""
+    _assert_refused(one_rank["call_missing_input"], "TypeError", "traced with the inputs (x, mask)",
+                    "mask not given", "parallelize with example inputs without it")
 
 
 def test_a_rank_outside_the_mesh_is_refused_naming_it():
