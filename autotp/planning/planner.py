@@ -24,7 +24,7 @@ from autotp.planning.program import Collective, LocalCopy, program
 from autotp.planning.recompute import check_recompute, layer_chains, recompute_saved_bytes, recomputed_nodes
 from autotp.planning.rules.gradients import partial_gradient_variants
 from autotp.planning.solver import solve
-from autotp.planning.strategies import all_strategies
+from autotp.planning.strategies import all_strategies, stored_strategy
 from autotp.planning.tying import tie
 from autotp.tracing.dynamic import requirements
 from autotp.tracing.export import capture
@@ -79,6 +79,14 @@ def hardware_origin(hardware: Any) -> str:
     return f"profile file {str(hardware)!r}, given"
 
 
+def _pinned_nodes(graph: OpGraph, pins: Mapping[str, str]) -> dict[str, str]:
+    """The pins by the name of the node of the parameter or buffer they pin (names the graph lacks
+    are left to :func:`_apply_pins`, which says so)."""
+    nodes = {p.fqn: p.node for p in graph.parameters}
+    nodes.update({n.param_fqn: n.name for n in graph.nodes if n.role == BUFFER})
+    return {nodes[fqn]: text for fqn, text in pins.items() if fqn in nodes}
+
+
 def _apply_pins(graph: OpGraph, spec: MeshSpec, rep: Mapping[str, str], strat_rep: dict[str, list],
                 pin: Optional[Mapping[str, str]], readers: bool = True) -> None:
     """Keep only the strategies that give each pinned parameter its pinned placements, and, with
@@ -108,6 +116,9 @@ def _apply_pins(graph: OpGraph, spec: MeshSpec, rep: Mapping[str, str], strat_re
         wanted[node] = placements
     for node, placements in wanted.items():
         kept = [s for s in strat_rep[node] if s.output == placements]
+        stored = None if kept or readers else stored_strategy(graph[node], placements, spec.shape)
+        if stored is not None:  # a cache an earlier graph wrote split, which this one only reads
+            kept = [stored]
         if not kept:
             options = ", ".join(sorted({format_placements(s.output) for s in strat_rep[node]}))
             raise ValueError(f"pin: {format_placements(placements)} is not a placement of {graph[node].param_fqn} "
@@ -162,7 +173,7 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
         budget = float(profile.device.memory_bytes)
 
     t0 = time.perf_counter()
-    rep, chain_paths = tie(graph)
+    rep, chain_paths = tie(graph, _pinned_nodes(graph, keep or {}))  # weights stored apart stay apart
     reps = [n for n in graph.nodes if rep[n.name] == n.name]
     strat_rep = all_strategies(graph, spec.shape, reps)
     _apply_pins(graph, spec, rep, strat_rep, pin)

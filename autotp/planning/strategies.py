@@ -52,7 +52,7 @@ from autotp.planning.rules.views import SPLITS, dim_map, split_choices, view_cho
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AxisChoice", "axis_choices", "node_strategies", "all_strategies"]
+__all__ = ["AxisChoice", "axis_choices", "node_strategies", "all_strategies", "stored_strategy"]
 
 
 def _placeholder_choices(node: OpNode, n: int, graph: Optional[OpGraph] = None) -> list[AxisChoice]:
@@ -230,6 +230,16 @@ def node_strategies(graph: OpGraph, node: OpNode, mesh_shape: Sequence[int],
             seen.add(s)
             out.append(s)
     return out
+
+
+def stored_strategy(node: OpNode, placements: Sequence, mesh_shape: Sequence[int]) -> Optional[Strategy]:
+    """The strategy of a buffer outside the state dict that an earlier plan of the model stores as
+    ``placements`` (a cache its graph wrote, which this graph only reads): it stays as stored, and the
+    ops that read it take it from there. None where ``placements`` cannot hold the buffer's shape."""
+    if node.role != BUFFER or node.persistent:
+        return None
+    strategy = Strategy((), tuple(placements))
+    return strategy if _valid(node, strategy, mesh_shape) else None
 
 
 def all_strategies(graph: OpGraph, mesh_shape: Sequence[int], nodes: Optional[Iterable[OpNode]] = None

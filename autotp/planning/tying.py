@@ -29,7 +29,7 @@ then takes the strategy of node ``k`` of the first module of its chain.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Iterable
+from typing import Iterable, Mapping, Optional
 
 from autotp.tracing.graph import OP, PARAMETER, OpGraph
 
@@ -52,8 +52,9 @@ def _members(graph: OpGraph) -> tuple[dict[str, list[str]], dict[str, list[str]]
     return members, children, tops
 
 
-def _signature(graph: OpGraph, names: list[str]) -> tuple[tuple, list[str]]:
-    """A hashable description of a module's subgraph, and its private parameters in first-use order."""
+def _signature(graph: OpGraph, names: list[str], fixed: Mapping[str, str]) -> tuple[tuple, list[str]]:
+    """A hashable description of a module's subgraph, and its private parameters in first-use order
+    (with the placements ``fixed`` gives them: layers whose weights must stay apart are not alike)."""
     local = {n: i for i, n in enumerate(names)}
     inside = set(names)
     params: list[str] = []
@@ -67,7 +68,7 @@ def _signature(graph: OpGraph, names: list[str]) -> tuple[tuple, list[str]]:
             elif graph[src].role == PARAMETER and all(c in inside for c in graph.consumers(src)):
                 if src not in params:
                     params.append(src)
-                refs.append(("p", params.index(src), graph[src].output, graph[src].requires_grad))
+                refs.append(("p", params.index(src), graph[src].output, graph[src].requires_grad, fixed.get(src)))
             else:
                 refs.append(("e", graph[src].role))
         entries.append((node.target, node.args, node.input_infos, node.outputs, node.requires_grad,
@@ -138,7 +139,7 @@ def _chains(graph: OpGraph, members: dict[str, list[str]], group: list[tuple[str
 
 def find_repeats(graph: OpGraph) -> dict[str, str]:
     """Map every node name to the name of the node whose strategy it takes (itself when untied)."""
-    return _tie(graph)[0]
+    return _tie(graph, {})[0]
 
 
 def find_chains(graph: OpGraph) -> list[tuple[str, ...]]:
@@ -150,15 +151,17 @@ def find_chains(graph: OpGraph) -> list[tuple[str, ...]]:
     >>> find_chains(autotp.capture(m, (torch.randn(2, 8),)))
     [('1', '2')]
     """
-    return _tie(graph)[1]
+    return _tie(graph, {})[1]
 
 
-def tie(graph: OpGraph) -> tuple[dict[str, str], list[tuple[str, ...]]]:
-    """:func:`find_repeats` and :func:`find_chains` at once."""
-    return _tie(graph)
+def tie(graph: OpGraph, fixed: Optional[Mapping[str, str]] = None) -> tuple[dict[str, str], list[tuple[str, ...]]]:
+    """:func:`find_repeats` and :func:`find_chains` at once. ``fixed``: placements some parameter nodes
+    must keep (by node name, as text); layers whose kept placements differ are not tied (a graph planned
+    again over a module whose weights are stored by an earlier plan that gave its layers their own)."""
+    return _tie(graph, fixed or {})
 
 
-def _tie(graph: OpGraph) -> tuple[dict[str, str], list[tuple[str, ...]]]:
+def _tie(graph: OpGraph, fixed: Mapping[str, str]) -> tuple[dict[str, str], list[tuple[str, ...]]]:
     rep = {n.name: n.name for n in graph.nodes}
     chains_found: list[tuple[str, ...]] = []
     members, children, tops = _members(graph)
@@ -167,7 +170,7 @@ def _tie(graph: OpGraph) -> tuple[dict[str, str], list[tuple[str, ...]]]:
         groups: dict[tuple, list[tuple[str, list[str]]]] = {}
         order: list[tuple] = []
         for path in paths:
-            sig, params = _signature(graph, members[path])
+            sig, params = _signature(graph, members[path], fixed)
             if sig not in groups:
                 groups[sig] = []
                 order.append(sig)

@@ -12,9 +12,10 @@ import torch
 import autotp
 from autotp.mesh import MeshSpec
 from autotp.planning.costing import CostModel
+from autotp.planning.planner import plan_graph
 from autotp.planning.solver import solve
 from autotp.planning.strategies import all_strategies
-from autotp.planning.tying import find_repeats
+from autotp.planning.tying import find_repeats, tie
 from cost_models import load_profile
 
 from examples import models as M
@@ -76,6 +77,23 @@ def test_a_stack_with_its_residual_adds_in_the_parent_ties():
     for k in (1, 2, 3):
         for part in ("up", "down"):
             assert by_module.get(f"blocks.{k}.{part}") == f"blocks.0.{part}", by_module
+
+
+def test_layers_whose_weights_must_stay_apart_are_not_tied():
+    """A graph planned again over weights an earlier plan stored (``keep``) unties the layers whose
+    stored placements differ, and only those: the tied stack would force one placement on both."""
+    with torch.device("meta"):
+        model, x = _ParentResidual(), torch.randn(8, 32)
+    graph = autotp.capture(model, (x,))
+    node = {p.fqn: p.node for p in graph.parameters}
+    rep, _ = tie(graph, {node["blocks.2.up.weight"]: "S(1)"})
+    by_module = _by_module(graph, rep)
+    assert "blocks.2.up" not in by_module and "blocks.2.down" not in by_module, by_module
+    assert by_module.get("blocks.1.up") == "blocks.0.up" and by_module.get("blocks.1.down") == "blocks.0.down"
+    # the plan then stores each as kept, where one tied variable could not (ValueError before)
+    keep = {p.fqn: "S(0)" for p in graph.parameters if p.fqn.endswith("weight")} | {"blocks.2.up.weight": "S(1)"}
+    plan = plan_graph(graph, (2,), "h100-sxm", "inference", keep=keep)
+    assert {f: plan.parameter_placements[f] for f in keep} == keep
 
 
 def test_matching_siblings_in_different_places_stay_free():
