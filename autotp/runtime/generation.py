@@ -1,30 +1,33 @@
-"""Generation with a KV cache: ``ParallelModule.generate`` for Hugging Face causal language models.
+"""Generation with a KV cache: ``ParallelModule.generate`` for Hugging Face causal and encoder-decoder models.
 
-The parallel module's own graph is the model's forward without a cache. To generate, a copy of the
-model on the meta device gets a static cache (``transformers``' ``StaticCache``) of
-``max_cache_len`` positions for the prompts' batch, its key and value tensors registered as
-non-persistent buffers of the copy, and a forward that runs the tokens given at the cache positions
-given. Traced, that is a graph like any other whose caches are buffers written in place, and the
-planner stores each cache by the kv heads its attention reads (:mod:`autotp.planning.strategies`).
-Two graphs are traced and planned, on the first call for a batch size and cache length: the
-prompt's (any length of 2 or more) and one token's (``torch.export`` specializes a length of 1),
-both with every weight kept where it is stored, the second with the caches where the first put
-them. Each rank then holds its piece of each cache, zeroed, as a buffer of the parallel module.
+The parallel module's own graph is the model's forward without a cache. To generate, copies of the
+model on the meta device get a static cache of ``max_cache_len`` positions for the prompts' batch,
+its tensors registered as buffers of the copies (:mod:`autotp.runtime.static_cache`). Traced, each
+is a graph like any other whose caches are buffers written in place, and the planner stores each
+cache by the kv heads its attention reads (:mod:`autotp.planning.strategies`). On the first call
+for a batch size and cache length, :class:`CacheGraphs` traces and plans, every weight kept where it
+is stored:
 
-The loop is Hugging Face's: greedy, or sampling through ``transformers``' own temperature, top-k
-and top-p warpers from a generator seeded alike on every rank (the first rank's seed), so every rank
-picks the same token; prompts of different lengths come left-padded with their ``attention_mask``;
-a sequence that reaches an end token is padded after it, and the loop stops when every sequence
-has. What it does not do (beam search, assisted or speculative decoding) is refused by name.
+- a causal LM: the prompt's graph (any length of 2 or more) and one token's (``torch.export``
+  specializes a length of 1), the second with the caches where the first put them;
+- an encoder-decoder: the encoder's graph (any prompt length of 2 or more; it runs once per call),
+  the decoder's first step (it computes the cross-attention keys and values from the encoder's
+  states, padded to the cache's length, and stores them in the cross-attention cache) and a later
+  step's (it reads them), the last with the caches where the first step put them.
+
+Each rank then holds its piece of each cache, zeroed, as a buffer of the parallel module.
+
+The loop is Hugging Face's: the scores processed by ``transformers``' own processors from the
+model's ``generation_config`` and the call's choices (:mod:`autotp.runtime.generate_options`),
+then greedy, or sampled from a generator seeded alike on every rank (the first rank's seed), so
+every rank picks the same token; prompts of different lengths come padded with their
+``attention_mask`` (left-padded for a causal LM); a sequence that reaches an end token is padded
+after it, and the loop stops when every sequence has.
 """
 
 from __future__ import annotations
 
-import copy
-import inspect
-import types
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx
@@ -32,186 +35,112 @@ from torch import nn
 
 from autotp.mesh import MeshSpec
 from autotp.runtime.agreement import agreed_plan, dropout_seed, from_first_rank
+from autotp.runtime.generate_options import GenerateOptions
 from autotp.runtime.state import buffer_piece, build_graph, put
+from autotp.runtime.static_cache import CACHE_PREFIX, with_encoder_decoder_cache, with_static_cache
 from autotp.tracing.export import capture
 from autotp.tracing.graph import BUFFER
 
-__all__ = ["CacheGraphs", "GenerateOptions", "generate"]
-
-CACHE_PREFIX = "autotp_kv_"  # the cache buffers' names on the parallel module: autotp_kv_{layer}_{keys,values,...}
-
-# generate() arguments autotp takes, and the values of Hugging Face's others that ask for nothing more
-_PLAIN = {"num_beams": 1, "num_beam_groups": 1, "num_return_sequences": 1, "assistant_model": None,
-          "prompt_lookup_num_tokens": None, "penalty_alpha": None, "use_cache": True, "streamer": None,
-          "return_dict_in_generate": False, "output_scores": False, "output_logits": False}
+__all__ = ["CACHE_PREFIX", "CacheGraphs", "GenerateOptions", "generate"]
 
 
-@dataclass(frozen=True)
-class GenerateOptions:
-    """One ``generate`` call's choices, with the model's ``generation_config`` filling what is not given."""
-
-    max_new_tokens: int
-    do_sample: bool
-    temperature: float
-    top_k: Optional[int]
-    top_p: Optional[float]
-    eos_token_ids: tuple[int, ...]
-    pad_token_id: Optional[int]
-
-    @classmethod
-    def of(cls, config: Any, prompt_len: int, **given: Any) -> "GenerateOptions":
-        for name, plain in _PLAIN.items():
-            if name in given and given.pop(name) != plain:
-                raise NotImplementedError(f"generate({name}=...): autotp's generate runs greedy decoding or sampling "
-                                          f"with temperature, top_k and top_p, one sequence per prompt; {name} "
-                                          f"other than {plain!r} is not supported (docs/limits.md)")
-        known = {"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id"}
-        unknown = sorted(set(given) - known)
-        if unknown:
-            raise TypeError(f"generate() got {', '.join(unknown)}, which autotp's generate does not take; it takes "
-                            f"{', '.join(sorted(known | {'input_ids', 'attention_mask', 'max_cache_len', 'generator'}))}")
-
-        def pick(name: str, default: Any) -> Any:  # given, else the generation config's, else the default
-            for value in (given.get(name), getattr(config, name, None)):
-                if value is not None:
-                    return value
-            return default
-
-        new = given.get("max_new_tokens")
-        if new is None:
-            new = config.max_new_tokens if getattr(config, "max_new_tokens", None) is not None else (
-                getattr(config, "max_length", 20) - prompt_len)
-        if new < 1:
-            raise ValueError(f"max_new_tokens={new}: expected at least 1 token to generate")
-        eos = pick("eos_token_id", None)
-        eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
-        pad = pick("pad_token_id", None)
-        do_sample = bool(pick("do_sample", False))
-        top_k = pick("top_k", None)
-        top_p = pick("top_p", None)
-        return cls(int(new), do_sample, float(pick("temperature", 1.0)), int(top_k) if top_k else None,
-                   float(top_p) if top_p is not None and top_p < 1.0 else None, eos,
-                   pad if pad is not None else (eos[0] if eos else None))
-
-    def warpers(self) -> list:
-        """``transformers``' own logit warpers for these choices, in the order its ``generate`` applies them."""
-        from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                            TopPLogitsWarper)
-
-        out = []
-        if self.temperature != 1.0:
-            out.append(TemperatureLogitsWarper(self.temperature))
-        if self.top_k:
-            out.append(TopKLogitsWarper(self.top_k))
-        if self.top_p is not None:
-            out.append(TopPLogitsWarper(self.top_p))
-        return out
-
-    def choose(self, tokens: torch.Tensor, logits: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
-        """The next token of each sequence from the last position's ``logits`` (batch, vocab)."""
-        if not self.do_sample:
-            return logits.argmax(-1)
-        scores = logits.float()
-        for warp in self.warpers():
-            scores = warp(tokens, scores)
-        return torch.multinomial(scores.softmax(-1), 1, generator=generator).squeeze(1)
-
-
-def _with_static_cache(skeleton: nn.Module, batch: int, max_cache_len: int, device: Any) -> nn.Module:
-    """A copy of the (meta) model whose forward is ``(input_ids, cache_position, attention_mask,
-    position_ids) -> logits`` over a static cache whose tensors are buffers of the copy, made on meta;
-    the cache's own device says ``device``, the one the graph is traced for and runs on."""
-    from transformers.cache_utils import StaticCache
-
-    model = copy.deepcopy(skeleton)
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    cache = StaticCache(config=config, max_cache_len=max_cache_len)
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    dtype = next(model.parameters()).dtype
-    cache.early_initialization(batch, heads, head_dim, dtype, torch.device("meta"))
-    for layer in cache.layers:  # the positions it makes are on the device the run is on
-        if isinstance(getattr(layer, "device", None), torch.device):
-            layer.device = torch.device(device)
-    slots = []  # (layer, attribute, buffer name)
-    for i, layer in enumerate(cache.layers):
-        for name, value in list(vars(layer).items()):
-            if isinstance(value, torch.Tensor):
-                model.register_buffer(f"{CACHE_PREFIX}{i}_{name}", value, persistent=False)
-                slots.append((layer, name, f"{CACHE_PREFIX}{i}_{name}"))
-    forward = type(model).forward
-    cache_arg = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
-
-    def cached_forward(self: nn.Module, input_ids: torch.Tensor, cache_position: torch.Tensor,
-                       attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        # the cache reads the module's buffers as they are now: while torch.export traces, those are
-        # its stand-ins, so the writes the trace records are writes into the buffers
-        for layer, name, buffer in slots:
-            setattr(layer, name, getattr(self, buffer))
-        for layer in cache.layers:
-            if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
-                layer.cumulative_length.copy_(cache_position[0])
-        out = forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                      cache_position=cache_position, use_cache=True, **{cache_arg: cache})
-        return out.logits
-
-    model.forward = types.MethodType(cached_forward, model)
-    return model
+def _is_encoder_decoder(model: nn.Module) -> bool:
+    return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
 
 
 class CacheGraphs:
-    """The prompt's graph and the one-token graph of one batch size and cache length, over a parallel
-    module's state, with its pieces of the caches (module docstring)."""
+    """``generate``'s graphs of one batch size and cache length over a parallel module's state, with
+    its pieces of the caches (module docstring): ``graphs`` and ``plans`` by kind, ``"prompt"`` and
+    ``"token"`` for a causal LM, ``"encoder"``, ``"first"`` and ``"token"`` for an encoder-decoder."""
 
     def __init__(self, module: nn.Module, switch: Any, batch: int, max_cache_len: int, prompt_len: int) -> None:
         if switch is None or switch.skeleton is None or not hasattr(switch.skeleton, "config"):
-            raise NotImplementedError("generate() runs a Hugging Face causal language model parallelized by "
-                                      "autotp.parallelize; for a model with a cache of its own, call the "
-                                      "parallel module in a decoding loop (examples/models.py: greedy_with_cache)")
+            raise NotImplementedError("generate() runs a Hugging Face causal or encoder-decoder language model "
+                                      "parallelized by autotp.parallelize; for a model with a cache of its own, call "
+                                      "the parallel module in a decoding loop (examples/models.py: greedy_with_cache)")
         self.batch, self.max_cache_len = batch, max_cache_len
-        model = _with_static_cache(switch.skeleton, batch, max_cache_len, switch.mesh.device_type)
-        spec = MeshSpec.of(switch.mesh)
-        first = module.plan
-        self.graphs, self.plans = {}, {}
-        length = max(prompt_len, 2)  # the prompt's graph holds every length from 2 (a length of 1 is the other)
-        pins = dict(first.parameter_placements)  # the prompt's: the weights as stored, the caches free
-        for kind, n in (("prompt", length), ("token", 1)):
-            ids = torch.zeros(batch, n, dtype=torch.int64, device="meta")
-            mask = torch.ones(batch, max_cache_len, dtype=torch.int64, device="meta")  # over the whole cache
-            positions = torch.zeros(batch, n, dtype=torch.int64, device="meta")  # not ids: one tensor twice is one input
-            dims = {"input_ids": (1,), "cache_position": (0,), "position_ids": (1,)} if n > 1 else False
-            graph = capture(model, (ids, torch.arange(n, device="meta"), mask, positions), dynamic_dims=dims,
-                            training=False, device=switch.mesh.device_type)
-            if kind == "token":  # the caches too where the prompt's plan stores them
-                pins = self.plans["prompt"].storage_pins(graph)
-            # the weights stay as stored; the caches must fit the device (parallelize's budget was the model's)
-            plan = agreed_plan(graph, spec, switch.mesh, first.hardware, "inference", None, 0.0,
-                               first.optimizer, None, keep=pins, hardware_source=first.hardware_source)
-            if kind == "prompt":
-                self._allocate(module, graph, plan, switch.mesh)
-            fx_graph = build_graph(graph, plan, switch.mesh, module, dropout_seed(switch.mesh, graph),
-                                   prefix=f"generate_{batch}x{max_cache_len}_{kind}_")
-            self.graphs[kind] = torch.fx.GraphModule(module, fx_graph, class_name="AutotpGenerateGraph")
-            self.plans[kind] = plan
+        self.encoder_decoder = _is_encoder_decoder(switch.skeleton)
+        self.skeleton = switch.skeleton
+        self._module, self._switch = module, switch
+        self.graphs: dict[str, torch.fx.GraphModule] = {}
+        self.plans: dict[str, Any] = {}
+        device = switch.mesh.device_type
+        meta = dict(dtype=torch.int64, device="meta")
+        if not self.encoder_decoder:
+            model = with_static_cache(switch.skeleton, batch, max_cache_len, device)
+            length = max(prompt_len, 2)  # the prompt's graph holds every length from 2 (a length of 1 is the other)
+            for kind, n in (("prompt", length), ("token", 1)):
+                # the mask spans the whole cache; the positions are not the ids: one tensor twice is one input
+                inputs = (torch.zeros(batch, n, **meta), torch.arange(n, device="meta"),
+                          torch.ones(batch, max_cache_len, **meta), torch.zeros(batch, n, **meta))
+                dims = {"input_ids": (1,), "cache_position": (0,), "position_ids": (1,)} if n > 1 else False
+                self._add(kind, model, inputs, dims, caches_from="prompt" if kind == "token" else None)
+            return
+        copies = with_encoder_decoder_cache(switch.skeleton, batch, max_cache_len, device)
+        length = max(prompt_len, 2)
+        self._add("encoder", copies.encoder, (torch.zeros(batch, length, **meta), torch.ones(batch, length, **meta)),
+                  {"input_ids": (1,), "attention_mask": (1,)}, caches_from=None)
+        states = torch.zeros(batch, max_cache_len, copies.hidden_size, dtype=copies.dtype, device="meta")
+        step = (torch.zeros(batch, 1, **meta), torch.arange(1, device="meta"), torch.ones(batch, max_cache_len, **meta),
+                states, torch.ones(batch, max_cache_len, **meta))
+        self._add("first", copies.first_step, step, False, caches_from=None)
+        self._add("token", copies.later_step, step, False, caches_from="first")
 
-    @staticmethod
-    def _allocate(module: nn.Module, graph: Any, plan: Any, mesh: Any) -> None:
-        """This rank's piece of each cache tensor, zeroed, as a non-persistent buffer of ``module``."""
+    def _add(self, kind: str, model: nn.Module, inputs: tuple, dims: Any, caches_from: Optional[str]) -> None:
+        """Trace ``model`` on ``inputs``, plan it with every weight where the parallel module stores it
+        (and the caches where the plan ``caches_from`` put them; else the planner chooses and this
+        rank's pieces are allocated), and build its graph over the module's state."""
+        module, switch = self._module, self._switch
+        graph = capture(model, inputs, dynamic_dims=dims, training=False, device=switch.mesh.device_type)
+        pins = (self.plans[caches_from].storage_pins(graph) if caches_from is not None
+                else dict(module.plan.parameter_placements))
+        first = module.plan
+        # the weights stay as stored; the caches must fit the device (parallelize's budget was the model's)
+        plan = agreed_plan(graph, MeshSpec.of(switch.mesh), switch.mesh, first.hardware, "inference", None, 0.0,
+                           first.optimizer, None, keep=pins, hardware_source=first.hardware_source)
+        if caches_from is None:
+            self._allocate(graph, plan)
+        fx_graph = build_graph(graph, plan, switch.mesh, module, dropout_seed(switch.mesh, graph),
+                               prefix=f"generate_{self.batch}x{self.max_cache_len}_{kind}_")
+        self.graphs[kind] = torch.fx.GraphModule(module, fx_graph, class_name="AutotpGenerateGraph")
+        self.plans[kind] = plan
+
+    def _allocate(self, graph: Any, plan: Any) -> None:
+        """This rank's piece of each cache tensor, zeroed, as a non-persistent buffer of the module."""
         for node in graph.nodes:
             if node.role == BUFFER and node.param_fqn.startswith(CACHE_PREFIX):
-                piece = buffer_piece(node.output.shape, getattr(torch, node.output.dtype), plan.strategy(node.name).output,
-                                     mesh)
-                put(module, node.param_fqn, piece.zero_(), "buffer", persistent=False)
+                piece = buffer_piece(node.output.shape, getattr(torch, node.output.dtype),
+                                     plan.strategy(node.name).output, self._switch.mesh)
+                put(self._module, node.param_fqn, piece.zero_(), "buffer", persistent=False)
+
+    def _caches(self) -> list[torch.Tensor]:
+        """This rank's pieces of the caches these graphs read (another batch size's are others)."""
+        seen: dict[int, torch.Tensor] = {}
+        for graph in self.graphs.values():
+            for name, b in graph.named_buffers():
+                if name.startswith(CACHE_PREFIX):
+                    seen.setdefault(id(b), b)
+        return list(seen.values())
 
     def cache_bytes(self) -> int:
         """Bytes of cache this rank holds."""
-        return sum(b.numel() * b.element_size() for n, b in self.graphs["prompt"].named_buffers()
-                   if n.startswith(CACHE_PREFIX))
+        return sum(b.numel() * b.element_size() for b in self._caches())
 
     def reset(self) -> None:
-        for name, b in self.graphs["prompt"].named_buffers():
-            if name.startswith(CACHE_PREFIX):
-                b.zero_()
+        for b in self._caches():
+            b.zero_()
+
+
+def _cache_length(module: nn.Module, config: Any, max_cache_len: Optional[int]) -> int:
+    """The cache's positions: given, else the generation config's cache config, else the model's
+    ``max_position_embeddings`` (or T5-style ``n_positions``)."""
+    cache_config = getattr(config, "cache_config", None) or {}
+    model_config = getattr(module, "config", None)
+    limit = (max_cache_len or (cache_config.get("max_cache_len") if isinstance(cache_config, dict) else None)
+             or getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", None))
+    if limit is None:
+        raise ValueError("generate() needs max_cache_len: the model's config gives no max_position_embeddings")
+    return int(limit)
 
 
 def generate(module: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
@@ -226,47 +155,97 @@ def generate(module: nn.Module, input_ids: torch.Tensor, attention_mask: Optiona
         raise ValueError(f"attention_mask has shape {list(attention_mask.shape)}; expected the prompts' "
                          f"{[batch, length]} (1 for a token, 0 for padding)")
     config = getattr(module, "generation_config", None)
-    opts = GenerateOptions.of(config, length, **options)
-    model_config = getattr(module, "config", None)
-    cache_config = getattr(config, "cache_config", None) or {}
-    limit = (max_cache_len or (cache_config.get("max_cache_len") if isinstance(cache_config, dict) else None)
-             or getattr(model_config, "max_position_embeddings", None))
-    if limit is None:
-        raise ValueError("generate() needs max_cache_len: the model's config gives no max_position_embeddings")
-    if length + opts.max_new_tokens > limit:
-        raise ValueError(f"a prompt of {length} tokens and max_new_tokens={opts.max_new_tokens} need a cache of "
-                         f"{length + opts.max_new_tokens} positions; the cache holds {limit} "
-                         f"(max_cache_len, or the config's max_position_embeddings): give a larger max_cache_len "
-                         f"or fewer new tokens")
+    switch = module._autotp_switch
+    encoder_decoder = switch is not None and _is_encoder_decoder(switch.skeleton)
+    opts = GenerateOptions.of(config, 1 if encoder_decoder else length, **options)
+    limit = _cache_length(module, config, max_cache_len)
+    decoded = 1 + opts.max_new_tokens if encoder_decoder else length + opts.max_new_tokens
+    if decoded > limit or (encoder_decoder and length > limit):
+        what = (f"a decoder start token and max_new_tokens={opts.max_new_tokens} need a cache of {decoded} positions, "
+                f"and a prompt of {length} tokens one of {length}" if encoder_decoder else
+                f"a prompt of {length} tokens and max_new_tokens={opts.max_new_tokens} need a cache of {decoded} "
+                f"positions")
+        raise ValueError(f"{what}; the cache holds {limit} (max_cache_len, or the config's max_position_embeddings): "
+                         f"give a larger max_cache_len or fewer new tokens")
+    if encoder_decoder and opts.decoder_start_token_id is None:
+        raise ValueError("generate() of an encoder-decoder needs decoder_start_token_id (the model's generation_config "
+                         "has none): pass decoder_start_token_id=...")
     graphs = module._autotp_cache_graphs(batch, limit, length)
     graphs.reset()
-    mesh = module._autotp_switch.mesh
+    mesh = switch.mesh
     if opts.do_sample and generator is None:  # one seed for every rank: every rank picks the same token
         seed = from_first_rank(mesh, [int(torch.randint(0, 2**62, (1,)).item())])[0]
         generator = torch.Generator(device=input_ids.device).manual_seed(seed)
-    tokens = input_ids
-    done = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+    given = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(torch.int64)
+    with torch.no_grad():
+        if encoder_decoder:
+            return _generate_encoder_decoder(graphs, opts, input_ids, given, attention_mask is not None, generator)
+        return _generate_causal(graphs, opts, input_ids, given, attention_mask is not None, generator)
+
+
+def _generate_causal(graphs: CacheGraphs, opts: GenerateOptions, input_ids: torch.Tensor, given: torch.Tensor,
+                     masked: bool, generator: Optional[torch.Generator]) -> torch.Tensor:
+    batch, length = input_ids.shape
     # the mask over the whole cache (prompts left-padded: 0 where a pad is), and each token's position
     # counted from its sequence's first real token, as Hugging Face's generate counts them
-    given = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(torch.int64)
-    mask = torch.zeros(batch, limit, dtype=torch.int64, device=input_ids.device)
+    mask = torch.zeros(batch, graphs.max_cache_len, dtype=torch.int64, device=input_ids.device)
     mask[:, :length] = given
     positions = (given.cumsum(-1) - 1).masked_fill(given == 0, 1)
-    with torch.no_grad():
-        logits = graphs.graphs["prompt" if length > 1 else "token"](input_ids, torch.arange(length), mask, positions)
-        position = positions[:, -1:]
-        for step in range(opts.max_new_tokens):
-            nxt = opts.choose(tokens, logits[:, -1], generator)
-            if opts.pad_token_id is not None:
-                nxt = torch.where(done, torch.full_like(nxt, opts.pad_token_id), nxt)
-            tokens = torch.cat([tokens, nxt[:, None]], dim=1)
-            if opts.eos_token_ids:
-                done |= torch.isin(nxt, torch.tensor(opts.eos_token_ids, device=nxt.device))
-                if bool(done.all()):
-                    break
-            if step + 1 < opts.max_new_tokens:
-                mask[:, length + step] = 1
-                position = position + 1
-                logits = graphs.graphs["token"](nxt[:, None], torch.tensor([length + step]), mask, position)
-    return tokens
+    processors = opts.processors(graphs.skeleton, length, input_ids, given if masked else None, input_ids.device)
+    logits = graphs.graphs["prompt" if length > 1 else "token"](input_ids, torch.arange(length), mask, positions)
+    position = positions[:, -1:]
 
+    def step(i: int, nxt: torch.Tensor) -> torch.Tensor:  # the i-th new token in, the logits of the next out
+        nonlocal position
+        mask[:, length + i] = 1
+        position = position + 1
+        return graphs.graphs["token"](nxt[:, None], torch.tensor([length + i]), mask, position)
+
+    return _decode(opts, processors, input_ids, logits, step, generator)
+
+
+def _generate_encoder_decoder(graphs: CacheGraphs, opts: GenerateOptions, input_ids: torch.Tensor,
+                              given: torch.Tensor, masked: bool, generator: Optional[torch.Generator]) -> torch.Tensor:
+    batch, length = input_ids.shape
+    ids = input_ids
+    if length == 1:  # the encoder's graph holds lengths from 2: a masked pad after the token changes nothing
+        ids = torch.cat([input_ids, torch.zeros_like(input_ids)], dim=1)
+        given = torch.cat([given, torch.zeros_like(given)], dim=1)
+    cache = graphs.max_cache_len
+    states = graphs.graphs["encoder"](ids, given)  # (batch, prompt, hidden)
+    encoded = states.new_zeros(batch, cache, states.shape[-1])  # padded to the cross-attention cache's length
+    encoded[:, :states.shape[1]] = states
+    encoded_mask = torch.zeros(batch, cache, dtype=torch.int64, device=input_ids.device)
+    encoded_mask[:, :given.shape[1]] = given
+    tokens = torch.full((batch, 1), opts.decoder_start_token_id, dtype=input_ids.dtype, device=input_ids.device)
+    mask = torch.zeros(batch, cache, dtype=torch.int64, device=input_ids.device)  # the decoder's, over its cache
+    mask[:, 0] = 1
+    processors = opts.processors(graphs.skeleton, 1, input_ids, None, input_ids.device)
+    logits = graphs.graphs["first"](tokens, torch.tensor([0]), mask, encoded, encoded_mask)
+
+    def step(i: int, nxt: torch.Tensor) -> torch.Tensor:
+        mask[:, 1 + i] = 1
+        return graphs.graphs["token"](nxt[:, None], torch.tensor([1 + i]), mask, encoded, encoded_mask)
+
+    return _decode(opts, processors, tokens, logits, step, generator)
+
+
+def _decode(opts: GenerateOptions, processors: Any, tokens: torch.Tensor, logits: torch.Tensor,
+            step: Callable[[int, torch.Tensor], torch.Tensor], generator: Optional[torch.Generator]) -> torch.Tensor:
+    """Hugging Face's loop: pick a token from the last position's logits, pad a finished sequence,
+    stop when every sequence has ended or ``max_new_tokens`` are made; ``step(i, token)`` runs the
+    graph of the ``i``-th new token and returns the logits of the next."""
+    done = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+    ends = torch.tensor(opts.eos_token_ids, device=tokens.device)
+    for i in range(opts.max_new_tokens):
+        nxt = opts.choose(processors, tokens, logits[:, -1], generator)
+        if opts.pad_token_id is not None:
+            nxt = torch.where(done, torch.full_like(nxt, opts.pad_token_id), nxt)
+        tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+        if opts.eos_token_ids:
+            done |= torch.isin(nxt, ends)
+            if bool(done.all()):
+                break
+        if i + 1 < opts.max_new_tokens:
+            logits = step(i, nxt)
+    return tokens

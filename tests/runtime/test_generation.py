@@ -1,4 +1,4 @@
-"""``generate()`` on the parallel module of a Hugging Face causal LM, with a KV cache split like its attention.
+"""``generate()`` on the parallel module of Hugging Face causal LMs and an encoder-decoder, with KV caches split like the attention.
 
 References: the model's own ``generate`` in one process (greedy tokens; sampled tokens from the same
 seed), and the plans of the two cache graphs (the prompt's and one token's) for placements and
@@ -16,6 +16,7 @@ from examples.ranks import run_ranks
 from tests.helpers.observed import CollectiveLog, planned
 
 NEW_TOKENS = 6
+PENALTIES = {"repetition_penalty": 1.5, "no_repeat_ngram_size": 2, "suppress_tokens": [1, 2, 3]}
 
 
 def _llama():
@@ -38,6 +39,26 @@ def _padded() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
+def _bart():
+    """An encoder-decoder; BART's generation config forces its end token at the last position, which
+    only transformers' own processors do."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    config = BartConfig(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=128,
+                        max_position_embeddings=64, init_std=0.5)
+    torch.manual_seed(0)
+    return BartForConditionalGeneration(config).eval()
+
+
+def _source() -> tuple[torch.Tensor, torch.Tensor]:
+    """Two source texts of 9 and 6 tokens, the second right-padded (as a tokenizer pads an encoder's)."""
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    ids[1, 6:], mask[1, 6:] = 1, 0
+    return ids, mask
+
+
 def _budget(model) -> float:
     return 0.6 * sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -57,6 +78,7 @@ def _rank(rank, world):
                                                   pad_token_id=0).tolist()
     padded, mask = _padded()
     out["padded"] = pm.generate(padded, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0).tolist()
+    out["penalized"] = pm.generate(prompt, max_new_tokens=NEW_TOKENS, **PENALTIES).tolist()
     graphs = pm._autotp_generation[(2, 64)]
     T = prompt.shape[1]
     with CollectiveLog(mesh) as log:  # one decode step, observed
@@ -75,11 +97,26 @@ def _rank(rank, world):
     out["held_bytes"] = sum(b.numel() * b.element_size() for n, b in pm.named_buffers() if n.startswith("autotp_kv_"))
     out["cache_bytes"] = graphs.cache_bytes()
     for kwargs, error in (({"num_beams": 2}, NotImplementedError), ({"max_new_tokens": 100}, ValueError),
-                          ({"guidance_scale": 2.0}, TypeError)):
+                          ({"guidance_scale": 2.0}, NotImplementedError), ({"stop_strings": ["a"]}, TypeError)):
         try:
             pm.generate(prompt, **kwargs)
         except error as err:
             out[f"refused {sorted(kwargs)[0]}"] = str(err)
+    out["bart"] = _bart_rank(mesh)
+    return out
+
+
+def _bart_rank(mesh) -> dict:
+    model, (ids, mask) = _bart(), _source()
+    pm = autotp.parallelize(model, mesh, (ids,), mode="inference", hardware="cpu-gloo", memory_budget=_budget(model))
+    out = {"greedy": pm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS + 2).tolist()}
+    graphs = pm._autotp_generation[(2, 64)]
+    out["plans"] = {k: p.to_json() for k, p in graphs.plans.items()}
+    out["held"] = {n: tuple(b.shape) for n, b in pm.named_buffers() if n.startswith("autotp_kv_")}
+    with CollectiveLog(mesh) as log:  # one decode step, observed
+        graphs.graphs["token"](ids[:, :1], torch.tensor([1]), torch.ones(2, 64, dtype=torch.int64),
+                               torch.zeros(2, 64, 64), torch.ones(2, 64, dtype=torch.int64))
+    out["observed"], out["bytes"] = log.counts(), [s.bytes for s in log.seen]
     return out
 
 
@@ -163,7 +200,48 @@ def test_what_generate_does_not_do_is_refused_by_name(ranks):
     r = ranks[0]
     assert "num_beams" in r["refused num_beams"] and "not supported" in r["refused num_beams"]
     assert "cache of 108 positions" in r["refused max_new_tokens"] and "holds 64" in r["refused max_new_tokens"]
-    assert "guidance_scale" in r["refused guidance_scale"]
+    assert "guidance_scale" in r["refused guidance_scale"] and "not supported" in r["refused guidance_scale"]
+    assert "stop_strings" in r["refused stop_strings"] and "repetition_penalty" in r["refused stop_strings"]
+
+
+def test_the_generation_config_s_processors_apply_as_in_the_model_s_own_generate(ranks, reference):
+    model, prompt, greedy, _ = reference
+    expected = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, **PENALTIES).tolist()
+    assert expected != greedy  # the penalties change the tokens: a run that ignored them would differ
+    assert [r["penalized"] for r in ranks] == [expected, expected]
+
+
+@pytest.fixture(scope="module")
+def bart_reference():
+    model, (ids, mask) = _bart(), _source()
+    return model, model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS + 2).tolist()
+
+
+def test_an_encoder_decoder_generates_the_model_s_own_greedy_tokens(ranks, bart_reference):
+    model, expected = bart_reference
+    assert len({t for row in expected for t in row[1:]}) > 4, "a degenerate reference would prove little"
+    assert all(row[-1] == model.generation_config.forced_eos_token_id for row in expected)  # a processor's doing
+    assert [r["bart"]["greedy"] for r in ranks] == [expected, expected]
+
+
+def test_an_encoder_decoder_s_caches_are_split_and_its_decode_step_runs_its_plan(ranks, bart_reference):
+    model, _ = bart_reference
+    cfg = model.config
+    layers, heads, head_dim = cfg.decoder_layers, cfg.decoder_attention_heads, cfg.d_model // cfg.decoder_attention_heads
+    for r in (rank["bart"] for rank in ranks):
+        plans = {k: autotp.Plan.from_json(v) for k, v in r["plans"].items()}
+        assert set(plans) == {"encoder", "first", "token"}
+        caches = {f"autotp_kv_{kind}_{i}_{t}" for kind in ("self", "cross") for i in range(layers)
+                  for t in ("keys", "values")}
+        assert {n for n in plans["first"].buffer_placements if n.endswith(("keys", "values"))} == caches
+        assert set(plans["first"].buffer_placements.values()) == {"S(1)"}  # by heads: self and cross
+        assert plans["token"].buffer_placements == plans["first"].buffer_placements  # read where written
+        for p in plans.values():  # every graph keeps the weights where parallelize stored them
+            assert {k: v for k, v in p.parameter_placements.items()} == plans["encoder"].parameter_placements
+        assert all(r["held"][n] == (2, heads // 2, cfg.max_position_embeddings, head_dim) for n in caches)
+        assert r["observed"] == planned(plans["token"], "forward")
+        cache_piece = 4 * torch.Size(r["held"][next(iter(caches))]).numel()
+        assert all(b < cache_piece for b in r["bytes"]), r["bytes"]  # no cache-sized gather
 
 
 def _family(name: str):
