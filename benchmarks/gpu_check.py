@@ -8,6 +8,11 @@
    Hugging Face LlamaForCausalLM: outputs and gradients against the original model.
 3. Predicted against measured forward+backward time of a mid-size LLaMA at world size 1 (no
    communication: this checks the compute roofline and kernel overheads alone).
+5. Generation on CUDA (``benchmarks/generate.py``'s measurement at world size 1): the ~100 M
+   Llama in bf16, prompt 128, 128 new tokens, batch 1 and 8: autotp's ``generate`` (eager, and its
+   decode step compiled with ``mode="reduce-overhead"``: CUDA graphs) against the model's own
+   ``generate`` (its dynamic cache, and its static cache compiled, timed whole); the time per token
+   of tokens 113-128 over tokens 2-17, per decoded token over the model's own, and the prompt's.
 4. The real-size path on CUDA: a Hugging Face GPT-2 saved with ``save_pretrained`` (sharded
    safetensors), built under ``autotp.meta_init()``, parallelized on the CUDA mesh, filled by
    ``autotp.load_weights``: logits against ``from_pretrained`` on the same device, and the CUDA
@@ -116,6 +121,67 @@ def check_meta_load(device: str, mesh) -> str:
             f"peak bytes allocated {peak / 2**20:.1f} MiB for {planned / 2**20:.1f} MiB of planned parameters{note}")
 
 
+def check_generate(device: str, mesh, new: int = 128, layers: int = 8) -> list[str]:
+    """Item 5 of the module docstring (on CPU: 8 new tokens, 2 layers, float32, eager only)."""
+    import statistics
+
+    from benchmarks.generate import PROMPT, Clock, build, per_token
+
+    cuda = device == "cuda"
+    if not cuda:
+        new, layers = 8, 2
+    dtype = torch.bfloat16 if cuda else torch.float32
+    lines = []
+    for batch in (1, 8):
+        prompt = torch.randint(0, 32000, (batch, PROMPT), generator=torch.Generator().manual_seed(batch)).to(device)
+        cache = PROMPT + new
+        runs: dict[str, list[float]] = {}
+
+        def timed(name: str, call, modules) -> None:
+            """Each token's seconds, from hooks on the ``modules`` each token runs (none: a compiled
+            call a hook would break, timed whole and spread evenly over its tokens)."""
+            call(2)  # traces, plans and compiles what the run needs
+            clock = Clock()
+            hooks = [m.register_forward_hook(lambda *a: (_sync(), clock.hook())) for m in modules]
+            _sync()
+            start = time.perf_counter()
+            tokens = call(new)
+            _sync()
+            runs[name] = per_token(clock.ends, start) if modules else [(time.perf_counter() - start) / new] * new
+            runs[name + " tokens"] = tokens.tolist()
+            for h in hooks:
+                h.remove()
+
+        pm = autotp.parallelize(build(layers).to(device=device, dtype=dtype), mesh, (prompt,), mode="inference",
+                                hardware="h100-sxm")
+        for name, compile_ in (("autotp", False), ("autotp compiled", {"mode": "reduce-overhead"} if cuda else None)):
+            if compile_ is None:
+                continue
+            def call(n: int, c=compile_):
+                return pm.generate(prompt, max_new_tokens=n, max_cache_len=cache, compile=c)
+            call(1)
+            graphs = next(iter(pm._autotp_generation.values()))
+            # hooks on the eager prompt graph and on what runs each decoded token (the compiled step, whose
+            # graph a hook inside would break)
+            timed(name, call, [graphs.graphs["prompt"], graphs.step(compile_) if compile_ else graphs.graphs["token"]])
+        model = build(layers).to(device=device, dtype=dtype)
+        timed("model", lambda n: model.generate(prompt, max_new_tokens=n, do_sample=False), [model])
+        if cuda:
+            timed("model static compiled", lambda n: model.generate(prompt, max_new_tokens=n, do_sample=False,
+                                                                  cache_implementation="static"), [])
+        k = min(16, new // 4)
+        base = statistics.median(runs["model"][1:])
+        for name in [n for n in runs if not n.endswith("tokens")]:
+            t = runs[name]
+            decode = statistics.median(t[1:])
+            lines.append(f"generate batch {batch}, {name}: {decode * 1e3:.2f} ms/token, late/early "
+                         f"{statistics.median(t[-k:]) / statistics.median(t[1:1 + k]):.2f} (goal <= 1.3), "
+                         f"over the model's own {decode / base:.2f}, prompt {t[0] * 1e3:.1f} ms "
+                         f"({t[0] / runs['model'][0]:.2f} of the model's); tokens equal the model's: "
+                         f"{runs[name + ' tokens'] == runs['model tokens']}")
+    return lines
+
+
 def main() -> None:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"  # without a GPU: a small dry run of the same steps on gloo
@@ -141,6 +207,8 @@ def main() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         print(predicted_vs_measured(device, mesh, dtype, small=not cuda))
     print(check_meta_load(device, mesh))
+    for line in check_generate(device, mesh):
+        print(line)
     dist.destroy_process_group()
 
 

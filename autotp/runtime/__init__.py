@@ -14,5 +14,8 @@ which it asks the planner for, with every weight kept where it is).
 - ``guard``         the input check: shapes the plan can run, the same inputs on every rank
 - ``dropout``       dropout masks on shards (one mask where ranks hold the same values)
 - ``recompute``     recomputed layers as checkpointed submodules
-- ``generation``    ``generate()``: a static KV cache split like the attention, and the decoding loop
+- ``generation``    ``generate()``: its graphs (prompt and token; encoder, first and later decoder step),
+                    planned with the caches split like the attention, and the decoding loop
+- ``static_cache``  copies of a Hugging Face model whose KV cache is a set of buffers, to trace
+- ``generate_options`` one call's choices, and the next token as Hugging Face's processors pick it
 """

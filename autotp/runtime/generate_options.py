@@ -33,7 +33,7 @@ _SCORES = {"temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutof
            "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
            "begin_suppress_tokens", "sequence_bias", "renormalize_logits"}
 _TAKEN = {"max_new_tokens", "do_sample", "eos_token_id", "pad_token_id", "decoder_start_token_id"} | _SCORES
-TAKEN = _TAKEN | {"input_ids", "attention_mask", "max_cache_len", "generator"}
+TAKEN = _TAKEN | {"input_ids", "attention_mask", "max_cache_len", "generator", "compile"}
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ model's ``generation_config`` and the call's choices (:mod:`autotp.runtime.gener
 then greedy, or sampled from a generator seeded alike on every rank (the first rank's seed), so
 every rank picks the same token; prompts of different lengths come padded with their
 ``attention_mask`` (left-padded for a causal LM); a sequence that reaches an end token is padded
-after it, and the loop stops when every sequence has.
+after it, and the loop stops when every sequence has. With ``compile``, the decode step runs as one
+compiled graph (:meth:`CacheGraphs.step`).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class CacheGraphs:
         self._module, self._switch = module, switch
         self.graphs: dict[str, torch.fx.GraphModule] = {}
         self.plans: dict[str, Any] = {}
+        self._compiled: dict[str, Callable] = {}
         device = switch.mesh.device_type
         meta = dict(dtype=torch.int64, device="meta")
         if not self.encoder_decoder:
@@ -113,6 +115,21 @@ class CacheGraphs:
                                      plan.strategy(node.name).output, self._switch.mesh)
                 put(self._module, node.param_fqn, piece.zero_(), "buffer", persistent=False)
 
+    def step(self, compile: Any = False) -> Callable:
+        """The graph of one decoded token, or (``compile``: True, or ``torch.compile``'s keyword
+        arguments such as ``{"mode": "reduce-overhead"}``) that graph compiled whole
+        (``fullgraph=True``: a break is an error), once per set of arguments."""
+        if compile is False or compile is None:
+            return self.graphs["token"]
+        if compile is not True and not isinstance(compile, dict):
+            raise TypeError(f"generate(compile={compile!r}): expected True, False, or a dict of torch.compile's "
+                            f"keyword arguments, e.g. {{'mode': 'reduce-overhead'}}")
+        options = {} if compile is True else dict(compile)
+        key = repr(sorted(options.items()))
+        if key not in self._compiled:
+            self._compiled[key] = torch.compile(self.graphs["token"], fullgraph=True, **options)
+        return self._compiled[key]
+
     def _caches(self) -> list[torch.Tensor]:
         """This rank's pieces of the caches these graphs read (another batch size's are others)."""
         seen: dict[int, torch.Tensor] = {}
@@ -145,7 +162,7 @@ def _cache_length(module: nn.Module, config: Any, max_cache_len: Optional[int]) 
 
 def generate(module: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
              max_cache_len: Optional[int] = None, generator: Optional[torch.Generator] = None,
-             **options: Any) -> torch.Tensor:
+             compile: Any = False, **options: Any) -> torch.Tensor:
     """``module.generate`` (:meth:`autotp.runtime.module.ParallelModule.generate`)."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError(f"input_ids: expected a (batch, length) tensor of token ids, got "
@@ -171,6 +188,7 @@ def generate(module: nn.Module, input_ids: torch.Tensor, attention_mask: Optiona
         raise ValueError("generate() of an encoder-decoder needs decoder_start_token_id (the model's generation_config "
                          "has none): pass decoder_start_token_id=...")
     graphs = module._autotp_cache_graphs(batch, limit, length)
+    token = graphs.step(compile)
     graphs.reset()
     mesh = switch.mesh
     if opts.do_sample and generator is None:  # one seed for every rank: every rank picks the same token
@@ -179,12 +197,12 @@ def generate(module: nn.Module, input_ids: torch.Tensor, attention_mask: Optiona
     given = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(torch.int64)
     with torch.no_grad():
         if encoder_decoder:
-            return _generate_encoder_decoder(graphs, opts, input_ids, given, attention_mask is not None, generator)
-        return _generate_causal(graphs, opts, input_ids, given, attention_mask is not None, generator)
+            return _generate_encoder_decoder(graphs, token, opts, input_ids, given, generator)
+        return _generate_causal(graphs, token, opts, input_ids, given, attention_mask is not None, generator)
 
 
-def _generate_causal(graphs: CacheGraphs, opts: GenerateOptions, input_ids: torch.Tensor, given: torch.Tensor,
-                     masked: bool, generator: Optional[torch.Generator]) -> torch.Tensor:
+def _generate_causal(graphs: CacheGraphs, token: Callable, opts: GenerateOptions, input_ids: torch.Tensor,
+                     given: torch.Tensor, masked: bool, generator: Optional[torch.Generator]) -> torch.Tensor:
     batch, length = input_ids.shape
     # the mask over the whole cache (prompts left-padded: 0 where a pad is), and each token's position
     # counted from its sequence's first real token, as Hugging Face's generate counts them
@@ -199,13 +217,13 @@ def _generate_causal(graphs: CacheGraphs, opts: GenerateOptions, input_ids: torc
         nonlocal position
         mask[:, length + i] = 1
         position = position + 1
-        return graphs.graphs["token"](nxt[:, None], torch.tensor([length + i]), mask, position)
+        return token(nxt[:, None], torch.tensor([length + i]), mask, position)
 
     return _decode(opts, processors, input_ids, logits, step, generator)
 
 
-def _generate_encoder_decoder(graphs: CacheGraphs, opts: GenerateOptions, input_ids: torch.Tensor,
-                              given: torch.Tensor, masked: bool, generator: Optional[torch.Generator]) -> torch.Tensor:
+def _generate_encoder_decoder(graphs: CacheGraphs, token: Callable, opts: GenerateOptions, input_ids: torch.Tensor,
+                              given: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
     batch, length = input_ids.shape
     ids = input_ids
     if length == 1:  # the encoder's graph holds lengths from 2: a masked pad after the token changes nothing
@@ -225,7 +243,7 @@ def _generate_encoder_decoder(graphs: CacheGraphs, opts: GenerateOptions, input_
 
     def step(i: int, nxt: torch.Tensor) -> torch.Tensor:
         mask[:, 1 + i] = 1
-        return graphs.graphs["token"](nxt[:, None], torch.tensor([1 + i]), mask, encoded, encoded_mask)
+        return token(nxt[:, None], torch.tensor([1 + i]), mask, encoded, encoded_mask)
 
     return _decode(opts, processors, tokens, logits, step, generator)
 

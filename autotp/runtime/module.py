@@ -217,9 +217,13 @@ class ParallelModule(torch.fx.GraphModule):
         """Generate as a Hugging Face model's ``generate`` does, with a KV cache split like the attention
         (:mod:`autotp.runtime.generation`): greedy or sampled (``do_sample``, ``temperature``,
         ``top_k``, ``top_p``), ``max_new_tokens``, ``eos_token_id``, ``pad_token_id``,
-        ``max_cache_len`` (default: the config's ``max_position_embeddings``), ``generator``.
-        Collective: every rank calls it with the same prompts, and every rank returns the same
-        tokens, the prompts followed by the new tokens."""
+        ``max_cache_len`` (default: the config's ``max_position_embeddings``), ``generator``, and what
+        the model's ``generation_config`` asks of the scores (a repetition penalty, a forced end
+        token, ...), applied by ``transformers``' own processors; ``compile`` (True, or
+        ``torch.compile``'s keyword arguments) runs the decode step as one compiled graph. A causal LM
+        returns the prompts followed by the new tokens; an encoder-decoder, the decoder's start token
+        followed by the new tokens. Collective: every rank calls it with the same prompts, and every
+        rank returns the same tokens."""
         from autotp.runtime.generation import generate
 
         return generate(self, input_ids, attention_mask, **options)

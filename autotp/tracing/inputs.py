@@ -80,18 +80,22 @@ def distinct(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 @contextlib.contextmanager
 def cache_off(model: torch.nn.Module, kwargs: dict) -> Iterator[None]:
     """A model whose config asks for a KV cache (a Hugging Face model's ``config.use_cache``, True by
-    default) is traced with it off, unless the inputs say otherwise: a cache object cannot be traced,
+    default; and a submodule's config, where it keeps a copy of its own) is traced with it off, unless the inputs say otherwise: a cache object cannot be traced,
     and the forward with a cache is a graph of its own (``ParallelModule.generate``,
     :mod:`autotp.runtime.generation`). The config is put back as it was."""
-    config = getattr(model, "config", None)
-    if "use_cache" in kwargs or getattr(config, "use_cache", None) is not True:
+    # every config that asks for one: a submodule may hold a copy of its own (T5's decoder stack)
+    configs = {id(c): c for m in model.modules() for c in (getattr(m, "config", None),)
+               if getattr(c, "use_cache", None) is True}
+    if "use_cache" in kwargs or not configs:
         yield
         return
-    config.use_cache = False
+    for config in configs.values():
+        config.use_cache = False
     try:
         yield
     finally:
-        config.use_cache = True
+        for config in configs.values():
+            config.use_cache = True
 
 
 @contextlib.contextmanager

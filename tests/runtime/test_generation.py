@@ -51,6 +51,17 @@ def _bart():
     return BartForConditionalGeneration(config).eval()
 
 
+def _t5():
+    """An encoder-decoder with relative position biases, no position limit, and a decoder stack that
+    keeps a config of its own (use_cache too)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4, vocab_size=128,
+                      decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, initializer_factor=10.0)
+    torch.manual_seed(1)
+    return T5ForConditionalGeneration(config).eval()
+
+
 def _source() -> tuple[torch.Tensor, torch.Tensor]:
     """Two source texts of 9 and 6 tokens, the second right-padded (as a tokenizer pads an encoder's)."""
     ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(1))
@@ -90,8 +101,9 @@ def _rank(rank, world):
     graphs.reset()
     eager = graphs.graphs["token"](*step_inputs)
     graphs.reset()
-    compiled = torch.compile(graphs.graphs["token"], backend="aot_eager", fullgraph=True)(*step_inputs)
+    compiled = graphs.step({"backend": "aot_eager"})(*step_inputs)  # the one generate(compile=...) runs
     out["compiled_diff"] = (compiled - eager).abs().max().item()
+    out["compiled_greedy"] = pm.generate(prompt, max_new_tokens=NEW_TOKENS, compile={"backend": "aot_eager"}).tolist()
     out["plans"] = {k: p.to_json() for k, p in graphs.plans.items()}
     out["held"] = {n: tuple(b.shape) for n, b in pm.named_buffers() if n.startswith("autotp_kv_")}
     out["held_bytes"] = sum(b.numel() * b.element_size() for n, b in pm.named_buffers() if n.startswith("autotp_kv_"))
@@ -110,6 +122,8 @@ def _bart_rank(mesh) -> dict:
     model, (ids, mask) = _bart(), _source()
     pm = autotp.parallelize(model, mesh, (ids,), mode="inference", hardware="cpu-gloo", memory_budget=_budget(model))
     out = {"greedy": pm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS + 2).tolist()}
+    # a prompt of one token: padded for the encoder's graph, which holds lengths of 2 or more
+    out["short"] = pm.generate(ids[:, :1], max_new_tokens=3).tolist()
     graphs = pm._autotp_generation[(2, 64)]
     out["plans"] = {k: p.to_json() for k, p in graphs.plans.items()}
     out["held"] = {n: tuple(b.shape) for n, b in pm.named_buffers() if n.startswith("autotp_kv_")}
@@ -192,8 +206,10 @@ def test_the_cache_is_split_like_the_attention_and_a_decode_step_runs_its_plan(r
         assert all(b < cache_piece for b in r["bytes"]), r["bytes"]
 
 
-def test_the_decode_step_compiles_to_one_graph_and_computes_the_same(ranks):
+def test_the_decode_step_compiles_to_one_graph_and_computes_the_same(ranks, reference):
     assert [r["compiled_diff"] for r in ranks] == [0.0, 0.0]
+    _, _, greedy, _ = reference
+    assert [r["compiled_greedy"] for r in ranks] == [greedy, greedy]
 
 
 def test_what_generate_does_not_do_is_refused_by_name(ranks):
@@ -222,6 +238,13 @@ def test_an_encoder_decoder_generates_the_model_s_own_greedy_tokens(ranks, bart_
     assert len({t for row in expected for t in row[1:]}) > 4, "a degenerate reference would prove little"
     assert all(row[-1] == model.generation_config.forced_eos_token_id for row in expected)  # a processor's doing
     assert [r["bart"]["greedy"] for r in ranks] == [expected, expected]
+
+
+def test_an_encoder_decoder_takes_a_one_token_prompt(ranks, bart_reference):
+    model, _ = bart_reference
+    ids, _ = _source()
+    expected = model.generate(ids[:, :1], max_new_tokens=3).tolist()
+    assert [r["bart"]["short"] for r in ranks] == [expected, expected]
 
 
 def test_an_encoder_decoder_s_caches_are_split_and_its_decode_step_runs_its_plan(ranks, bart_reference):
@@ -285,3 +308,44 @@ def test_other_families_generate_the_model_s_own_greedy_tokens(name):
         assert split and set(split.values()) == {"S(1)"}
     else:  # one kv head cannot be split: it stays whole, read by both ranks' query heads
         assert not any(n.endswith(("keys", "values")) for n in split)
+
+
+def _t5_rank(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model, (ids, mask) = _t5(), _source()
+    ids = ids.masked_fill(mask == 0, 0)  # T5 pads with 0
+    # T5's forward takes no decoder inputs of its own making: the example gives them
+    pm = autotp.parallelize(model, mesh, {"input_ids": ids, "decoder_input_ids": ids[:, :4].clone()}, mode="inference",
+                            hardware="cpu-gloo", memory_budget=_budget(model))
+    tokens = pm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS + 2, max_cache_len=32).tolist()
+    plan = pm.generation_plans[(2, 32)]["first"]
+    return tokens, dict(plan.buffer_placements)
+
+
+@pytest.mark.slow
+def test_t5_generates_the_model_s_own_greedy_tokens():
+    model, (ids, mask) = _t5(), _source()
+    expected = model.generate(ids.masked_fill(mask == 0, 0), attention_mask=mask,
+                              max_new_tokens=NEW_TOKENS + 2).tolist()
+    assert len({t for row in expected for t in row[1:]}) > 4, "a degenerate reference would prove little"
+    results = run_ranks(_t5_rank, 2)
+    assert [r[0] for r in results] == [expected, expected]
+    assert {n for n, p in results[0][1].items() if n.endswith("keys") and p == "S(1)"} == {
+        f"autotp_kv_{kind}_{i}_keys" for kind in ("self", "cross") for i in range(2)}
+
+
+def _inductor_rank(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model, prompt = _llama(), _prompt()
+    pm = autotp.parallelize(model, mesh, (prompt,), mode="inference", hardware="cpu-gloo", memory_budget=_budget(model))
+    return pm.generate(prompt, max_new_tokens=NEW_TOKENS, compile={"backend": "inductor"}).tolist()
+
+
+@pytest.mark.slow
+def test_the_decode_step_compiled_by_inductor_generates_the_model_s_own_tokens():
+    expected = _llama().generate(_prompt(), max_new_tokens=NEW_TOKENS, do_sample=False).tolist()
+    assert run_ranks(_inductor_rank, 2) == [expected, expected]

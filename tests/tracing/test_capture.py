@@ -307,6 +307,19 @@ def test_a_capture_error_leads_with_what_to_do_and_keeps_exports_traceback_off_t
     assert printed.count("Traceback (most recent call last)") == 1 and len(printed.splitlines()) < 40
 
 
+def test_a_cache_asked_for_by_a_submodule_s_own_config_is_off_while_traced_and_on_after():
+    """T5's decoder stack keeps a copy of the config, use_cache and all: with only the model's own
+    config turned off, the trace met the decoder's cache object and failed."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    model = T5ForConditionalGeneration(T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, vocab_size=64,
+                                                decoder_start_token_id=0))
+    assert model.decoder.config is not model.config and model.decoder.config.use_cache
+    ids = torch.zeros(1, 6, dtype=torch.long)
+    graph = autotp.capture(model, {"input_ids": ids, "decoder_input_ids": ids[:, :3].clone()})
+    assert graph.ops() and model.config.use_cache and model.decoder.config.use_cache  # put back
+
+
 def test_a_tensor_given_twice_is_traced_as_two_inputs():
     """``{"input_ids": ids, "labels": ids}``: torch.export traces one tensor given twice as one input
     (every use reads the same placeholder), so a module built from it, called with other labels,
