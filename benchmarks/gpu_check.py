@@ -142,7 +142,12 @@ def check_generate(device: str, mesh, new: int = 128, layers: int = 8) -> list[s
             call a hook would break, timed whole and spread evenly over its tokens)."""
             call(2)  # traces, plans and compiles what the run needs
             clock = Clock()
-            hooks = [m.register_forward_hook(lambda *a: (_sync(), clock.hook())) for m in modules]
+
+            def mark(*_: object) -> None:  # a hook's value would replace the output: it returns none
+                _sync()
+                clock.hook()
+
+            hooks = [m.register_forward_hook(mark) for m in modules]
             _sync()
             start = time.perf_counter()
             tokens = call(new)

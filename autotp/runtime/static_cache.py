@@ -6,7 +6,8 @@ copy's forward reads and writes those buffers in place. Traced, that is a graph 
 whose caches are buffers the planner may store split (by the kv heads its attention reads).
 
 - :func:`with_static_cache`: a causal LM, ``(input_ids, cache_position, attention_mask,
-  position_ids) -> logits`` over one cache of ``max_cache_len`` positions.
+  position_ids) -> logits`` over one cache of ``max_cache_len`` positions (the last position's
+  logits only, where the model's forward takes ``logits_to_keep``, as Hugging Face's generate asks).
 - :func:`with_encoder_decoder_cache`: an encoder-decoder (BART, T5, ...): three copies over the same
   buffers, the encoder's ``(input_ids, attention_mask) -> hidden states``, and two of the decoder's
   ``(decoder_input_ids, cache_position, decoder_attention_mask, encoder_hidden_states,
@@ -67,6 +68,8 @@ def with_static_cache(skeleton: nn.Module, batch: int, max_cache_len: int, devic
     slots = _register(model, cache, CACHE_PREFIX, device)
     forward = type(model).forward
     cache_arg = _cache_argument(model)
+    # the logits of the last position only, as Hugging Face's generate asks (the prompt's others are unread)
+    last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(forward).parameters else {}
 
     def cached_forward(self: nn.Module, input_ids: torch.Tensor, cache_position: torch.Tensor,
                        attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -78,7 +81,7 @@ def with_static_cache(skeleton: nn.Module, batch: int, max_cache_len: int, devic
             if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
                 layer.cumulative_length.copy_(cache_position[0])
         out = forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                      cache_position=cache_position, use_cache=True, **{cache_arg: cache})
+                      cache_position=cache_position, use_cache=True, **{cache_arg: cache}, **last)
         return out.logits
 
     model.forward = types.MethodType(cached_forward, model)
