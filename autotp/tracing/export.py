@@ -59,6 +59,9 @@ def _explain_export_failure(err: BaseException) -> str:
                                       "] x [")):
         hints.append("check the example inputs: they must be what model(*example_inputs) is called with "
                      "(how many, their shapes and dtypes)")
+    if "decoder_input_ids" in low or "decoder_inputs_embeds" in low:  # T5, Marian: no decoder inputs of their own
+        hints.append("give the decoder's inputs in the example inputs, e.g. {'input_ids': ids, "
+                     "'decoder_input_ids': ids[:, :4]} (this encoder-decoder does not make them from input_ids)")
     if not hints:
         hints.append("make forward() traceable by torch.export(strict=False): static control flow, no Python "
                      "side effects on tensors, no .item()/.tolist() used for control flow")

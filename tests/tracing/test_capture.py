@@ -320,6 +320,20 @@ def test_a_cache_asked_for_by_a_submodule_s_own_config_is_off_while_traced_and_o
     assert graph.ops() and model.config.use_cache and model.decoder.config.use_cache  # put back
 
 
+def test_an_encoder_decoder_traced_without_decoder_inputs_is_told_to_give_them():
+    """Marian (like T5) makes no decoder inputs from input_ids; its own error named both ways of
+    giving them, and autotp's first line said to make forward() traceable."""
+    from transformers import MarianConfig, MarianMTModel
+
+    model = MarianMTModel(MarianConfig(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1,
+                                       encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                                       decoder_ffn_dim=64, max_position_embeddings=16, pad_token_id=63,
+                                       decoder_start_token_id=63))
+    with pytest.raises(autotp.CaptureError) as info:
+        autotp.capture(model, (torch.ones(1, 6, dtype=torch.long),))
+    assert str(info.value).startswith("what to do: give the decoder's inputs in the example inputs")
+
+
 def test_a_tensor_given_twice_is_traced_as_two_inputs():
     """``{"input_ids": ids, "labels": ids}``: torch.export traces one tensor given twice as one input
     (every use reads the same placeholder), so a module built from it, called with other labels,
