@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -113,7 +114,49 @@ def _gradients(model: nn.Module, inputs: tuple, seed: int) -> dict[str, torch.Te
 
 def check(case: Case) -> str:
     """Plan ``case``'s model on its mesh near its memory floor, run it on threads, compare; says
-    whether the plan shards (for Hypothesis' statistics)."""
+    whether the plan shards (for Hypothesis' statistics).
+
+    In train mode a float32 gradient off by more than float32's rounding allows is checked again in
+    float64 (:func:`_exact_in_float64`): an ill-conditioned draw (gradients in the hundreds from a
+    random init) can lift the rounding of sums in another order past any fixed share of one
+    process's own error, where a wrong plan is off in float64 too."""
+    try:
+        return _check(case)
+    except _Float32Mismatch as mismatch:
+        _exact_in_float64(case, mismatch)
+        return "parameters sharded: float32 rounding past the tolerance, exact in float64"
+
+
+class _Float32Mismatch(AssertionError):
+    """A float32 gradient of the parallel module outside the tolerance of one process's, under ``plan``."""
+
+    def __init__(self, message: str, plan: Any) -> None:
+        super().__init__(message)
+        self.plan = plan
+
+
+def _exact_in_float64(case: Case, mismatch: "_Float32Mismatch") -> None:
+    """The same model in float64, its weights stored where the float32 plan put them: every rank's
+    gradients equal one process's in float64 to 1e-9 of the largest, or the float32 mismatch stands."""
+    model, inputs = build(case)
+    model, inputs = model.double(), tuple(x.double() for x in inputs)
+    graph = autotp.capture(model, inputs)
+    plan = plan_graph(graph, case.mesh, "cpu-gloo", case.mode, keep=dict(mismatch.plan.parameter_placements))
+    world = 1
+    for n in case.mesh:
+        world *= n
+    models = [copy.deepcopy((model, inputs)) for _ in range(world)] + [(model, inputs)]
+    grads = run_threads(_rank, world, case, graph, plan, models)
+    one = _gradients(model, inputs, case.seed)
+    gmax = max(g.abs().max().item() for g in one.values())
+    for name, want in one.items():
+        for rank, g in enumerate(grads):
+            if not torch.allclose(g[name], want, rtol=1e-9, atol=1e-9 * gmax):
+                raise AssertionError(f"{mismatch}\nand in float64, rank {rank}'s gradient of {name} is off by "
+                                     f"{(g[name] - want).abs().max().item():.3e} (largest gradient {gmax:.3e})")
+
+
+def _check(case: Case) -> str:
     model, inputs = build(case)
     graph = autotp.capture(model, inputs)
     try:
@@ -138,6 +181,9 @@ def check(case: Case) -> str:
         rounding = max((one[n].double() - exact[n]).abs().max().item() for n in one)
         for name, want in one.items():
             for rank, g in enumerate(grads):
-                torch.testing.assert_close(g[name], want, rtol=1e-4, atol=max(1e-5 * gmax, 4 * rounding),
-                                           msg=lambda m, name=name, rank=rank: f"rank {rank}, gradient of {name}: {m}")
+                try:
+                    torch.testing.assert_close(g[name], want, rtol=1e-4, atol=max(1e-5 * gmax, 4 * rounding),
+                                               msg=lambda m, name=name, rank=rank: f"rank {rank}, gradient of {name}: {m}")
+                except AssertionError as err:
+                    raise _Float32Mismatch(str(err), plan) from None
     return f"parameters sharded: {sharded}; collectives: {'some' if plan.collectives() else 'none'}"
