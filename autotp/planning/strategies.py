@@ -172,6 +172,8 @@ def _choices(node: OpNode, n: int, warned: Optional[_Warned], graph: Optional[Op
         choices = registry_axis_choices(graph, node, n)
         if choices is not None:
             return choices
+    if all(info.numel <= 1 for info in (*node.input_infos, *node.outputs)):
+        return _replicated(node, n)  # scalars only (a cache's position counter): nothing to split, nothing to warn of
     if warned is not None and t not in warned.kinds:
         warned.kinds.add(t)
         log.warning("autotp: no sharding rule for %s (first seen at node %s); it runs replicated", t, node.name)

@@ -351,6 +351,31 @@ def test_an_op_nobody_knows_runs_replicated_with_one_warning_per_kind(caplog):
         assert [str(s) for s in strategies[node.name]] == ["(RR) -> RR"]
 
 
+class Counter(nn.Module):
+    """A position counter advanced in place (a static cache's ``cumulative_length``) beside a matmul."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("count", torch.zeros((), dtype=torch.int64), persistent=False)
+
+    def forward(self, x):
+        self.count.add_(x.shape[0])
+        return x @ x.T + mystery(x).sum() * self.count
+
+
+def test_an_op_on_scalars_alone_runs_replicated_without_a_warning(caplog):
+    """By a symbolic size (the batch's here, a prompt's length in generate's cache graphs), the
+    registry has no rule for the in-place add, and every generate() warned of it."""
+    g = autotp.capture(Counter(), (torch.randn(4, 8),), dynamic_dims={"x": (0,)})
+    scalar = [n for n in g.ops() if n.target == "aten.add_.Tensor"]
+    assert scalar and all(n.outputs[0].numel == 1 for n in scalar)
+    with caplog.at_level(logging.WARNING, logger="autotp"):
+        strategies = all_strategies(g, (2,))
+    warnings = [r.getMessage() for r in caplog.records if "no sharding rule" in r.getMessage()]
+    assert warnings and all("aten.add_" not in w for w in warnings), warnings  # the unknown op on (4, 8) still warns
+    assert [str(s) for s in strategies[scalar[0].name]] == ["(R) -> R"]
+
+
 # ------------------------------------------------------------------------------------------------
 # the runtime runs a registry strategy
 
