@@ -247,3 +247,12 @@ def test_rotary_written_with_stack_or_complex_numbers_keeps_heads_split(style):
     large = [c for c in plan.collectives() if c.phase == "forward" and c.bytes >= seq * dim * 4 / 2]
     assert len(large) <= 4 * 2, [str(c) for c in large]
     assert {plan.parameter_placements[f"layers.0.{m}.weight"] for m in "qkv"} == {"S(0)"}
+
+
+def test_fill_splits_like_its_tensor_and_is_never_a_partial_sum():
+    """``x[:, 0] = start`` (BART's shift of its input ids) writes the value into each rank's piece;
+    check_rule runs every choice on pieces against the whole op."""
+    for op, args in ((torch.ops.aten.fill_.Tensor, (torch.randn(4, 6), torch.tensor(3.0))),
+                     (torch.ops.aten.fill_.Scalar, (torch.randn(4, 6), 2.0))):
+        checked = [str(s) for s in check_rule(op, args)]
+        assert {"(S(0)) -> S(0)", "(S(0), R) -> S(0)"} & set(checked) and not any("P" in s for s in checked), checked
