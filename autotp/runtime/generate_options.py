@@ -23,8 +23,7 @@ __all__ = ["GenerateOptions"]
 # generate() arguments autotp takes, and the values of Hugging Face's others that ask for nothing more
 _PLAIN = {"num_beams": 1, "num_beam_groups": 1, "num_return_sequences": 1, "assistant_model": None,
           "prompt_lookup_num_tokens": None, "penalty_alpha": None, "use_cache": True, "streamer": None,
-          "return_dict_in_generate": False, "output_scores": False, "output_logits": False, "guidance_scale": None}
-_ALSO_PLAIN = {"guidance_scale": (1.0,)}
+          "return_dict_in_generate": False, "output_scores": False, "output_logits": False}
 
 # the choices that shape the scores only (transformers' logits processors and warpers)
 _SCORES = {"temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h",
@@ -32,8 +31,10 @@ _SCORES = {"temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutof
            "encoder_no_repeat_ngram_size", "bad_words_ids", "min_length", "min_new_tokens", "forced_bos_token_id",
            "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
            "begin_suppress_tokens", "sequence_bias", "renormalize_logits"}
-_TAKEN = {"max_new_tokens", "do_sample", "eos_token_id", "pad_token_id", "decoder_start_token_id"} | _SCORES
-TAKEN = _TAKEN | {"input_ids", "attention_mask", "max_cache_len", "generator", "compile"}
+# guidance_scale is taken to be refused by name unless it asks for nothing (None, 1.0), as the config's is
+_TAKEN = {"max_new_tokens", "do_sample", "eos_token_id", "pad_token_id", "decoder_start_token_id",
+          "guidance_scale"} | _SCORES
+_LISTED = _TAKEN - {"guidance_scale"} | {"input_ids", "attention_mask", "max_cache_len", "generator", "compile"}
 
 
 @dataclass(frozen=True)
@@ -53,20 +54,20 @@ class GenerateOptions:
         from transformers import GenerationConfig
 
         for name, plain in _PLAIN.items():
-            if name in given and given.pop(name) not in (plain, *_ALSO_PLAIN.get(name, ())):
+            if name in given and given.pop(name) != plain:
                 raise NotImplementedError(f"generate({name}=...): autotp's generate runs greedy decoding or sampling, "
                                           f"one sequence per prompt; {name} other than {plain!r} is not supported "
                                           f"(docs/limits.md)")
         unknown = sorted(set(given) - _TAKEN)
         if unknown:
             raise TypeError(f"generate() got {', '.join(unknown)}, which autotp's generate does not take; it takes "
-                            f"{', '.join(sorted(TAKEN))}")
+                            f"{', '.join(sorted(_LISTED))}")
         merged = copy.deepcopy(config) if config is not None else GenerationConfig()
         merged.update(**given)
         if merged.guidance_scale not in (None, 1.0):
-            raise NotImplementedError(f"the model's generation_config asks for guidance_scale="
-                                      f"{merged.guidance_scale}: classifier-free guidance is not supported by autotp's "
-                                      f"generate (docs/limits.md); set generation_config.guidance_scale = None")
+            where = "given" if "guidance_scale" in given else "the model's generation_config asks for it"
+            raise NotImplementedError(f"guidance_scale={merged.guidance_scale} ({where}): classifier-free guidance "
+                                      f"is not supported by autotp's generate (docs/limits.md); leave it at None")
         new = given.get("max_new_tokens")
         if new is None:
             new = merged.max_new_tokens if merged.max_new_tokens is not None else merged.max_length - prompt_len

@@ -68,9 +68,9 @@ class CacheGraphs:
         self._compiled: dict[str, Callable] = {}
         device = switch.mesh.device_type
         meta = dict(dtype=torch.int64, device="meta")
+        length = max(prompt_len, 2)  # a prompt's graph holds every length from 2 (export specializes 1)
         if not self.encoder_decoder:
             model = with_static_cache(switch.skeleton, batch, max_cache_len, device)
-            length = max(prompt_len, 2)  # the prompt's graph holds every length from 2 (a length of 1 is the other)
             for kind, n in (("prompt", length), ("token", 1)):
                 # the mask spans the whole cache; the positions are not the ids: one tensor twice is one input
                 inputs = (torch.zeros(batch, n, **meta), torch.arange(n, device="meta"),
@@ -79,7 +79,6 @@ class CacheGraphs:
                 self._add(kind, model, inputs, dims, caches_from="prompt" if kind == "token" else None)
             return
         copies = with_encoder_decoder_cache(switch.skeleton, batch, max_cache_len, device)
-        length = max(prompt_len, 2)
         self._add("encoder", copies.encoder, (torch.zeros(batch, length, **meta), torch.ones(batch, length, **meta)),
                   {"input_ids": (1,), "attention_mask": (1,)}, caches_from=None)
         states = torch.zeros(batch, max_cache_len, copies.hidden_size, dtype=copies.dtype, device="meta")

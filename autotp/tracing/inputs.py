@@ -80,8 +80,8 @@ def distinct(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 @contextlib.contextmanager
 def cache_off(model: torch.nn.Module, kwargs: dict) -> Iterator[None]:
     """A model whose config asks for a KV cache (a Hugging Face model's ``config.use_cache``, True by
-    default; and a submodule's config, where it keeps a copy of its own) is traced with it off, unless the inputs say otherwise: a cache object cannot be traced,
-    and the forward with a cache is a graph of its own (``ParallelModule.generate``,
+    default; and a submodule's config, where it keeps a copy of its own) is traced with it off,
+    unless the inputs say otherwise: a cache object cannot be traced, and the forward with a cache is a graph of its own (``ParallelModule.generate``,
     :mod:`autotp.runtime.generation`). The config is put back as it was."""
     # every config that asks for one: a submodule may hold a copy of its own (T5's decoder stack)
     configs = {id(c): c for m in model.modules() for c in (getattr(m, "config", None),)

@@ -40,20 +40,10 @@ def softmax_choices(node: OpNode, n: int) -> list[AxisChoice]:
     return pointwise_choices(node, n, no_shard_dims=(node.args.int("dim", node.output.ndim),))
 
 
-def fill_choices(node: OpNode, n: int) -> list[AxisChoice]:
-    """``fill_`` (``x[:, 0] = start``): each rank fills its piece with the whole value; never a partial
-    sum (every rank would add the value)."""
-    out = node.output
-    choices: list[AxisChoice] = [((R,) * len(node.inputs), R)]
-    for d in range(out.ndim):
-        if divisible(out.shape[d], n):
-            choices.append(((S(d),) + (R,) * (len(node.inputs) - 1), S(d)))
-    return choices
-
-
 RULES = {
-    "aten.fill_.Tensor": fill_choices,
-    "aten.fill_.Scalar": fill_choices,
+    # x[:, 0] = start: each rank fills its piece; never a partial sum (fill_ is in no linear set)
+    "aten.fill_.Tensor": pointwise_choices,
+    "aten.fill_.Scalar": pointwise_choices,
     "aten.softmax.int": softmax_choices,
     "aten._softmax.default": softmax_choices,
     "aten.log_softmax.int": softmax_choices,
