@@ -31,6 +31,7 @@ from autotp.runtime.agreement import agreed_plan, dropout_seed
 from autotp.runtime.guard import DEFAULT_INPUT_CHECKS
 from autotp.runtime.module import ModeSwitch, ParallelModule, build_parallel_module, meta_copy
 from autotp.tracing.export import capture
+from autotp.tracing.loss import WithLoss
 from autotp.weights.meta import unfillable_state
 
 __all__ = ["parallelize", "default_hardware"]
@@ -69,7 +70,7 @@ def _device_type(model: nn.Module) -> Optional[str]:
 def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional[Plan] = None, hardware: Any = None,
                 mode: Optional[str] = None, memory_budget: Any = None, dynamic_dims: Any = None,
                 optimizer: Any = "adamw", recompute: Optional[bool] = None,
-                check_inputs: Any = DEFAULT_INPUT_CHECKS) -> ParallelModule:
+                check_inputs: Any = DEFAULT_INPUT_CHECKS, loss_fn: Any = None) -> ParallelModule:
     """Return a module that computes what ``model`` computes, sharded over ``mesh`` as planned.
 
     ``mesh`` must be a ``DeviceMesh`` over a live process group (every rank calls this with the same
@@ -85,6 +86,11 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
     (dropout, batch norm; the first switch to the other mode traces it, collectively:
     :mod:`autotp.runtime.module`). Default: the given plan's mode, else ``"train"``. The result owns its
     tensors: training it never changes ``model`` (``del model`` frees the model's memory).
+
+    ``loss_fn``: a function of the model's output and the targets, planned and run with the model
+    (:class:`autotp.tracing.loss.WithLoss`): the example inputs end with the targets (or hold
+    ``targets=``), and the result returns the loss. Cross-entropy on logits split by vocabulary runs
+    on the split logits (:mod:`autotp.planning.rules.losses`).
 
     Every rank must be given the same inputs (each reads its share of them itself):
     ``check_inputs`` compares a checksum of each input over the ranks on the first calls (an int:
@@ -107,6 +113,8 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
                         "to plan without processes call autotp.plan(model, (8,), example_inputs)")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model is a {type(model).__name__}; expected a torch.nn.Module")
+    if loss_fn is not None:
+        model = WithLoss(model, loss_fn)
     if mesh.get_coordinate() is None:
         import torch.distributed as dist
 

@@ -8,15 +8,17 @@
    Hugging Face LlamaForCausalLM: outputs and gradients against the original model.
 3. Predicted against measured forward+backward time of a mid-size LLaMA at world size 1 (no
    communication: this checks the compute roofline and kernel overheads alone).
-5. Generation on CUDA (``benchmarks/generate.py``'s measurement at world size 1): the ~100 M
+4. Memory: the plan's predicted peak per device against ``torch.cuda.max_memory_allocated`` over
+   the third AdamW step of a ~110 M LLaMA with its cross-entropy planned with it (``loss_fn=``).
+5. The real-size path on CUDA: a Hugging Face GPT-2 saved with ``save_pretrained`` (sharded
+   safetensors), built under ``autotp.meta_init()``, parallelized on the CUDA mesh, filled by
+   ``autotp.load_weights``: logits against ``from_pretrained`` on the same device, and the CUDA
+   bytes allocated while parallelizing and loading against the plan's parameter bytes.
+6. Generation on CUDA (``benchmarks/generate.py``'s measurement at world size 1): the ~100 M
    Llama in bf16, prompt 128, 128 new tokens, batch 1 and 8: autotp's ``generate`` (eager, and its
    decode step compiled with ``mode="reduce-overhead"``: CUDA graphs) against the model's own
    ``generate`` (its dynamic cache, and its static cache compiled, timed whole); the time per token
    of tokens 113-128 over tokens 2-17, per decoded token over the model's own, and the prompt's.
-4. The real-size path on CUDA: a Hugging Face GPT-2 saved with ``save_pretrained`` (sharded
-   safetensors), built under ``autotp.meta_init()``, parallelized on the CUDA mesh, filled by
-   ``autotp.load_weights``: logits against ``from_pretrained`` on the same device, and the CUDA
-   bytes allocated while parallelizing and loading against the plan's parameter bytes.
 """
 
 from __future__ import annotations
@@ -91,6 +93,49 @@ def predicted_vs_measured(device: str, mesh, dtype, small: bool = False) -> str:
     return (f"LLaMA dim {size['dim']} x {size['n_layer']} layers, seq {size['seq']}, {str(dtype).removeprefix('torch.')}: predicted "
             f"{predicted * 1e3:.1f} ms (h100-sxm profile), measured {measured * 1e3:.1f} ms, "
             f"predicted/measured {predicted / measured:.2f}")
+
+
+def predicted_vs_measured_memory(device: str, mesh) -> str:
+    """The plan's peak bytes per device against what a training step holds: a LLaMA with its
+    cross-entropy planned with it (``loss_fn=``), three AdamW steps, the third measured. On CUDA the
+    measure is ``torch.cuda.max_memory_allocated`` over the step (everything the caching allocator
+    hands out: parameters, gradients, optimizer state, inputs, activations, temporaries); in the CPU
+    dry run, ``benchmarks/memory.py``'s storage count."""
+    from benchmarks.memory import LiveBytes, cross_entropy
+
+    cuda = device == "cuda"
+    size = dict(dim=1024, n_head=16, n_kv_head=8, ffn_dim=2816, n_layer=4, vocab=32000, seq=1024) if cuda else dict(
+        dim=128, n_head=4, n_kv_head=2, ffn_dim=256, n_layer=2, vocab=512, seq=64)
+    model, inputs = models.tiny_llama(device=device, batch=4, **size)
+    targets = torch.randint(0, size["vocab"], inputs[0].shape, device=device)
+    pm = autotp.parallelize(model, mesh, (*inputs, targets), hardware="h100-sxm", loss_fn=cross_entropy)
+    del model
+    optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        pm(*inputs, targets).backward()
+        optimizer.step()
+
+    step()
+    step()  # the optimizer state exists from here on
+    _sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        _sync()
+        measured = torch.cuda.max_memory_allocated()
+    else:
+        meter = LiveBytes()
+        meter.track_training(pm, optimizer, (*inputs, targets))
+        with meter:
+            step()
+        measured = meter.peak
+    m = pm.plan.memory_per_device()
+    return (f"memory, LLaMA dim {size['dim']} x {size['n_layer']} layers, batch 4 x {size['seq']}, float32, "
+            f"AdamW: predicted peak {m.peak_bytes / 2**20:.1f} MiB ({m.peak_phase}), measured "
+            f"{measured / 2**20:.1f} MiB ({'max_memory_allocated' if cuda else 'storage count'}), "
+            f"predicted/measured {m.peak_bytes / measured:.2f}")
 
 
 def check_meta_load(device: str, mesh) -> str:
@@ -211,6 +256,7 @@ def main() -> None:
         print(f"hf_llama: not parallelized: {str(err).splitlines()[-1][:200]}")
     for dtype in (torch.float32, torch.bfloat16):
         print(predicted_vs_measured(device, mesh, dtype, small=not cuda))
+    print(predicted_vs_measured_memory(device, mesh))
     print(check_meta_load(device, mesh))
     for line in check_generate(device, mesh):
         print(line)

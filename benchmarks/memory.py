@@ -1,20 +1,20 @@
 """Does the memory model predict what a step holds? Predicted against measured peak bytes per rank.
 
 On 2 gloo ranks (CPU), a small Llama (``tiny_llama``: float32, dim 256, 8 heads, 4 kv heads, ffn
-768, vocab 2048, batch 4 x 128 tokens, ``--layers`` layers), five plans:
+768, vocab 2048, batch 4 x 128 tokens, ``--layers`` layers) with its cross-entropy planned with it
+(``loss_fn=``), nine plans (:func:`plans`): replicated, Megatron (pinned), the planner's under a
+roomy budget, at the least budget without recompute, tighter with recompute, sequence parallel
+(the Megatron pins at the least budget they fit without recompute), every layer but one
+recomputed, an inference plan (a forward without autograd), and a Hugging Face Llama computing its
+own loss (``labels=``).
 
-* ``replicated``: every weight pinned ``R``;
-* ``megatron``: q/k/v/gate/up and the LM head ``colwise``, o and down ``rowwise`` (pinned);
-* ``free``: the planner's own choice under a roomy budget;
-* ``tight``: the planner's choice at the least budget any plan fits without recompute;
-* ``recompute``: the same budget less a quarter of its activations, where the planner must recompute.
-
-Each rank runs three training steps (``zero_grad(set_to_none=True)``, forward, cross-entropy,
-backward, ``torch.optim.AdamW`` step) and measures the third under :class:`LiveBytes`, a
+Each training row runs three steps (``zero_grad(set_to_none=True)``, forward and loss, backward,
+``torch.optim.AdamW`` step) and measures the third under :class:`LiveBytes`, a
 ``TorchDispatchMode`` that counts every storage the step allocates until it is freed, on top of the
-parameters, buffers, optimizer state and inputs that live across steps. It prints, per plan, the
-plan's ``memory_per_device()`` (parameters, gradients, optimizer state, activations: their sum is
-what the budget bounds) and the measured peak, with what was alive at the peak, and their ratio.
+parameters, buffers, optimizer state and inputs that live across steps; the inference row measures
+one forward the same way. It prints, per plan, the plan's ``memory_per_device()`` (parameters,
+gradients, optimizer state, activations, and its peak over the phases of a step) and the measured
+peak, with what was alive at the peak and in which phase, and their ratio.
 
     .venv/bin/python -m benchmarks.memory [--layers 2] [--foreach]
 """
@@ -95,7 +95,7 @@ class LiveBytes(TorchDispatchMode):
             self.hooks.append(p.register_post_accumulate_grad_hook(lambda q: self.track(q.grad, "gradients")))
         for b in module.buffers():
             self.track(b, "parameters")
-        for state in optimizer.state.values():
+        for state in optimizer.state.values() if optimizer is not None else ():
             for v in state.values():
                 if isinstance(v, torch.Tensor):
                     self.track(v, "optimizer")
@@ -121,19 +121,46 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The loss the plans price and the steps run (``loss_fn=``)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def targets_of(inputs) -> torch.Tensor:
+    return torch.randint(0, 2048, inputs[0].shape, generator=torch.Generator().manual_seed(1))
+
+
 def build(layers: int):
     from examples.models import tiny_llama
 
     return tiny_llama(batch=4, seq=128, n_layer=layers, dim=256, n_head=8, n_kv_head=4, ffn_dim=768, vocab=2048)
 
 
-def plans(layers: int) -> dict[str, str]:
-    """The five plans, as JSON (made once, on the first rank)."""
+def hf_llama(layers: int):
+    """A Hugging Face Llama built from its config (float32), with its token ids as labels: the model
+    computes its own cross-entropy (shifted by one) and returns the loss beside the logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=layers, num_attention_heads=8,
+                         num_key_value_heads=4, vocab_size=2048, max_position_embeddings=256)
+    ids = torch.randint(0, 2048, (4, 128), generator=torch.Generator().manual_seed(2))
+    return LlamaForCausalLM(config), {"input_ids": ids, "labels": ids}
+
+
+def plans(layers: int) -> dict[str, tuple[str, str]]:
+    """The plans, as (model kind, plan JSON), made once on the first rank: on the tiny Llama with its
+    cross-entropy planned with it (``loss_fn=``), ``replicated``, ``megatron``, ``free``, ``tight``,
+    ``recompute`` (see the module docstring), ``sequence`` (the Megatron pins at the least budget
+    they fit without recompute: the norms' tokens split along the sequence), ``all-but-one`` (the
+    least budget any plan fits: every layer but one recomputes); ``inference`` (the model alone, in eval mode, the
+    planner's choice); ``hf-llama`` (a Hugging Face Llama with ``labels=``, the planner's choice)."""
     import autotp
     from autotp.planning.planner import plan_graph
+    from autotp.tracing.loss import WithLoss
 
     model, inputs = build(layers)
-    graph = autotp.capture(model, inputs)
+    graph = autotp.capture(WithLoss(model, cross_entropy), (*inputs, targets_of(inputs)))
     hw = "cpu-gloo"
 
     def least(**kwargs) -> float:
@@ -143,19 +170,38 @@ def plans(layers: int) -> dict[str, str]:
             return err.minimum_bytes
         raise AssertionError("a budget of one byte was met")
 
+    def fitting(budget: float, **kwargs):
+        """The plan at the least of budget x 1.001, 1.01, 1.02, ... that a plan fits (the least any
+        plan needs is a lower bound: the gathered copies a plan keeps depend on the plan)."""
+        for scale in (1.001, 1.01, 1.02, 1.05, 1.1, 1.2, 1.5):
+            try:
+                return plan_graph(graph, (2,), hw, memory_budget=budget * scale, **kwargs)
+            except autotp.MemoryBudgetError:
+                continue
+        raise AssertionError(f"no plan fits {budget * 1.5:.0f} bytes")
+
     megatron = {n: "S(0)" if any(k in n for k in _COLWISE) else "S(1)" if any(k in n for k in _ROWWISE) else "R"
                 for n, _ in model.named_parameters()}
-    tight = least(recompute=False) * 1.001
+    tight_plan = fitting(least(recompute=False), recompute=False)
+    tight = tight_plan.memory.budget_bytes
     out = {
         "replicated": plan_graph(graph, (2,), hw, memory_budget="100GB", recompute=False,
                                  pin={n: "R" for n, _ in model.named_parameters()}),
         "megatron": plan_graph(graph, (2,), hw, memory_budget="100GB", recompute=False, pin=megatron),
         "free": plan_graph(graph, (2,), hw, memory_budget="100GB"),
-        "tight": plan_graph(graph, (2,), hw, memory_budget=tight, recompute=False),
+        "tight": tight_plan,
     }
     activations = out["tight"].memory.activations_bytes
-    out["recompute"] = plan_graph(graph, (2,), hw, memory_budget=max(tight - activations / 4, least() * 1.001))
-    return {name: plan.to_json() for name, plan in out.items()}
+    out["recompute"] = fitting(max(tight - activations / 4, least()))
+    out["sequence"] = fitting(least(recompute=False, pin=megatron), recompute=False, pin=megatron)
+    assert any(c.kind == "reduce_scatter" for c in out["sequence"].collectives()), "no sequence split"
+    out["all-but-one"] = fitting(least())
+    made = {name: ("loss", plan.to_json()) for name, plan in out.items()}
+    made["inference"] = ("inference", plan_graph(autotp.capture(model, inputs, training=False), (2,), hw,
+                                                 mode="inference", memory_budget="100GB").to_json())
+    hf, kwargs = hf_llama(layers)
+    made["hf-llama"] = ("hf", plan_graph(autotp.capture(hf, kwargs), (2,), hw, memory_budget="100GB").to_json())
+    return made
 
 
 def _rank(rank: int, world: int, layers: int, foreach) -> dict:
@@ -168,39 +214,62 @@ def _rank(rank: int, world: int, layers: int, foreach) -> dict:
     made = [plans(layers) if rank == 0 else None]
     dist.broadcast_object_list(made, src=0)
     results = {}
-    for name, text in made[0].items():
+    for name, (kind, text) in made[0].items():
         plan = autotp.Plan.from_json(text)
-        model, inputs = build(layers)
-        pm = autotp.parallelize(model, mesh, inputs, plan=plan)
+        if kind == "hf":
+            model, kwargs = hf_llama(layers)
+            pm = autotp.parallelize(model, mesh, kwargs, plan=plan)
+            held = tuple(kwargs.values())
+            output: list = []
+
+            def run():  # as a user's loop holds it: the output, logits and all, lives through the backward
+                output[:] = [pm(**kwargs)]
+                return output[0].loss
+        else:
+            model, inputs = build(layers)
+            targets = targets_of(inputs)
+            if kind == "loss":
+                pm = autotp.parallelize(model, mesh, (*inputs, targets), plan=plan, loss_fn=cross_entropy)
+                held = (*inputs, targets)
+                run = lambda: pm(*inputs, targets)  # noqa: E731
+            else:
+                pm = autotp.parallelize(model, mesh, inputs, plan=plan)
+                held = inputs
         del model
-        optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=foreach)
-        targets = torch.randint(0, 2048, inputs[0].shape, generator=torch.Generator().manual_seed(1))
-
-        def step(meter=None):
-            optimizer.zero_grad(set_to_none=True)
-            logits = pm(*inputs)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
-            del logits
-            if meter is not None:
-                meter.phase = "backward"
-            loss.backward()
-            if meter is not None:
-                meter.phase = "optimizer step"
-            optimizer.step()
-
-        step()
-        step()  # the optimizer state exists from here on
-        meter = LiveBytes()
-        meter.track_training(pm, optimizer, inputs)
-        with meter:
-            step(meter)
         m = plan.memory_per_device()
-        results[name] = dict(predicted=(m.parameters_bytes, m.gradients_bytes, m.optimizer_bytes,
-                                        m.activations_bytes, m.total_bytes),
-                             peak=meter.peak, at_peak=meter.at_peak, phase=meter.peak_phase,
-                             recompute=len(plan.recompute),
-                             styles=sorted(set(plan.module_styles().values()) - {"replicate"}))
-        del pm, optimizer
+        row = dict(predicted=(m.parameters_bytes, m.gradients_bytes, m.optimizer_bytes, m.activations_bytes,
+                              m.total_bytes), recompute=len(plan.recompute),
+                   styles=sorted(set(plan.module_styles().values()) - {"replicate"}), budget=m.budget_bytes)
+        if kind == "inference":
+            with torch.no_grad():
+                pm(*inputs)
+                meter = LiveBytes()
+                meter.track_training(pm, None, held)
+                with meter:
+                    logits = pm(*inputs)
+                del logits
+        else:
+            optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=foreach)
+
+            def step(meter=None):
+                optimizer.zero_grad(set_to_none=True)
+                loss = run()
+                if meter is not None:
+                    meter.phase = "backward"
+                loss.backward()
+                if meter is not None:
+                    meter.phase = "optimizer step"
+                optimizer.step()
+
+            step()
+            step()  # the optimizer state exists from here on
+            meter = LiveBytes()
+            meter.track_training(pm, optimizer, held)
+            with meter:
+                step(meter)
+            del optimizer
+        results[name] = dict(row, peak=meter.peak, at_peak=meter.at_peak, phase=meter.peak_phase)
+        del pm
     return results
 
 
@@ -210,8 +279,9 @@ def main() -> None:
     ap.add_argument("--foreach", action="store_true", help="AdamW(foreach=True) (default: torch's choice)")
     args = ap.parse_args()
     results = run_ranks(_rank, 2, args.layers, True if args.foreach else None)
-    print(f"tiny_llama, {args.layers} layers, dim 256, batch 4 x 128, float32; 2 gloo ranks; AdamW; MB per rank "
-          f"(rank 0; rank 1 in brackets where it differs)")
+    print(f"tiny_llama, {args.layers} layers, dim 256, batch 4 x 128, float32, its cross-entropy planned with it "
+          f"(hf-llama: LlamaForCausalLM with labels=); 2 gloo ranks; AdamW; MB per rank (rank 0; rank 1 in brackets "
+          f"where it differs)")
     head = (f"{'plan':11} {'recompute':>9} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'predicted':>9} | "
             f"{'measured':>9} {'phase':>15} | {'params':>7} {'grads':>7} {'optim':>7} {'other':>7} | pred/meas")
     print(head)
@@ -225,8 +295,15 @@ def main() -> None:
         print(f"{name:11} {r['recompute']:>9} {p[0] / MB:7.2f} {p[1] / MB:7.2f} {p[2] / MB:7.2f} {p[3] / MB:7.2f} "
               f"{p[4] / MB:9.2f} | {r['peak'] / MB:9.2f}{also} {r['phase']:>15} | {a['parameters'] / MB:7.2f} "
               f"{a['gradients'] / MB:7.2f} {a['optimizer'] / MB:7.2f} {other / MB:7.2f} | {p[4] / r['peak']:.2f}")
-    print("other = activations kept for the backward, the loss's tensors and the step's temporaries, alive at "
-          "the peak")
+    print("other = activations kept for the backward, the loss's tensors and gradients, and the step's "
+          "temporaries, alive at the peak")
+    ratios = [r["predicted"][4] / r["peak"] for r in results[0].values()]
+    print(f"predicted / measured: {min(ratios):.2f} to {max(ratios):.2f} over {len(ratios)} plans (goal 0.9-1.1)")
+    bound = {name: max(r["peak"], results[1][name]["peak"]) / r["budget"] for name, r in results[0].items()
+             if r["budget"] is not None and r["budget"] < 1e10}
+    print("planned under a budget that binds (measured peak of the fuller rank / budget): "
+          + ", ".join(f"{name} {v:.2f}" for name, v in bound.items())
+          + f"; every one within its budget: {all(v <= 1 for v in bound.values())}")
 
 
 if __name__ == "__main__":

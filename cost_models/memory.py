@@ -11,6 +11,8 @@ For a parameter of ``numel`` elements of which a device holds ``shard_fraction``
   ``torch.optim`` allocates them (``zeros_like(param)``), or in ``state_dtype_bytes`` if given;
   with mixed precision (``master_dtype_bytes``: e.g. bf16 parameters, fp32 master weights) one
   master copy per element too, and the state in the master's dtype.
+- step temporaries (``mode="train"``): what the optimizer's step allocates while it runs and frees
+  after (:meth:`OptimizerSpec.step_temporary_bytes_per_element`).
 - ``mode="inference"``: no gradients and no optimizer state.
 
 Not modelled: activations (priced per node elsewhere), allocator fragmentation, an Adafactor's
@@ -62,6 +64,15 @@ class OptimizerSpec:
         state = self.state_dtype_bytes or self.master_dtype_bytes or param_dtype_bytes
         return OPTIMIZER_STATES[self.name] * state + (self.master_dtype_bytes or 0)
 
+    def step_temporary_bytes_per_element(self, param_dtype_bytes: int) -> float:
+        """Bytes per local parameter element the optimizer's step allocates while it runs, beside its
+        state: ``torch.optim``'s multi-tensor (foreach) step, the default on CUDA, makes one
+        parameter-sized list of intermediates (Adam's ``sqrt(v) + eps``; SGD's momentum update); plain
+        SGD none."""
+        if not OPTIMIZER_STATES[self.name]:
+            return 0.0
+        return float(self.state_dtype_bytes or self.master_dtype_bytes or param_dtype_bytes)
+
     def describe(self) -> str:
         extra = []
         if self.master_dtype_bytes:
@@ -90,6 +101,7 @@ class ModelStateBytes:
     parameters_bytes: float
     gradients_bytes: float
     optimizer_bytes: float
+    step_temporary_bytes: float = 0.0  # allocated while the optimizer's step runs, then freed
 
     @property
     def total_bytes(self) -> float:
@@ -118,7 +130,8 @@ def model_state_bytes(
     parameters_bytes = local_numel * int(param_dtype_bytes)
     if mode == "inference":
         return ModelStateBytes(parameters_bytes, 0.0, 0.0)
-    return ModelStateBytes(parameters_bytes, parameters_bytes, local_numel * spec.bytes_per_element(dtype_bytes))
+    return ModelStateBytes(parameters_bytes, parameters_bytes, local_numel * spec.bytes_per_element(dtype_bytes),
+                           local_numel * spec.step_temporary_bytes_per_element(dtype_bytes))
 
 
 def _is_real(value: object) -> bool:

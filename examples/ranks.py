@@ -52,6 +52,8 @@ def _worker(rank: int, world: int, fn: Callable, args: tuple, out_dir: str) -> N
         payload = ("error", traceback.format_exc())
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(payload, f)
+    if payload[0] == "error":  # the others may wait for this rank in a collective: the parent ends them
+        os._exit(1)
     try:
         dist.barrier()
     finally:
@@ -61,15 +63,24 @@ def _worker(rank: int, world: int, fn: Callable, args: tuple, out_dir: str) -> N
 def run_ranks(fn: Callable, world: int, *args: Any) -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` gloo processes; returns every rank's result."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(world, fn, args, out_dir), nprocs=world, join=True,
-                           start_method="spawn")
+        try:
+            mp.start_processes(_worker, args=(world, fn, args, out_dir), nprocs=world, join=True,
+                               start_method="spawn")
+            exited = None
+        except mp.ProcessExitedException as err:  # a rank failed; the others were ended
+            exited = err
         results = []
         for rank in range(world):
-            with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:
+            path = os.path.join(out_dir, f"rank{rank}.pkl")
+            if not os.path.exists(path):  # ended while it waited for the failed rank
+                continue
+            with open(path, "rb") as f:
                 status, value = pickle.load(f)
             if status != "ok":
                 raise AssertionError(f"rank {rank} failed:\n{value}")
             results.append(value)
+        if exited is not None:
+            raise exited
         return results
 
 

@@ -56,3 +56,21 @@ def test_the_readme_example_runs_as_written():
 def test_each_example_runs_as_written(path):
     proc = run(run_line(path), 900)
     assert proc.returncode == 0, f"{run_line(path)}\n{proc.stderr[-3000:]}"
+
+
+def _fails_on_rank_zero(rank: int, world: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if rank == 0:
+        raise ValueError("rank zero fails before its broadcast")
+    dist.broadcast(torch.zeros(1), src=0)  # waits for rank 0, which never comes
+
+
+def test_a_rank_that_fails_ends_the_ranks_waiting_for_it():
+    """run_ranks reports the failed rank's error instead of hanging on the ranks that wait for it in
+    a collective (gloo's wait would last its 30-minute timeout)."""
+    from examples.ranks import run_ranks
+
+    with pytest.raises(AssertionError, match="rank 0 failed(.|\n)*rank zero fails before its broadcast"):
+        run_ranks(_fails_on_rank_zero, 2)

@@ -8,6 +8,7 @@ integer linear program. It reads the graph from :mod:`autotp.tracing` and never 
 - ``rules/``            autotp's sharding rules by op family, and the user's (``register_rule``)
 - ``dtensor_rules``     DTensor's op-strategy registry, behind one adapter, for the ops left over
 - ``costing``           seconds of compute and communication, and bytes of memory, per choice
+- ``saved``             what autograd keeps for the backward, and what a forward holds at once
 - ``redistribute``      the collectives that turn one placement into another, and their cost
 - ``tying``             repeated layers found, to share one set of ILP variables
 - ``followers``         views merged into the op they follow, before the ILP

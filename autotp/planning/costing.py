@@ -40,14 +40,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 from cost_models import (HardwareProfile, OptimizerSpec, collective_time_s, compute_time_s, model_state_bytes,
                          optimizer_spec)
 
 from autotp.mesh import MeshSpec
 from autotp.placement import Placement, R, Strategy, axis_divisor, plain, shard_divisor
-from autotp.tracing.graph import BUFFER, PARAMETER, OpNode, TensorInfo, dtype_bytes
+from autotp.planning.rules.losses import loss_collectives
+from autotp.planning.saved import forward_liveness, kept_storages
+from autotp.tracing.graph import BUFFER, PARAMETER, OpGraph, OpNode, TensorInfo, dtype_bytes
 from autotp.planning.redistribute import (all_reduce_copies, conversion, is_convertible, reorder_copies, step_bytes,
                                  step_copies)
 
@@ -65,18 +67,29 @@ class MemoryParts:
     optimizer_bytes: float = 0.0
     activations_bytes: float = 0.0
     buffers_bytes: float = 0.0  # held for the model's lifetime: caches, running statistics, masks
+    transient_bytes: float = 0.0  # the gradients the backward starts from (of the model's outputs)
+    step_temporary_bytes: float = 0.0  # what the optimizer's step allocates while it runs
 
     @property
-    def total_bytes(self) -> float:
-        return (self.parameters_bytes + self.gradients_bytes + self.optimizer_bytes + self.activations_bytes
-                + self.buffers_bytes)
+    def backward_start_bytes(self) -> float:
+        """At the start of the backward (the peak of most steps): everything the forward kept, the
+        state, and the first gradients; no parameter's gradient exists yet."""
+        return (self.parameters_bytes + self.optimizer_bytes + self.activations_bytes + self.buffers_bytes
+                + self.transient_bytes)
+
+    @property
+    def optimizer_step_bytes(self) -> float:
+        """At the optimizer's step: the state, every gradient, and the step's temporaries; the
+        activations are gone."""
+        return (self.parameters_bytes + self.optimizer_bytes + self.gradients_bytes + self.buffers_bytes
+                + self.step_temporary_bytes)
 
 
 class CostModel:
     """Prices strategies on one mesh with one hardware profile, in ``train`` or ``inference`` mode."""
 
     def __init__(self, mesh: MeshSpec, profile: HardwareProfile, mode: str,
-                 optimizer: Union[str, OptimizerSpec, None] = "adamw") -> None:
+                 optimizer: Union[str, OptimizerSpec, None] = "adamw", graph: Optional[OpGraph] = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: expected one of {MODES}")
         self.optimizer = optimizer_spec(optimizer)
@@ -87,6 +100,14 @@ class CostModel:
         self._links = tuple(profile.link_for_axis(mesh.shape, a) for a in range(mesh.ndim))
         self._collective_cached = lru_cache(maxsize=None)(self._collective_uncached)
         self._edge_cached = lru_cache(maxsize=None)(self._edge_uncached)
+        self._event_cached = lru_cache(maxsize=None)(self._backward_event_uncached)
+        # one conversion per (shape, src, dst, partial-gradient axes), shared by the time and memory figures
+        self._conversion = lru_cache(maxsize=None)(
+            lambda shape, src, dst, axes: conversion(shape, src, dst, self.mesh.shape, axes))
+        # what the backward of the graph keeps (autotp.planning.saved); without a graph, every output
+        # that needs a gradient is priced as kept (an upper bound)
+        self.kept = kept_storages(graph) if graph is not None and self.train else None
+        self._returned = frozenset(graph.outputs) if graph is not None else frozenset()
 
     # -- communication -------------------------------------------------------------------------
 
@@ -125,7 +146,7 @@ class CostModel:
     def _edge_uncached(self, info: TensorInfo, src: tuple, dst: tuple, grad_axes: tuple) -> tuple[float, float]:
         """Seconds of the redistribution's forward (collectives and copies) and of its backward."""
         forward_s = backward_s = 0.0
-        steps = conversion(info.shape, src, dst, self.mesh.shape, grad_axes if self.train else ())
+        steps = self._conversion(tuple(info.shape), src, dst, grad_axes if self.train else ())
         for step in steps.steps:
             size = step_bytes(step, steps.shape, info.nbytes, self.mesh.shape)
             copies_fwd, copies_bwd = step_copies(step, steps.shape, self.mesh.shape[step.axis], info.nbytes)
@@ -176,7 +197,13 @@ class CostModel:
         seconds = self.gradient_sums_s(node, strategy, gradient_reads)
         if node.is_placeholder or node.is_view:
             return seconds
-        return seconds + self._work_s(node, strategy)
+        return seconds + self._work_s(node, strategy) + self.inner_collectives_s(node, strategy)
+
+    def inner_collectives_s(self, node: OpNode, strategy: Strategy) -> float:
+        """Seconds of the collectives an op runs inside itself: a loss on split classes
+        (:func:`autotp.planning.rules.losses.loss_collectives`); forward only."""
+        return sum(self.collective_s(kind, axis, size)
+                   for kind, axis, size in loss_collectives(node, strategy, self.mesh.shape))
 
     def gradient_sums_s(self, node: OpNode, strategy: Strategy, gradient_reads: int) -> float:
         """Seconds of adding up the ``gradient_reads`` gradients of the node's output (training only)."""
@@ -189,7 +216,7 @@ class CostModel:
         """Roofline seconds of the node's forward alone (what recomputing it costs)."""
         if node.is_placeholder or node.is_view:
             return 0.0
-        return self._forward(node, strategy)[0]
+        return self._forward(node, strategy)[0] + self.inner_collectives_s(node, strategy)
 
     def _forward(self, node: OpNode, strategy: Strategy) -> tuple[float, float, list, float, str]:
         # the work splits over an axis only where some tensor is cut in pieces on it: an op on
@@ -226,12 +253,97 @@ class CostModel:
             fraction = 1.0 / shard_divisor(info.shape, strategy.output, self.mesh.shape)
             state = model_state_bytes(info.numel, dtype_bytes(info.dtype), fraction,
                                       mode=self.mode if node.requires_grad else "inference", optimizer=self.optimizer)
-            return MemoryParts(state.parameters_bytes, state.gradients_bytes, state.optimizer_bytes, 0.0)
+            return MemoryParts(state.parameters_bytes, state.gradients_bytes, state.optimizer_bytes, 0.0,
+                               step_temporary_bytes=state.step_temporary_bytes)
         if node.role == BUFFER:
             return MemoryParts(buffers_bytes=self.local_bytes(node.output, strategy.output))
-        if self.train and node.requires_grad and not node.is_placeholder and not node.is_view:
+        if not self.train or not node.requires_grad or node.is_placeholder:
+            return MemoryParts()
+        if self.kept is None:
+            if node.is_view:
+                return MemoryParts()
             return MemoryParts(activations_bytes=sum(self.local_bytes(o, strategy.output) for o in node.outputs))
-        return MemoryParts()
+        local = self.local_bytes(node.outputs[0], strategy.output)
+        kept = local if node.name in self.kept.kept else 0.0
+        extra = self.kept.extra_per_element.get(node.name, 0.0)
+        if extra:
+            extra *= node.outputs[0].numel / shard_divisor(node.outputs[0].shape, strategy.output, self.mesh.shape)
+        # a returned tensor's gradient arrives, and the first op of the backward makes one of its size
+        transient = 2 * local if node.name in self.kept.returned else 0.0
+        if node.name in self.kept.held:  # returned beside the loss (logits): whole, alive through the backward
+            transient += sum(o.nbytes for o in node.outputs)
+        per_input = self.kept.extra_per_input_element.get(node.name, 0.0)
+        first = self.local_bytes(node.input_infos[0], strategy.inputs[0]) if node.inputs else 0.0
+        transient += self.kept.transient_per_input_element.get(node.name, 0.0) * first
+        return MemoryParts(activations_bytes=kept + extra + per_input * first, transient_bytes=transient)
+
+    def alive_bytes(self, node: OpNode, strategy: Strategy) -> float:
+        """Bytes a rank holds of the node's outputs while they live in a forward: their local
+        pieces; a graph output, which the module returns whole, at least whole."""
+        local = sum(self.local_bytes(o, strategy.output) for o in node.outputs)
+        return max(local, sum(o.nbytes for o in node.outputs)) if node.name in self._returned else local
+
+    def forward_peak_bytes(self, graph: OpGraph, chosen: Mapping[str, Strategy]) -> float:
+        """The most bytes of op outputs alive at once in a forward without autograd, under the
+        strategies ``chosen`` (:func:`autotp.planning.saved.forward_liveness`)."""
+        return forward_liveness(graph).peak(lambda r: self.alive_bytes(graph[r], chosen[r]))
+
+    def copy_bytes(self, info: TensorInfo, produced: Sequence[Placement], read: Optional[Sequence[Placement]]) -> float:
+        """Bytes a reader that keeps its input for the backward keeps beyond its producer's output,
+        when it reads ``info`` made at ``produced`` as ``read``: a gathered copy, larger than the
+        piece it came from (a reduced partial sum or a slice takes no more than its source)."""
+        if not self.train or read is None:
+            return 0.0
+        return max(0.0, self.local_bytes(info, read) - self.local_bytes(info, produced))
+
+    def backward_event_bytes(self, info: TensorInfo, produced: Sequence[Placement],
+                             read: Optional[Sequence[Placement]], grad_axes: Sequence[int] = ()) -> float:
+        """Bytes alive at once, beside the activations still kept, while the backward turns the
+        gradient of a read at ``read`` into its producer's placement ``produced`` (the gradient of
+        a gather is reduce-scattered; of a reduce-scatter, gathered): the gradient as read and as
+        produced, and where the collective moves a dim other than the first, a contiguous copy of
+        each. Zero where the backward moves nothing."""
+        if not self.train or read is None:
+            return 0.0
+        return self._event_cached(info, tuple(produced), tuple(read), tuple(grad_axes))
+
+    def _backward_event_uncached(self, info: TensorInfo, produced: tuple, read: tuple, grad_axes: tuple) -> float:
+        src = plain(produced)
+        if tuple(src) == tuple(read) or not is_convertible(tuple(src), tuple(read)):
+            return 0.0
+        steps = self._conversion(tuple(info.shape), tuple(src), read, grad_axes).steps
+        moving = [s for s in steps if s.backward]
+        if not moving:
+            return 0.0
+        both = self.local_bytes(info, read) + self.local_bytes(info, src)
+        inner = any(p.is_shard and p.dim != 0 for s in moving for p in (s.src, s.dst))
+        return 2 * both if inner else both
+
+    def backward_events_bytes(self, graph: OpGraph, chosen: Mapping[str, Strategy]) -> float:
+        """The largest :meth:`backward_event_bytes` of any read under the strategies ``chosen``."""
+        if not self.train:
+            return 0.0
+        most = 0.0
+        for v in graph.nodes:
+            for k, u in enumerate(v.inputs):
+                if graph[u].requires_grad:
+                    most = max(most, self.backward_event_bytes(v.input_infos[k], chosen[u].output,
+                                                               chosen[v.name].inputs[k]))
+        return most
+
+    def copies_bytes(self, graph: OpGraph, chosen: Mapping[str, Strategy]) -> float:
+        """What the readers that keep their inputs keep beyond their producers' outputs
+        (:meth:`copy_bytes`) under the strategies ``chosen``; readers that read one value at one
+        placement share one copy."""
+        if self.kept is None:
+            return 0.0
+        seen: dict[tuple, float] = {}
+        for v, k in self.kept.saved_reads:
+            node = graph[v]
+            u = node.inputs[k]
+            read = chosen[v].inputs[k]
+            seen[(u, read)] = self.copy_bytes(node.input_infos[k], chosen[u].output, read)
+        return sum(seen.values())
 
 
 def _work_divisor(node: OpNode, strategy: Strategy, axis: int, n: int) -> float:

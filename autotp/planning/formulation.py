@@ -97,8 +97,18 @@ class Formulation:
         self.x: dict[str, list[pulp.LpVariable]] = {}
         self.n_vars = 0
         self.mem: dict[str, list[float]] = {}
-        self.memory_terms: list = []  # the memory row's terms, in GiB; added only if a plan without it does not fit
+        self.memory_terms: list = []  # the memory rows' terms, in GiB; added only if a plan without them does not fit
+        self.step_terms: list = []
+        self.mem_step: dict[str, list[float]] = {}
         self.memory_needed = False
+        # the gathered copies readers keep for the backward (autotp.planning.saved): bytes on a
+        # redistribution's variable, or folded into a node's choices (root -> bytes per strategy)
+        self.copy_terms: list[tuple[float, pulp.LpVariable]] = []
+        self.copy_mem: dict[str, list[float]] = {}
+        # per read whose gradient the backward converts: the bytes that conversion holds at once
+        # (CostModel.backward_event_bytes), as terms on its variables; the backward's start peaks at
+        # the largest of them or the loss's own gradients
+        self.event_rows: list[list[tuple[float, pulp.LpVariable]]] = []
         # product variables of each edge that has them, keyed (producer rep, reader rep, input index),
         # when they were built with the readers' partial-gradient axes (a tensor that carries a gradient)
         self.products: dict[tuple[str, str, int], dict[tuple, pulp.LpVariable]] = {}
@@ -184,13 +194,25 @@ class Formulation:
                         c[(p, (q, axes))] += count * self.cost.edge_s(info, p, q, grad, axes)
             if (rv, k) in self.pinned:
                 c = self._as_is(c, outs, ins)
+            kept = self._copies(pairs, k, outs, ins)
             if all(val == 0.0 for val in c.values()):
                 continue
+            event: dict[tuple, float] = {}
+            if grad:
+                info = self.graph[pairs[0][1]].input_infos[k]
+                event = {(p, (q, axes)): b for p in outs for q, axes in ins
+                         if (b := self.cost.backward_event_bytes(info, p, q, axes))}
             chain = self.chain_of.get(rv)
             # the forward part, per layer of the reader's chain: priced only if recompute is tried
             fwd = _Lazy(lambda pairs=pairs, k=k, outs=outs, ins=ins, chain=chain: self._forward_parts(
                 Counter(self.graph[v].input_infos[k] for _, v in pairs), outs, ins, len(self.chains[chain])))
             if len(outs) == 1 or len(ins) == 1:  # the cost depends on one end only: fold it in
+                if event:
+                    self._add_event(ru, lambda st: event.get((st.output, ins[0]), 0.0)) if len(ins) == 1 else \
+                        self._add_event(rv, lambda st: event.get((outs[0], self._requirement(st, k, grad)), 0.0))
+                if kept:
+                    self._add_copy(ru, lambda st: kept.get((st.output, ins[0]), 0.0)) if len(ins) == 1 else \
+                        self._add_copy(rv, lambda st: kept.get((outs[0], self._requirement(st, k, grad)), 0.0))
                 if len(ins) == 1:
                     self.add_cost(ru, lambda st: c[(st.output, ins[0])])
                     if chain is not None:
@@ -202,6 +224,9 @@ class Formulation:
                                                       fwd()[(o, self._requirement(st, k, grad))]))
                 continue
             y = self._product(f"{e}_{g}", ru, outs, rv, need, ins, c)
+            self.copy_terms += [(kept[pq], var) for pq, var in y.items() if kept.get(pq)]
+            if event:
+                self.event_rows.append([(event[pq], var) for pq, var in y.items() if event.get(pq)])
             if grad:
                 self.products[(ru, rv, k)] = y
             for pq, var in y.items():
@@ -218,6 +243,35 @@ class Formulation:
                 for q, axes in ins:
                     fwd[(p, (q, axes))] += count * self.cost.edge_forward_s(info, p, q, axes) / per_layer
         return fwd
+
+    def _copies(self, pairs: Sequence[tuple[str, str]], k: int, outs: list, ins: list) -> dict[tuple, float]:
+        """Per (output placement, requirement): the bytes the readers in ``pairs`` keep beyond their
+        producers' outputs when they keep input ``k`` for the backward (a gathered copy:
+        :meth:`autotp.planning.costing.CostModel.copy_bytes`); empty where they keep nothing."""
+        saved = self.cost.kept.saved_reads if self.cost.kept is not None else ()
+        infos = Counter(self.graph[v].input_infos[k] for _, v in pairs if (v, k) in saved)  # tied layers read alike
+        kept: dict[tuple, float] = defaultdict(float)
+        for info, count in infos.items():
+            for p in outs:
+                for q, axes in ins:
+                    kept[(p, (q, axes))] += count * self.cost.copy_bytes(info, p, q)
+        return {pq: b for pq, b in kept.items() if b}
+
+    def _add_event(self, r: str, bytes_of) -> None:
+        """A backward event whose bytes depend on r's strategy alone: a row of its root's choices."""
+        root = self.root[r]
+        row = [0.0] * len(self.strategies[root])
+        for s, mine in enumerate(self.fmap[r]):
+            row[s] += bytes_of(self.strategies[r][mine])
+        if any(row):
+            self.event_rows.append([(b, self.x[root][s]) for s, b in enumerate(row) if b])
+
+    def _add_copy(self, r: str, bytes_of) -> None:
+        """Add ``bytes_of(strategy of r)`` to the kept copies of each strategy of r's root."""
+        root = self.root[r]
+        row = self.copy_mem.setdefault(root, [0.0] * len(self.strategies[root]))
+        for s, mine in enumerate(self.fmap[r]):
+            row[s] += bytes_of(self.strategies[r][mine])
 
     def _shared_value(self, e: int, ru: str, instances: Mapping[str, list[tuple[str, int]]]) -> None:
         """Several readers: readers that need the same thing share one redistribution, paid once.
@@ -240,11 +294,20 @@ class Formulation:
             grad = self.cost.train and self.graph[name].requires_grad
             info = self.graph[readers[0][0]].input_infos[readers[0][1]]
             alike[(info, grad, tuple(sorted((self.rep[v], k) for v, k in readers)))] += 1
+        saved = self.cost.kept.saved_reads if self.cost.kept is not None else ()
+        kept: dict[tuple, float] = defaultdict(float)  # per (p, redistribution): the copy its savers keep
         for (info, grad, reps_read), count in alike.items():
             mine: set[tuple] = set()
+            copies: dict[tuple, float] = {}  # readers of one value that read it alike keep one copy
             for rv, k in reps_read:
                 readers_rep.add((rv, k))
                 mine.update(self._requirement(st, k, grad) for st in self.strategies[rv])
+                if (rv, k) in saved:
+                    for kk in {self._requirement(st, k, grad) for st in self.strategies[rv]}:
+                        for p in outs:
+                            copies[_redistribution(p, kk)] = count * self.cost.copy_bytes(info, p, kk[0])
+            for once, b in copies.items():
+                kept[once] += b
             for q, axes in mine:
                 for p in outs:
                     c[(p, (q, axes))] += count * self.cost.edge_s(info, p, q, grad, axes)
@@ -256,6 +319,7 @@ class Formulation:
             keys |= mine
         if not any(c[(p, kk)] for kk in keys for p in outs):
             return
+        grad_any = any(g for _, g, _ in alike)
         ordered = sorted({_redistribution(p, kk)[1] for kk in keys for p in outs}, key=_key_order)
         pay: dict[tuple, pulp.LpVariable] = {}
         for i, p in enumerate(outs):
@@ -263,6 +327,14 @@ class Formulation:
                 if shared[(p, once)] not in (0.0, INFEASIBLE_S):
                     pay[(p, once)] = self.var(f"w{e}_{i}_{j}", 0, 1)
                     self.objective.append(shared[(p, once)] * pay[(p, once)])
+                    if kept.get((p, once)):
+                        self.copy_terms.append((kept[(p, once)], pay[(p, once)]))
+        if grad_any:
+            info = next(iter(alike))[0]
+            row = [(b, var) for (p, once), var in pay.items()
+                   if (b := self.cost.backward_event_bytes(info, p, once[0], once[1]))]
+            if row:
+                self.event_rows.append(row)
         self.n_vars += len(pay)
         chains = {self.chain_of.get(rv) for rv, _ in readers_rep}
         if len(chains) == 1 and None not in chains:  # every reader inside one chain's layers

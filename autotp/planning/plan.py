@@ -56,11 +56,34 @@ class MemoryPerDevice:
     budget_bytes: Optional[float] = None
     recompute_saved_bytes: float = 0.0  # activations that recomputed layers do not keep
     buffers_bytes: float = 0.0  # the model's buffers: KV caches, running statistics, masks
+    transient_bytes: float = 0.0  # the gradients the backward starts from (of the model's outputs)
+    step_temporary_bytes: float = 0.0  # what the optimizer's step allocates while it runs
+    mode: str = "train"
+
+    def phases(self) -> dict[str, float]:
+        """Bytes per device where a step's memory peaks: in training, at the backward's start (the
+        state, every activation the backward keeps, its first gradients; no parameter's gradient
+        yet) and at the optimizer's step (the state, every gradient, the step's temporaries; the
+        activations freed); in inference, the state and buffers."""
+        state = self.parameters_bytes + self.optimizer_bytes + self.buffers_bytes
+        if self.mode != "train":
+            return {"forward": state + self.activations_bytes}
+        return {"backward start": state + self.activations_bytes + self.transient_bytes,
+                "optimizer step": state + self.gradients_bytes + self.step_temporary_bytes}
+
+    @property
+    def peak_phase(self) -> str:
+        phases = self.phases()
+        return max(phases, key=phases.get)
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(self.phases().values())
 
     @property
     def total_bytes(self) -> float:
-        return (self.parameters_bytes + self.gradients_bytes + self.optimizer_bytes + self.activations_bytes
-                + self.buffers_bytes)
+        """The peak (:meth:`phases`): what must fit the device."""
+        return self.peak_bytes
 
 
 @dataclass(frozen=True)
@@ -176,6 +199,12 @@ class Plan:
     def memory_per_device(self) -> MemoryPerDevice:
         return self.memory
 
+    def memory_timeline(self) -> dict[str, float]:
+        """Bytes per device at the points of a step where memory peaks, in step order
+        (:meth:`MemoryPerDevice.phases`): in training the backward's start and the optimizer's step,
+        in inference the forward's fullest step. The largest is the plan's memory."""
+        return self.memory.phases()
+
     def strategy(self, node: str) -> Strategy:
         return self._strategies[node]
 
@@ -258,7 +287,7 @@ class Plan:
                 parameter_placements=dict(d["parameter_placements"]),
                 collective_list=tuple(Collective(**c) for c in d["collectives"]),
                 time=PredictedTime(**d["time"]),
-                memory=MemoryPerDevice(**d["memory"]),
+                memory=MemoryPerDevice(**{"mode": d["mode"], **d["memory"]}),
                 stats=SolveStats(**{**{k: None for k in _TIMING_FIELDS}, **d["stats"]}),
                 modules=tuple(ModuleChoice(**m) for m in d["modules"]),
                 dynamic_dims=tuple(DynamicDim(**x) for x in d.get("dynamic_dims", ())),

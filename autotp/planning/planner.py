@@ -28,6 +28,7 @@ from autotp.planning.strategies import all_strategies, stored_strategy
 from autotp.planning.tying import tie
 from autotp.tracing.dynamic import requirements
 from autotp.tracing.export import capture
+from autotp.tracing.loss import WithLoss
 from autotp.tracing.graph import BUFFER, INPUT, OpGraph
 
 __all__ = ["plan", "plan_graph", "resolve_hardware", "parse_bytes"]
@@ -183,7 +184,7 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
     strategies = {n.name: strat_rep[rep[n.name]] for n in graph.nodes}
     strategies_s = time.perf_counter() - t0
 
-    cost = CostModel(spec, profile, mode, optimizer)
+    cost = CostModel(spec, profile, mode, optimizer, graph)
     chains = layer_chains(graph, chain_paths) if cost.train and recompute is not False else []
     if recompute is True and not chains:
         raise ValueError("recompute=True: " + ("activations are kept for a backward only in train mode"
@@ -201,8 +202,11 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
         parameters_bytes=sum(p.parameters_bytes for p in parts.values()),
         gradients_bytes=sum(p.gradients_bytes for p in parts.values()),
         optimizer_bytes=sum(p.optimizer_bytes for p in parts.values()),
-        activations_bytes=sum(p.activations_bytes for p in parts.values()) - saved,
+        activations_bytes=(sum(p.activations_bytes for p in parts.values()) - saved + cost.copies_bytes(graph, chosen)
+                           if cost.train else cost.forward_peak_bytes(graph, chosen)),
         budget_bytes=budget, recompute_saved_bytes=saved, buffers_bytes=sum(p.buffers_bytes for p in parts.values()),
+        transient_bytes=max(sum(p.transient_bytes for p in parts.values()), cost.backward_events_bytes(graph, chosen)),
+        step_temporary_bytes=sum(p.step_temporary_bytes for p in parts.values()), mode=mode,
     )
     stats = SolveStats(
         solver=solution.solver, status=solution.status, optimal=solution.optimal, variables=solution.variables,
@@ -251,7 +255,8 @@ def uneven_splits(graph: OpGraph, chosen: Mapping[str, Strategy], spec: MeshSpec
 
 def plan(model: torch.nn.Module, mesh: Any, example_inputs: Any, hardware: Any = None, mode: str = "train",
          memory_budget: Any = None, time_limit_s: float = 60.0, pin: Optional[Mapping[str, str]] = None,
-         dynamic_dims: Any = False, optimizer: Any = "adamw", recompute: Optional[bool] = None) -> Plan:
+         dynamic_dims: Any = False, optimizer: Any = "adamw", recompute: Optional[bool] = None,
+         loss_fn: Any = None) -> Plan:
     """Choose how to split every op of ``model`` over ``mesh``.
 
     ``mesh`` is a ``DeviceMesh`` or a shape such as ``(8,)`` or ``(2, 4)`` (no processes needed);
@@ -268,6 +273,9 @@ def plan(model: torch.nn.Module, mesh: Any, example_inputs: Any, hardware: Any =
     (state dtype, fp32 master weights of mixed precision). ``recompute``: None (default) lets the
     planner recompute layers of repeated blocks when memory is short, where that costs less than
     sharding more (:mod:`autotp.planning.recompute`); True recomputes every repeated layer, False none.
+    ``loss_fn``: a function of the model's output and the targets (``F.cross_entropy``), planned
+    with the model (:class:`autotp.tracing.loss.WithLoss`): its tensors are priced and split, and
+    the example inputs then end with the targets (positionally, or ``targets=`` in a dict).
     """
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: expected one of {MODES}")
@@ -276,6 +284,8 @@ def plan(model: torch.nn.Module, mesh: Any, example_inputs: Any, hardware: Any =
     MeshSpec.of(mesh)  # reject a bad mesh before the (slow) capture
     resolve_hardware(hardware)
     parse_bytes(memory_budget)
+    if loss_fn is not None:
+        model = WithLoss(model, loss_fn)
     t0 = time.perf_counter()
     # an inference plan is of the model in eval mode (no dropout; batch norm reads its statistics)
     graph = capture(model, example_inputs, dynamic_dims, training=False if mode == "inference" else None)

@@ -21,6 +21,7 @@ from autotp.mesh import MeshSpec
 from autotp.placement import Placement, R, Strategy, shard_divisor
 from autotp.tracing.aliasing import read_versions
 from autotp.tracing.graph import OpGraph, OpNode
+from autotp.planning.rules.losses import loss_collectives
 from autotp.planning.redistribute import (all_reduce_copies, conversion, fused_axes, reduced_axes, reorder_copies, step_bytes,
                                  step_copies)
 from autotp.units import format_bytes
@@ -127,7 +128,21 @@ def program(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, trai
     bwd_copies: list[LocalCopy] = []
     done_redistribute: set[tuple] = set()
     done_reduce: set[tuple] = set()
+    last = None
+
+    def inner(name: Optional[str]) -> None:
+        """The collectives op ``name`` runs inside itself (a loss on split classes), after its reads."""
+        if name is None or name == OUTPUT:
+            return
+        for kind, a, size in loss_collectives(graph[name], chosen[name], mesh.shape):
+            fwd.append(Collective(kind, "forward", mesh.axis_names[a], size, name))
+            if name in recomputed:
+                rec.append(Collective(kind, "recompute", mesh.axis_names[a], size, name))
+
     for r in reads(graph, chosen, mesh, train):
+        if r.consumer != last:
+            inner(last)
+            last = r.consumer
         if r.placements is None:
             continue
         src = graph[r.producer]
@@ -173,4 +188,5 @@ def program(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, trai
                 bwd.append(Collective("all_reduce", "backward", mesh.axis_names[a], size, r.producer))
                 bwd_copies += [LocalCopy("backward", mesh.axis_names[a], b, info.dtype, r.producer)
                                for b in all_reduce_copies(size)]
+    inner(last)
     return fwd + bwd + rec, fwd_copies + bwd_copies + rec_copies

@@ -151,9 +151,14 @@ def memory_line(plan: "Plan") -> str:
         return (f"Memory per device: {format_bytes(mem.total_bytes)}{budget} (parameters "
                 f"{format_bytes(mem.parameters_bytes)}, activations {format_bytes(mem.activations_bytes)}{buffers}; "
                 f"inference: no gradients, no optimizer state)")
-    return (f"Memory per device: {format_bytes(mem.total_bytes)}{budget} (parameters {format_bytes(mem.parameters_bytes)}, "
-            f"gradients {format_bytes(mem.gradients_bytes)}, optimizer {format_bytes(mem.optimizer_bytes)} "
-            f"({plan.optimizer.describe()}), activations {format_bytes(mem.activations_bytes)}{buffers})")
+    phases = mem.phases()
+    other = next(p for p in phases if p != mem.peak_phase)
+    return (f"Memory per device: {format_bytes(mem.total_bytes)}{budget} at its peak, the {mem.peak_phase} (parameters "
+            f"{format_bytes(mem.parameters_bytes)}, gradients {format_bytes(mem.gradients_bytes)}, optimizer "
+            f"{format_bytes(mem.optimizer_bytes)} ({plan.optimizer.describe()}), activations kept for the backward "
+            f"{format_bytes(mem.activations_bytes)}, the backward's first gradients {format_bytes(mem.transient_bytes)}, "
+            f"the step's temporaries {format_bytes(mem.step_temporary_bytes)}{buffers}); {other} "
+            f"{format_bytes(phases[other])}")
 
 
 def buffer_lines(plan: "Plan") -> list[str]:

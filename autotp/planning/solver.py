@@ -4,15 +4,19 @@ row and activation recompute, and the solve.
 
 In the same notation (``r`` a representative node, ``m_r`` the nodes it stands for):
 
-* **memory**: ``Σ_r m_r Σ_s mem(r,s) x[r,s] ≤ budget`` (parameters, gradients, optimizer state,
-  activations kept for backward), added only when the optimum without it does not fit (that
-  optimum, if it fits, is the optimum with it) and left out when even the largest choice of every
-  node fits.
+* **memory**: one row per phase of a step where the memory peaks, each ``≤ budget``: the
+  backward's start, ``Σ_r m_r Σ_s start(r,s) x[r,s]`` (parameters, optimizer state, the activations
+  the backward keeps, :mod:`autotp.planning.saved`, and the first gradients: no parameter's
+  gradient exists yet), and in training the optimizer's step, ``Σ_r m_r Σ_s step(r,s) x[r,s]``
+  (parameters, optimizer state, every gradient, the step's temporaries; no activation). A peak is
+  the larger of the two, and both at most the budget is the peak at most the budget. Added only
+  when the optimum without them does not fit (that optimum, if it fits, is the optimum with them)
+  and left out when even the largest choice of every node fits.
 * **recompute** (training; :mod:`autotp.planning.recompute`): per chain ``g`` of ``L`` tied layers, how many
   layers ``k_g`` recompute their activations (the first ``k_g``). With ``k_g`` fixed the problem
   stays linear and as tight as without: the objective adds ``k_g`` times the layer's forward
   seconds per root strategy and ``k_g`` times the forward part of each redistribution read inside
-  the layer (on its product or shared-read variable); the memory row takes ``k_g`` times the
+  the layer (on its product or shared-read variable); the backward's row takes ``k_g`` times the
   activations the layer need not keep (all but those read outside it) off, and adds one layer's
   activations back when every layer recomputes (that layer runs again while all others still hold
   their inputs). The counts are searched outside the ILP (:mod:`autotp.planning.recompute_counts`): one exact solve
@@ -40,6 +44,7 @@ from autotp.planning.formulation import OBJECTIVE_SCALE, Formulation
 from autotp.planning.ilp import SolverError, solve_with_first_solver
 from autotp.planning.recompute import Layer
 from autotp.planning.recompute_counts import all_but_one, candidates, freed_bytes, least_bytes, search
+from autotp.planning.saved import forward_liveness
 from autotp.tracing.graph import OpGraph
 from autotp.units import format_bytes, format_bytes_pair
 
@@ -63,33 +68,104 @@ class Solution:
 
 
 
+FORWARD_STEPS = 8  # the forward's fullest steps an inference plan's memory row bounds
+# The share of the budget a plan leaves free: the predicted peak is at most budget x (1 - margin).
+# benchmarks/memory.py measures the prediction at 0.98-1.02 of the peak on CPU, where the count is
+# exact storage bytes; a CUDA caching allocator rounds each block up (to 512 B, large ones to
+# 2 MiB) and its free pieces fragment, which that count does not see.
+MEMORY_MARGIN = 0.05
+
+
 class _Problem(Formulation):
     """The formulation with the memory row and a fixed count of recomputing layers per chain."""
 
+    live_steps: list = []
+    transient: dict = {}
+    # rows that bound the memory row's epigraph variables (the backward's largest conversion, the
+    # forward's fullest step): in the problem only with the memory row
+    event_constraints: list = []
+
     def memory(self) -> None:
+        self.event_constraints = []
         mem = {r: [0.0] * len(self.strategies[r]) for r in self.roots}
+        step = {r: [0.0] * len(self.strategies[r]) for r in self.roots}
+        transient = {r: [0.0] * len(self.strategies[r]) for r in self.roots}
         for r in self.reps:
             for s, mine in enumerate(self.fmap[r]):
-                mem[self.root[r]][s] += self.mult[r] * self.cost.node_memory(
-                    self.graph[r], self.strategies[r][mine]).total_bytes
-        self.mem = mem
-        minimum = sum(min(v) for v in mem.values())
+                parts = self.cost.node_memory(self.graph[r], self.strategies[r][mine])
+                mem[self.root[r]][s] += self.mult[r] * parts.backward_start_bytes
+                step[self.root[r]][s] += self.mult[r] * parts.optimizer_step_bytes
+                transient[self.root[r]][s] += self.mult[r] * parts.transient_bytes
+        for root, row in self.copy_mem.items():  # gathered copies kept, where a node's choice decides them
+            for s, b in enumerate(row):
+                mem[root][s] += b
+        self.mem, self.mem_step = mem, step
+        live = self._forward_steps()  # inference: the outputs alive at the forward's fullest steps
+        least_live = max((sum(min(row) for row in terms.values()) for terms in live), default=0.0)
+        most_live = max((sum(max(row) for row in terms.values()) for terms in live), default=0.0)
+        minimum = max(sum(min(v) for v in mem.values()) + least_live, sum(min(v) for v in step.values()))
         if self.budget is None:
             return
         if minimum > self.budget and self.chains:
             minimum = self.least_bytes(all_but_one(self.lengths))
         if minimum > self.budget:
-            budget, needed = format_bytes_pair(self.budget, minimum)
+            # in the user's terms: the budget given, and what to give (the margin on top of the need)
+            given, least = self.budget / (1 - MEMORY_MARGIN), minimum / (1 - MEMORY_MARGIN)
+            budget, needed = format_bytes_pair(given, least)
             raise MemoryBudgetError(
                 f"memory budget {budget} per device is below the minimum any plan needs on mesh "
-                f"{self.cost.mesh}: {needed} in {self.cost.mode} mode; raise the budget to at least "
-                f"{minimum:.0f} bytes" + (", use more devices, or plan in inference mode" if self.cost.train
-                                          else " or use more devices"), minimum)
-        if sum(max(v) for v in mem.values()) <= self.budget:
-            return  # every plan fits: the row could never bind
+                f"{self.cost.mesh}: {needed} in {self.cost.mode} mode (with the {MEMORY_MARGIN:.0%} the planner "
+                f"keeps free); raise the budget to at least {least:.0f} bytes"
+                + (", use more devices, or plan in inference mode" if self.cost.train else " or use more devices"),
+                least)
+        copies = sum(b for b, _ in self.copy_terms)  # at most: every redistribution's copy kept
+        events = max((max(b for b, _ in row) for row in self.event_rows), default=0.0)
+        if max(sum(max(v) for v in mem.values()) + copies + most_live + events,
+               sum(max(v) for v in step.values())) <= self.budget:
+            return  # every plan fits: the rows could never bind
         # in GiB: coefficients near 1 keep the LP well scaled (bytes would reach 1e11)
         self.memory_terms = [m / 2**30 * self.x[r][s] for r in self.roots for s, m in enumerate(mem[r]) if m]
+        self.memory_terms += [b / 2**30 * var for b, var in self.copy_terms]
+        if self.event_rows:  # the backward's start: the loss's gradients, or a larger conversion's buffers
+            more = self.var("backward_event", 0, None)
+            self.n_vars += 1
+            already = [b / 2**30 * self.x[r][s] for r, row in transient.items() for s, b in enumerate(row) if b]
+            # added with the memory row (fix_recompute): they only bound what it counts
+            self.event_constraints += [
+                (more >= pulp.lpSum(b / 2**30 * var for b, var in row) - pulp.lpSum(already), f"backward_event_{i}")
+                for i, row in enumerate(self.event_rows)]
+            self.memory_terms.append(more)
+        self.transient = transient
+        if live:  # the forward's peak: at least each of its fullest steps
+            peak = self.var("forward_peak", 0, None)
+            self.n_vars += 1
+            self.event_constraints += [
+                (peak >= pulp.lpSum(b / 2**30 * self.x[r][s] for r, row in terms.items() for s, b in enumerate(row) if b),
+                 f"forward_step_{i}") for i, terms in enumerate(live)]
+            self.memory_terms.append(peak)
+        self.step_terms = [m / 2**30 * self.x[r][s] for r in self.roots for s, m in enumerate(step[r]) if m]
         self.memory_needed = True
+
+    def _forward_steps(self) -> list[dict[str, list[float]]]:
+        """In inference, the forward's fullest steps (:func:`autotp.planning.saved.forward_liveness`;
+        the :data:`FORWARD_STEPS` fullest with every tensor whole): per step, per root, the bytes
+        its strategies leave alive then."""
+        if self.cost.train:
+            return []
+        liveness = forward_liveness(self.graph)
+        whole = {n.name: sum(o.nbytes for o in n.outputs) for n in self.graph.nodes}
+        out = []
+        for alive in liveness.largest(whole.__getitem__, FORWARD_STEPS):
+            terms: dict[str, list[float]] = {}
+            for name in alive:
+                rep = self.rep[name]
+                root = self.root[rep]
+                row = terms.setdefault(root, [0.0] * len(self.strategies[root]))
+                for s, mine in enumerate(self.fmap[rep]):
+                    row[s] += self.cost.alive_bytes(self.graph[name], self.strategies[rep][mine])
+            out.append(terms)
+        self.live_steps = out
+        return out
 
     # -- activation recompute ----------------------------------------------------------------------
 
@@ -153,8 +229,14 @@ class _Problem(Formulation):
                     objective.append(k * seconds() * var)
         self.prob.setObjective(pulp.lpSum(objective) * OBJECTIVE_SCALE)
         _drop_constraint(self.prob, "memory")
+        _drop_constraint(self.prob, "memory_step")
         if self.memory_needed:
+            for row, row_name in self.event_constraints:  # once: the memory row is replaced, these stay
+                self.prob += row, row_name
+            self.event_constraints = []
             self.prob += pulp.lpSum(memory) <= self.budget / 2**30, "memory"
+            if self.cost.train:  # the optimizer's step: recompute changes nothing there
+                self.prob += pulp.lpSum(self.step_terms) <= self.budget / 2**30, "memory_step"
         self.layers = dict(layers)
 
     def forward_floor_s(self, g: int) -> float:
@@ -162,18 +244,25 @@ class _Problem(Formulation):
         return sum(min(v) for v in self._layer_parts(g)[0].values())
 
     def least_bytes(self, counts: Mapping[int, int]) -> float:
-        """The least memory any plan needs with ``counts`` (:func:`autotp.planning.recompute_counts.least_bytes`)."""
-        return least_bytes(self.mem, {g: self._layer_parts(g) for g in self.chains}, self.lengths, counts)
+        """The least memory any plan needs with ``counts`` (:func:`autotp.planning.recompute_counts.least_bytes`
+        at the backward's start; the optimizer's step needs at least its own least)."""
+        return max(least_bytes(self.mem, {g: self._layer_parts(g) for g in self.chains}, self.lengths, counts),
+                   sum(min(v) for v in self.mem_step.values()))
 
     def memory_bytes(self, choice_rep: Mapping[str, int], layers: Mapping[int, int]) -> float:
         """Bytes per device of a choice (root -> strategy index) with ``layers[g]`` layers of chain g
         recomputing."""
         total = sum(self.mem[r][s] for r, s in choice_rep.items())
+        total += sum(b * (var.varValue or 0.0) for b, var in self.copy_terms)  # the solve's redistributions
+        total += max((sum(row[choice_rep[r]] for r, row in terms.items()) for terms in self.live_steps), default=0.0)
+        if self.event_rows:
+            had = sum(row[choice_rep[r]] for r, row in self.transient.items())
+            total += max(0.0, max(sum(b * (var.varValue or 0.0) for b, var in row) for row in self.event_rows) - had)
         for g, k in layers.items():
             _, act, saved = self._layer_parts(g)
             total -= sum(freed_bytes(k, self.lengths[g], saved[r][choice_rep[r]], act[r][choice_rep[r]])
                          for r in saved)
-        return total
+        return max(total, sum(self.mem_step[r][s] for r, s in choice_rep.items()))
 
 
 def solve(graph: OpGraph, strategies: Mapping[str, Sequence[Strategy]], rep: Mapping[str, str], cost: CostModel,
@@ -183,7 +272,9 @@ def solve(graph: OpGraph, strategies: Mapping[str, Sequence[Strategy]], rep: Map
     None lets the solver choose when memory is short, True recomputes every layer, False none); see
     the module docstring for the formulation."""
     start = time.perf_counter()
-    f = _Problem(graph, strategies, rep, cost, memory_budget_bytes,
+    # the rows bound the predicted peak by the budget less the margin (MEMORY_MARGIN)
+    limit = memory_budget_bytes * (1 - MEMORY_MARGIN) if memory_budget_bytes is not None else None
+    f = _Problem(graph, strategies, rep, cost, limit,
                      chains if cost.train and recompute is not False else ())
     f.one_hot()
     f.edges()
@@ -254,7 +345,7 @@ def _with_recompute(f: _Problem, deadline: float, budget: Optional[float], uncon
             raise failure
         raise MemoryBudgetError(f"no plan fits the memory budget {format_bytes(budget or 0)} per device on mesh "
                                 f"{f.cost.mesh}, even with layers recomputing their activations",
-                                f.least_bytes(all_but_one(f.lengths)))
+                                f.least_bytes(all_but_one(f.lengths)) / (1 - MEMORY_MARGIN))
     return best, untried
 
 

@@ -30,9 +30,11 @@ from autotp.planning.program import OUTPUT, reads
 from autotp.planning.recompute import recomputed_nodes
 from autotp.planning.redistribute import conversion, fused_axes, reduced_axes
 from autotp.planning.rules.blocks import cut_blocks, local_cut_arguments, slice_range
+from autotp.planning.rules.losses import class_dim, class_split_axes
 from autotp.planning.rules.reductions import reduced_dims
 from autotp.runtime.collectives import GradAllReduce, MaskedEmbedding, RedistributeStep, to_local
 from autotp.runtime.dropout import ShardedDropout
+from autotp.runtime.losses import VocabParallelCrossEntropy
 from autotp.runtime.guard import InputGuard, InputSpec, SameOnEveryRank
 from autotp.runtime.recompute import apply_recompute
 from autotp.runtime.shards import block_index
@@ -353,6 +355,14 @@ class GraphRewrite:
             native = target is aten.native_dropout.default
             self.local[node.name] = call if native else self.fx.call_function(operator.getitem, (call, 0))
             return
+        elif class_split_axes(op, strat):
+            axes = class_split_axes(op, strat)
+            start, stop = self.piece_of(op.input_infos[0].shape[class_dim(op)], strat.inputs[0], axes)
+            module = VocabParallelCrossEntropy(start, stop, [self.groups[a] for a in axes],
+                                               [self.axis_names[a] for a in axes], int(op.args.get("reduction", 1)),
+                                               int(op.args.get("ignore_index", -100)))
+            self.local[node.name] = self.fx.call_module(self._add_module(module, "vocab_parallel_loss"), args[:2])
+            return
         elif target is aten.embedding.default:
             w = strat.inputs[0]
             axes = [a for a, p in enumerate(w) if p.is_shard and p.dim == 0]
@@ -363,6 +373,15 @@ class GraphRewrite:
                 self.local[node.name] = self.fx.call_module(name, args, kwargs)
                 return
         self.local[node.name] = self.fx.call_function(target, args, kwargs)
+
+    def piece_of(self, size: int, placements, axes) -> tuple[int, int]:
+        """``(start, stop)`` of this rank's piece of a dim of ``size`` split over ``axes`` (in mesh
+        order, each axis splitting the piece the ones before it left)."""
+        start, length = 0, size
+        for a in axes:
+            lo, hi = piece_range(length, placements[a], self.mesh_shape[a], self.coordinate[a])
+            start, length = start + lo, hi - lo
+        return start, start + length
 
     @staticmethod
     def active_dropout(args: tuple) -> bool:

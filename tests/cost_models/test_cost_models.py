@@ -337,6 +337,7 @@ def test_memory_train_adamw():
         parameters_bytes=1_000_000 / 4 * 2,  # bf16 shard
         gradients_bytes=1_000_000 / 4 * 2,  # same as parameters
         optimizer_bytes=1_000_000 / 4 * 2 * 2,  # two moments in the parameter's dtype, as torch.optim keeps them
+        step_temporary_bytes=1_000_000 / 4 * 2,  # the multi-tensor step's one list of intermediates
     )
     assert s.total_bytes == 500_000 + 500_000 + 1_000_000
     # mixed precision: bf16 weights and gradients, an fp32 master copy and fp32 moments

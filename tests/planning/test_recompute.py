@@ -35,10 +35,28 @@ def llama():
 
 
 def _activation_bytes(graph, names):
-    """What the cost model keeps per node, counted here from the graph: the output of every op that
-    carries a gradient and is not a view (replicated plans: full size)."""
-    return sum(graph[n].outputs[0].nbytes for n in names
-               if graph[n].requires_grad and not graph[n].is_view and not graph[n].is_placeholder)
+    """What the cost model keeps per node for the backward, read node by node on one rank (what it
+    keeps is tested against autograd's saved tensors in tests/planning/test_memory.py)."""
+    from autotp.mesh import MeshSpec
+    from autotp.placement import R, Strategy
+    from autotp.planning.costing import CostModel
+    from cost_models import load_profile
+
+    cost = CostModel(MeshSpec.of((1,)), load_profile("h100-sxm"), "train", graph=graph)
+    whole = lambda n: Strategy(tuple((R,) for _ in graph[n].inputs), (R,))  # noqa: E731
+    return sum(cost.node_memory(graph[n], whole(n)).activations_bytes for n in names)
+
+
+def _short(graph) -> float:
+    """A budget on (2,) that no plan meets without recompute and some plan meets with it: halfway
+    between the two least memories."""
+    least = []
+    for recompute in (False, None):
+        with pytest.raises(autotp.MemoryBudgetError) as err:
+            plan_graph(graph, (2,), "h100-sxm", "train", 1, recompute=recompute)
+        least.append(err.value.minimum_bytes)
+    assert least[1] < least[0]
+    return (least[0] + least[1]) / 2
 
 
 def test_forced_recompute_frees_and_costs_what_the_layers_hold(llama):
@@ -70,11 +88,12 @@ def test_planner_recomputes_only_when_memory_is_short(llama):
     free = plan_graph(graph, (2,), "h100-sxm", "train")
     assert free.recompute == ()
     # a budget no plan fits without recompute (the minimum of keeping every activation is above it)
+    budget = _short(graph)
     with pytest.raises(autotp.MemoryBudgetError) as err:
-        plan_graph(graph, (2,), "h100-sxm", "train", "3MB", recompute=False)
-    assert err.value.minimum_bytes > 3e6
-    tight = plan_graph(graph, (2,), "h100-sxm", "train", "3MB")
-    assert tight.recompute and tight.memory.total_bytes <= 3e6
+        plan_graph(graph, (2,), "h100-sxm", "train", budget, recompute=False)
+    assert err.value.minimum_bytes > budget
+    tight = plan_graph(graph, (2,), "h100-sxm", "train", budget)
+    assert tight.recompute and tight.memory.total_bytes <= budget
     assert tight.recompute == tuple(f"layers.{i}" for i in range(len(tight.recompute)))  # the first layers
     again = [c for c in tight.collectives() if c.phase == "recompute"]
     assert tight.time.recompute_s > 0
@@ -126,7 +145,7 @@ def _run_recompute(rank, world, graph, plan, model, x):
 
 def test_recomputing_module_is_exact_and_runs_the_planned_collectives(llama):
     model, x, graph = llama
-    plan = plan_graph(graph, (2,), "h100-sxm", "train", "3MB")
+    plan = plan_graph(graph, (2,), "h100-sxm", "train", _short(graph))
     assert plan.recompute and planned(plan, "recompute")
     ref = model(x)
     ref.float().pow(2).mean().backward()
@@ -279,10 +298,10 @@ def test_the_recompute_search_says_what_the_time_limit_left_unsolved(llama, monk
     real = recompute_counts.search
     monkeypatch.setattr(solver, "search", lambda tries, solve_at, floor_s, deadline, failures: real(
         tries, solve_at, lambda c: 0.0, 0.0, failures))  # no bound, the deadline already past
-    cut = plan_graph(graph, (2,), "h100-sxm", "train", "3MB")
+    cut = plan_graph(graph, (2,), "h100-sxm", "train", _short(graph))
     assert cut.recompute and "the time limit left" in cut.report(), cut.report().splitlines()[-3:]
     monkeypatch.setattr(solver, "search", real)
-    assert "time limit" not in plan_graph(graph, (2,), "h100-sxm", "train", "3MB").report()
+    assert "time limit" not in plan_graph(graph, (2,), "h100-sxm", "train", _short(graph)).report()
 
 
 class _WritesIntoItsInput(nn.Module):

@@ -266,11 +266,11 @@ def test_uneven_heads_on_a_two_axis_mesh_are_exact_and_run_as_planned():
     from tests.helpers.properties import Case, build, check
 
     case = Case(blocks=("attention", "mlp"), dim=12, heads=3, head_dim=4, batch=1, seq=3, mesh=(2, 2), mode="train",
-                slack=0.02, seed=0)
+                slack=0.1, seed=0)
     model, inputs = build(case)
     graph = autotp.capture(model, inputs)
     with pytest.raises(autotp.MemoryBudgetError) as err:
         plan_graph(graph, case.mesh, "cpu-gloo", case.mode, memory_budget=1)
-    plan = plan_graph(graph, case.mesh, "cpu-gloo", case.mode, memory_budget=err.value.minimum_bytes * 1.02)
+    plan = plan_graph(graph, case.mesh, "cpu-gloo", case.mode, memory_budget=err.value.minimum_bytes * (1 + case.slack))
     assert any("~" in n.strategy for n in plan.nodes), [n.strategy for n in plan.nodes]
     check(case)  # plans the same way again, runs on 4 threads, compares

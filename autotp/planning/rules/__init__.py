@@ -15,6 +15,8 @@ Modules:
 - ``blocks``     blocked splits: a fused projection cut into its parts, each part split
 - ``uneven``     uneven splits: units (heads, vocabulary rows) the ranks do not divide
 - ``gradients``  the ``Rg`` variants: replicated ops that pass a partial gradient on
+- ``losses``     cross-entropy on split classes: the one rule whose op does not run on its pieces
+                 as it is (the rewrite runs it with two all-reduces inside)
 - ``common``     what every family shares: a single-axis choice, the evenness test
 - ``check``      ``check_rule``: a rule checked on data, pieces against the op's output
 
@@ -31,7 +33,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from autotp.placement import Placement, R, parse_placements
-from autotp.planning.rules import contractions, indexing, joins, pointwise, reductions
+from autotp.planning.rules import contractions, indexing, joins, losses, pointwise, reductions
 from autotp.planning.rules.common import AxisChoice
 from autotp.tracing.graph import OpNode
 
@@ -44,7 +46,7 @@ Rule = Callable[[OpNode, int], Iterable[tuple[Sequence[Any], Any]]]
 # pointwise ops, splits and factories are found by kind (autotp.planning.strategies), every other op in
 # DTensor's registry (autotp.planning.dtensor_rules).
 BUILTIN: dict[str, Callable[[OpNode, int], Optional[list[AxisChoice]]]] = {
-    **contractions.RULES, **pointwise.RULES, **reductions.RULES, **joins.RULES, **indexing.RULES,
+    **contractions.RULES, **pointwise.RULES, **reductions.RULES, **joins.RULES, **indexing.RULES, **losses.RULES,
 }
 
 _USER: dict[str, Rule] = {}
