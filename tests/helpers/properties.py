@@ -112,16 +112,17 @@ def _gradients(model: nn.Module, inputs: tuple, seed: int) -> dict[str, torch.Te
     return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
 
 
-def check(case: Case) -> str:
+def check(case: Case, plan: Any = None) -> str:
     """Plan ``case``'s model on its mesh near its memory floor, run it on threads, compare; says
     whether the plan shards (for Hypothesis' statistics).
 
     In train mode a float32 gradient off by more than float32's rounding allows is checked again in
     float64 (:func:`_exact_in_float64`): an ill-conditioned draw (gradients in the hundreds from a
     random init) can lift the rounding of sums in another order past any fixed share of one
-    process's own error, where a wrong plan is off in float64 too."""
+    process's own error, where a wrong plan is off in float64 too. ``plan``: the plan of ``case``
+    made already (planning near the floor is most of a check's time)."""
     try:
-        return _check(case)
+        return _check(case, plan)
     except _Float32Mismatch as mismatch:
         _exact_in_float64(case, mismatch)
         return "parameters sharded: float32 rounding past the tolerance, exact in float64"
@@ -156,15 +157,20 @@ def _exact_in_float64(case: Case, mismatch: "_Float32Mismatch") -> None:
                                      f"{(g[name] - want).abs().max().item():.3e} (largest gradient {gmax:.3e})")
 
 
-def _check(case: Case) -> str:
-    model, inputs = build(case)
-    graph = autotp.capture(model, inputs)
+def plan_near_the_floor(case: Case, graph: Any) -> Any:
+    """The plan of ``case``'s graph under the least budget any plan needs times ``1 + case.slack``."""
     try:
         plan_graph(graph, case.mesh, "cpu-gloo", case.mode, memory_budget=1)
         raise AssertionError("a budget of one byte was met")
     except autotp.MemoryBudgetError as err:
         budget = err.minimum_bytes * (1 + case.slack)
-    plan = plan_graph(graph, case.mesh, "cpu-gloo", case.mode, memory_budget=budget)
+    return plan_graph(graph, case.mesh, "cpu-gloo", case.mode, memory_budget=budget)
+
+
+def _check(case: Case, plan: Any = None) -> str:
+    model, inputs = build(case)
+    graph = autotp.capture(model, inputs)
+    plan = plan if plan is not None else plan_near_the_floor(case, graph)
     sharded = any("S" in p for p in plan.parameter_placements.values())
     world = 1
     for n in case.mesh:
