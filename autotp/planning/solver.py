@@ -11,7 +11,9 @@ In the same notation (``r`` a representative node, ``m_r`` the nodes it stands f
   (parameters, optimizer state, every gradient, the step's temporaries; no activation). A peak is
   the larger of the two, and both at most the budget is the peak at most the budget. Added only
   when the optimum without them does not fit (that optimum, if it fits, is the optimum with them)
-  and left out when even the largest choice of every node fits.
+  and left out when even the largest choice of every node fits. A budget no plan fits is an error
+  that states the least peak of any plan (a solve minimizing the larger row, with all layers but
+  one recomputing and with none) plus the margin: a budget a plan fits.
 * **recompute** (training; :mod:`autotp.planning.recompute`): per chain ``g`` of ``L`` tied layers, how many
   layers ``k_g`` recompute their activations (the first ``k_g``). With ``k_g`` fixed the problem
   stays linear and as tight as without: the objective adds ``k_g`` times the layer's forward
@@ -31,6 +33,7 @@ found, marked as not proven optimal. The same inputs always give the same plan.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
@@ -84,6 +87,7 @@ class _Problem(Formulation):
     # rows that bound the memory row's epigraph variables (the backward's largest conversion, the
     # forward's fullest step): in the problem only with the memory row
     event_constraints: list = []
+    scale = float(2**30)  # bytes per unit of the memory rows (set by memory() where they go in)
 
     def memory(self) -> None:
         self.event_constraints = []
@@ -108,31 +112,23 @@ class _Problem(Formulation):
             return
         if minimum > self.budget and self.chains:
             minimum = self.least_bytes(all_but_one(self.lengths))
-        if minimum > self.budget:
-            # in the user's terms: the budget given, and what to give (the margin on top of the need)
-            given, least = self.budget / (1 - MEMORY_MARGIN), minimum / (1 - MEMORY_MARGIN)
-            budget, needed = format_bytes_pair(given, least)
-            raise MemoryBudgetError(
-                f"memory budget {budget} per device is below the minimum any plan needs on mesh "
-                f"{self.cost.mesh}: {needed} in {self.cost.mode} mode (with the {MEMORY_MARGIN:.0%} the planner "
-                f"keeps free); raise the budget to at least {least:.0f} bytes"
-                + (", use more devices, or plan in inference mode" if self.cost.train else " or use more devices"),
-                least)
         copies = sum(b for b, _ in self.copy_terms)  # at most: every redistribution's copy kept
         events = max((max(b for b, _ in row) for row in self.event_rows), default=0.0)
-        if max(sum(max(v) for v in mem.values()) + copies + most_live + events,
-               sum(max(v) for v in step.values())) <= self.budget:
+        if minimum <= self.budget and max(sum(max(v) for v in mem.values()) + copies + most_live + events,
+                                          sum(max(v) for v in step.values())) <= self.budget:
             return  # every plan fits: the rows could never bind
-        # in GiB: coefficients near 1 keep the LP well scaled (bytes would reach 1e11)
-        self.memory_terms = [m / 2**30 * self.x[r][s] for r in self.roots for s, m in enumerate(mem[r]) if m]
-        self.memory_terms += [b / 2**30 * var for b, var in self.copy_terms]
+        # in budgets: the row's bound is 1, so coefficients near it keep the LP well scaled at any size
+        # (bytes would reach 1e11; GiB put a KiB model's row under the solver's 1e-7 tolerance)
+        self.scale = max(self.budget, minimum, 1.0)  # the least solve of a budget error: the plan's size
+        self.memory_terms = [m / self.scale * self.x[r][s] for r in self.roots for s, m in enumerate(mem[r]) if m]
+        self.memory_terms += [b / self.scale * var for b, var in self.copy_terms]
         if self.event_rows:  # the backward's start: the loss's gradients, or a larger conversion's buffers
             more = self.var("backward_event", 0, None)
             self.n_vars += 1
-            already = [b / 2**30 * self.x[r][s] for r, row in transient.items() for s, b in enumerate(row) if b]
+            already = [b / self.scale * self.x[r][s] for r, row in transient.items() for s, b in enumerate(row) if b]
             # added with the memory row (fix_recompute): they only bound what it counts
             self.event_constraints += [
-                (more >= pulp.lpSum(b / 2**30 * var for b, var in row) - pulp.lpSum(already), f"backward_event_{i}")
+                (more >= pulp.lpSum(b / self.scale * var for b, var in row) - pulp.lpSum(already), f"backward_event_{i}")
                 for i, row in enumerate(self.event_rows)]
             self.memory_terms.append(more)
         self.transient = transient
@@ -140,11 +136,48 @@ class _Problem(Formulation):
             peak = self.var("forward_peak", 0, None)
             self.n_vars += 1
             self.event_constraints += [
-                (peak >= pulp.lpSum(b / 2**30 * self.x[r][s] for r, row in terms.items() for s, b in enumerate(row) if b),
+                (peak >= pulp.lpSum(b / self.scale * self.x[r][s] for r, row in terms.items() for s, b in enumerate(row) if b),
                  f"forward_step_{i}") for i, terms in enumerate(live)]
             self.memory_terms.append(peak)
-        self.step_terms = [m / 2**30 * self.x[r][s] for r in self.roots for s, m in enumerate(step[r]) if m]
+        self.step_terms = [m / self.scale * self.x[r][s] for r in self.roots for s, m in enumerate(step[r]) if m]
         self.memory_needed = True
+        if minimum > self.budget:  # below a bound every plan is above: say what the least plan needs
+            raise self.below_budget(all_but_one(self.lengths) if self.chains else {})
+
+    def below_budget(self, layers: Mapping[int, int], time_limit_s: float = 30.0) -> MemoryBudgetError:
+        """The error for a budget no plan fits, stating the least peak a plan has (:meth:`least_peak_bytes`)
+        with ``layers`` recomputing or with none, whichever is less, plus the margin: a budget a plan
+        fits, not only a bound below every plan. The problem is spent afterwards."""
+        # recompute lowers the backward's start only where its activations lead, so try without too
+        tries = [dict(layers)] + ([{}] if any(layers.values()) else [])
+        peaks = [(self.least_peak_bytes(counts, time_limit_s / len(tries)), counts) for counts in tries]
+        lowest = min(p for p, _ in peaks)  # the fewest layers recomputing among the lowest (to solver precision)
+        peak, layers = min(((p, c) for p, c in peaks if p <= lowest * (1 + 1e-6)), key=lambda pc: sum(pc[1].values()))
+        least = peak / (1 - MEMORY_MARGIN)
+        budget, needed = format_bytes_pair(self.budget / (1 - MEMORY_MARGIN), least)
+        recomputing = " with layers recomputing their activations" if any(layers.values()) else ""
+        return MemoryBudgetError(
+            f"memory budget {budget} per device is below the minimum any plan needs on mesh "
+            f"{self.cost.mesh}: {needed} in {self.cost.mode} mode{recomputing} (with the {MEMORY_MARGIN:.0%} the "
+            f"planner keeps free); raise the budget to at least {math.ceil(least)} bytes"
+            + (", use more devices, or plan in inference mode" if self.cost.train else " or use more devices"),
+            math.ceil(least))
+
+    def least_peak_bytes(self, layers: Mapping[int, int], time_limit_s: float = 30.0) -> float:
+        """The least predicted peak of any plan with ``layers`` recomputing: one solve whose objective
+        is the larger of the phases' rows (an epigraph variable), the budget rows left out. The
+        problem is spent afterwards (its objective and rows replaced)."""
+        self.fix_recompute(layers)
+        for row in ("memory", "memory_step", "least_start", "least_step"):
+            _drop_constraint(self.prob, row)
+        self._least_solves = getattr(self, "_least_solves", 0) + 1
+        peak = self.var(f"least_peak_{self._least_solves}", 0, None)
+        self.prob += peak >= pulp.lpSum(self.memory_row), "least_start"
+        if self.cost.train:
+            self.prob += peak >= pulp.lpSum(self.step_terms), "least_step"
+        self.prob.setObjective(peak)
+        solve_with_first_solver(self.prob, time_limit_s, lambda prob: None)
+        return float(peak.varValue or 0.0) * self.scale
 
     def _forward_steps(self) -> list[dict[str, list[float]]]:
         """In inference, the forward's fullest steps (:func:`autotp.planning.saved.forward_liveness`;
@@ -220,7 +253,7 @@ class _Problem(Formulation):
                         objective.append(k * fwd[root][s] * x)
                     freed = freed_bytes(k, self.lengths[g], saved[root][s], act[root][s])
                     if freed:
-                        memory.append(-freed / 2**30 * x)
+                        memory.append(-freed / self.scale * x)
             for chain, y, seconds_of in self.recompute_products:
                 if chain == g:
                     objective += [k * seconds_of()[pq] * var for pq, var in y.items() if seconds_of().get(pq)]
@@ -230,13 +263,14 @@ class _Problem(Formulation):
         self.prob.setObjective(pulp.lpSum(objective) * OBJECTIVE_SCALE)
         _drop_constraint(self.prob, "memory")
         _drop_constraint(self.prob, "memory_step")
+        self.memory_row = memory
         if self.memory_needed:
             for row, row_name in self.event_constraints:  # once: the memory row is replaced, these stay
                 self.prob += row, row_name
             self.event_constraints = []
-            self.prob += pulp.lpSum(memory) <= self.budget / 2**30, "memory"
+            self.prob += pulp.lpSum(memory) <= self.budget / self.scale, "memory"
             if self.cost.train:  # the optimizer's step: recompute changes nothing there
-                self.prob += pulp.lpSum(self.step_terms) <= self.budget / 2**30, "memory_step"
+                self.prob += pulp.lpSum(self.step_terms) <= self.budget / self.scale, "memory_step"
         self.layers = dict(layers)
 
     def forward_floor_s(self, g: int) -> float:
@@ -287,7 +321,10 @@ def solve(graph: OpGraph, strategies: Mapping[str, Sequence[Strategy]], rep: Map
     # without the row and fits is optimal with it, and the row (a knapsack over every choice) can only
     # make the search harder. (With the loose gradient rows of an earlier formulation it slowed 70B on
     # (8, 8) from 18 s to 25 s; with the tight ones it changes nothing measurable there, 1.4-1.6 s.)
-    name, choice_rep = _run(f, time_limit_s, memory_budget_bytes)
+    try:
+        name, choice_rep = _run(f, time_limit_s, memory_budget_bytes)
+    except MemoryBudgetError:  # every layer recomputing (recompute=True), and still no plan fits
+        raise f.below_budget(f.layers) from None
     untried = 0  # recompute counts the time limit left unsolved
     result = (name, choice_rep, _objective_s(f), f.prob.sol_status == pulp.LpSolutionOptimal, dict(f.layers))
     if f.memory_needed and f.memory_bytes(choice_rep, f.layers) > f.budget:
@@ -300,7 +337,10 @@ def solve(graph: OpGraph, strategies: Mapping[str, Sequence[Strategy]], rep: Map
             result, untried = _with_recompute(f, deadline, memory_budget_bytes, result[2] if result[3] else 0.0)
         else:
             f.fix_recompute(f.layers)
-            name, choice_rep = _run(f, deadline - time.perf_counter(), memory_budget_bytes)
+            try:
+                name, choice_rep = _run(f, deadline - time.perf_counter(), memory_budget_bytes)
+            except MemoryBudgetError:
+                raise f.below_budget(f.layers, max(5.0, deadline - time.perf_counter())) from None
             result = (name, choice_rep, _objective_s(f), f.prob.sol_status == pulp.LpSolutionOptimal, dict(f.layers))
     name, choice_rep, objective_s, optimal, layers = result
     spent_s = time.perf_counter() - start
@@ -343,9 +383,7 @@ def _with_recompute(f: _Problem, deadline: float, budget: Optional[float], uncon
     if best is None:
         if isinstance(failure, SolverError):
             raise failure
-        raise MemoryBudgetError(f"no plan fits the memory budget {format_bytes(budget or 0)} per device on mesh "
-                                f"{f.cost.mesh}, even with layers recomputing their activations",
-                                f.least_bytes(all_but_one(f.lengths)) / (1 - MEMORY_MARGIN))
+        raise f.below_budget(all_but_one(f.lengths), max(5.0, deadline - time.perf_counter()))
     return best, untried
 
 
@@ -360,7 +398,7 @@ def _run(f: _Problem, time_limit_s: float, memory_budget_bytes: Optional[float])
                 f"leaves some op no strategy that reads it, or conflicts with a read that an in-place write "
                 f"needs as it is (a write through a view into a tensor read again later, autotp/tracing/aliasing.py); "
                 f"change or drop pins")
-        if status == "Infeasible":
+        if status == "Infeasible":  # the caller says what would fit (_Problem.below_budget)
             raise MemoryBudgetError(
                 f"no plan fits the memory budget {format_bytes(memory_budget_bytes or 0)} per device on mesh {f.cost.mesh}", 0.0)
         if status not in ("Optimal", "Not Solved") or any(v.varValue is None for v in f.x[f.roots[0]]):

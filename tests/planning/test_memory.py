@@ -183,3 +183,21 @@ def test_the_predicted_peak_is_what_a_step_holds(pins):
     predicted = plan.memory_per_device().total_bytes
     for measured in run_threads(_measured_step, 2, graph, plan, copy.deepcopy(wrapped), (ids, targets)):
         assert 0.9 <= predicted / measured <= 1.1, (predicted, measured, plan.memory_timeline())
+
+
+@pytest.mark.parametrize("blocks", [("mlp", "mlp"), ("mlp", "mlp", "mlp")])
+def test_the_least_a_budget_error_states_is_a_budget_a_plan_fits(blocks):
+    """The error's minimum is the least peak of any plan (one solve minimizing it), with the margin:
+    a user who raises the budget to it gets a plan. A bound from each node's cheapest choice alone
+    leaves out the copies a plan's reads keep, and fell below every plan here (a budget 2% over it
+    found none)."""
+    from tests.helpers.properties import Case, build
+
+    case = Case(blocks=blocks, dim=8, heads=1, head_dim=4, batch=1, seq=8, mesh=(4,), mode="train", slack=0.0, seed=0)
+    graph = autotp.capture(*build(case))
+    with pytest.raises(autotp.MemoryBudgetError) as err:
+        plan_graph(graph, case.mesh, "cpu-gloo", memory_budget=1)
+    least = err.value.minimum_bytes
+    assert f"raise the budget to at least {least} bytes" in str(err.value)
+    plan = plan_graph(graph, case.mesh, "cpu-gloo", memory_budget=least)
+    assert plan.memory.peak_bytes <= least
