@@ -144,10 +144,11 @@ class _Problem(Formulation):
         if minimum > self.budget:  # below a bound every plan is above: say what the least plan needs
             raise self.below_budget(all_but_one(self.lengths) if self.chains else {})
 
-    def below_budget(self, layers: Mapping[int, int], time_limit_s: float = 30.0) -> MemoryBudgetError:
+    def below_budget(self, layers: Mapping[int, int], time_limit_s: float = 2.0) -> MemoryBudgetError:
         """The error for a budget no plan fits, stating the least peak a plan has (:meth:`least_peak_bytes`)
         with ``layers`` recomputing or with none, whichever is less, plus the margin: a budget a plan
-        fits, not only a bound below every plan. The problem is spent afterwards."""
+        fits, not only a bound below every plan (a solve the time limit stops gives a plan's peak:
+        above the least, still a budget that plan fits). The problem is spent afterwards."""
         # recompute lowers the backward's start only where its activations lead, so try without too
         tries = [dict(layers)] + ([{}] if any(layers.values()) else [])
         peaks = [(self.least_peak_bytes(counts, time_limit_s / len(tries)), counts) for counts in tries]
@@ -340,7 +341,7 @@ def solve(graph: OpGraph, strategies: Mapping[str, Sequence[Strategy]], rep: Map
             try:
                 name, choice_rep = _run(f, deadline - time.perf_counter(), memory_budget_bytes)
             except MemoryBudgetError:
-                raise f.below_budget(f.layers, max(5.0, deadline - time.perf_counter())) from None
+                raise f.below_budget(f.layers) from None
             result = (name, choice_rep, _objective_s(f), f.prob.sol_status == pulp.LpSolutionOptimal, dict(f.layers))
     name, choice_rep, objective_s, optimal, layers = result
     spent_s = time.perf_counter() - start
@@ -383,7 +384,7 @@ def _with_recompute(f: _Problem, deadline: float, budget: Optional[float], uncon
     if best is None:
         if isinstance(failure, SolverError):
             raise failure
-        raise f.below_budget(all_but_one(f.lengths), max(5.0, deadline - time.perf_counter()))
+        raise f.below_budget(all_but_one(f.lengths))
     return best, untried
 
 
