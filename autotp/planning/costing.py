@@ -277,6 +277,15 @@ class CostModel:
         transient += self.kept.transient_per_input_element.get(node.name, 0.0) * first
         return MemoryParts(activations_bytes=kept + extra + per_input * first, transient_bytes=transient)
 
+    def memory_key(self, node: OpNode) -> tuple:
+        """What :meth:`node_memory` reads of the node beyond its shapes and role: nodes of one shape
+        with equal keys commit equal bytes under one strategy."""
+        if self.kept is None:
+            return ()
+        k, name = self.kept, node.name
+        return (name in k.kept, k.extra_per_element.get(name, 0.0), name in k.returned, name in k.held,
+                k.extra_per_input_element.get(name, 0.0), k.transient_per_input_element.get(name, 0.0))
+
     def alive_bytes(self, node: OpNode, strategy: Strategy) -> float:
         """Bytes a rank holds of the node's outputs while they live in a forward: their local
         pieces; a graph output, which the module returns whole, at least whole."""

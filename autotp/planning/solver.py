@@ -94,12 +94,21 @@ class _Problem(Formulation):
         mem = {r: [0.0] * len(self.strategies[r]) for r in self.roots}
         step = {r: [0.0] * len(self.strategies[r]) for r in self.roots}
         transient = {r: [0.0] * len(self.strategies[r]) for r in self.roots}
+        # the instances a representative stands for, by what the backward keeps of each: tied layers
+        # compute alike, but the last one's output may be returned (its gradient arrives) and not
+        # saved by a next layer, so each kind counts at its own figure
+        kinds: dict[str, dict[tuple, list]] = {}
+        for n in self.graph.nodes:
+            r = self.rep[n.name]
+            if r in self.fmap:
+                kinds.setdefault(r, {}).setdefault(self.cost.memory_key(n), [n.name, 0])[1] += 1
         for r in self.reps:
-            for s, mine in enumerate(self.fmap[r]):
-                parts = self.cost.node_memory(self.graph[r], self.strategies[r][mine])
-                mem[self.root[r]][s] += self.mult[r] * parts.backward_start_bytes
-                step[self.root[r]][s] += self.mult[r] * parts.optimizer_step_bytes
-                transient[self.root[r]][s] += self.mult[r] * parts.transient_bytes
+            for name, count in kinds.get(r, {}).values():
+                for s, mine in enumerate(self.fmap[r]):
+                    parts = self.cost.node_memory(self.graph[name], self.strategies[r][mine])
+                    mem[self.root[r]][s] += count * parts.backward_start_bytes
+                    step[self.root[r]][s] += count * parts.optimizer_step_bytes
+                    transient[self.root[r]][s] += count * parts.transient_bytes
         for root, row in self.copy_mem.items():  # gathered copies kept, where a node's choice decides them
             for s, b in enumerate(row):
                 mem[root][s] += b

@@ -200,4 +200,7 @@ def test_the_least_a_budget_error_states_is_a_budget_a_plan_fits(blocks):
     least = err.value.minimum_bytes
     assert f"raise the budget to at least {least} bytes" in str(err.value)
     plan = plan_graph(graph, case.mesh, "cpu-gloo", memory_budget=least)
-    assert plan.memory.peak_bytes <= least
+    # within the rows' bound, margin kept: the rows count each tied instance at its own figure (the
+    # last block's output is returned, not saved by a next block: counted at the first's, the rows
+    # missed 256 bytes and a plan recomputing a block came out 2% over)
+    assert plan.memory.peak_bytes <= least * (1 - MEMORY_MARGIN) + 1, (plan.memory, plan.recompute)
