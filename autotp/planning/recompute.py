@@ -42,25 +42,32 @@ def layer_chains(graph: OpGraph, chains_found: Sequence[Sequence[str]] | None = 
     """The chains of tied layers that can recompute: each layer carries a gradient somewhere and can
     run as one call (nothing it reads from outside is computed from its own nodes). ``chains_found``:
     :func:`autotp.planning.tying.find_chains`' answer, if already at hand."""
+    paths_of = [tuple(paths) for paths in (find_chains(graph) if chains_found is None else chains_found)]
+    wanted = {path for paths in paths_of for path in paths}
+    members: dict[str, list[str]] = {path: [] for path in wanted}
+    for node in graph.ops():  # one pass: a layer's nodes are those run inside its module
+        for path in wanted.intersection(node.module_stack):
+            members[path].append(node.name)
     chains = []
-    for paths in (find_chains(graph) if chains_found is None else chains_found):
-        layers = [_layer(graph, path) for path in paths]
+    for paths in paths_of:
+        layers = [_layer(graph, path, members[path]) for path in paths]
         if all(layer is not None for layer in layers):
             chains.append(layers)
     return chains
 
 
-def _layer(graph: OpGraph, path: str) -> Layer | None:
-    nodes = [n.name for n in graph.ops() if path in n.module_stack]
+def _layer(graph: OpGraph, path: str, nodes: list[str]) -> Layer | None:
     inside = set(nodes)
     if not any(graph[n].requires_grad for n in nodes):
         return None
-    # a node outside read by the layer must not depend on the layer (the layer could not run as one call)
+    # a node outside read by the layer must not depend on the layer (the layer could not run as one
+    # call); such a node lies between the layer's first node and its last, so only those are looked at
     tainted: set[str] = set()
-    for node in graph.nodes:  # topological order
+    first, last = graph.position(nodes[0]), graph.position(nodes[-1])
+    for node in graph.nodes[first + 1:last]:  # topological order
         if node.name not in inside and any(src in inside or src in tainted for src in node.inputs):
             tainted.add(node.name)
-    if any(src in tainted for n in nodes for src in graph[n].inputs):
+    if tainted and any(src in tainted for n in nodes for src in graph[n].inputs):
         return None
     # an op that writes into a tensor made outside (or a view of one): running the layer again
     # would read it changed

@@ -30,6 +30,8 @@ and the readers read that copy.
 from __future__ import annotations
 
 import functools
+import types
+import weakref
 from typing import Mapping
 
 import torch
@@ -51,6 +53,7 @@ def _schema(target: str):
         return None
 
 
+@functools.lru_cache(maxsize=None)
 def writes_first_argument(target: str) -> bool:
     """Whether the op ``target`` writes into its first argument, by its schema (``add_(Tensor(a!) self,
     ...)``)."""
@@ -78,6 +81,7 @@ def writes_in_place(node: OpNode) -> bool:
     return bool(node.inputs) and not node.is_placeholder and writes_first_argument(node.target)
 
 
+@functools.lru_cache(maxsize=None)
 def _returns_first_argument(target: str) -> bool:
     """Whether the op ``target`` (``aten.narrow.default``) returns a view of its first argument, by
     its schema (``narrow(Tensor(a) self, ...) -> Tensor(a)``)."""
@@ -96,13 +100,20 @@ def aliases_first_input(node: OpNode) -> bool:
     return node.is_view or writes_in_place(node) or _returns_first_argument(node.target)
 
 
-def storage_roots(graph: OpGraph) -> dict[str, str]:
+def storage_roots(graph: OpGraph) -> Mapping[str, str]:
     """Per node, the node whose storage its output is: a view's and an in-place op's are their
-    first input's (transitively); any other node's is its own."""
-    root: dict[str, str] = {}
-    for n in graph.nodes:
-        root[n.name] = root[n.inputs[0]] if aliases_first_input(n) else n.name
+    first input's (transitively); any other node's is its own. Read-only, computed once per graph
+    (the planner asks for it per layer)."""
+    root = _ROOTS.get(graph)
+    if root is None:
+        found: dict[str, str] = {}
+        for n in graph.nodes:
+            found[n.name] = found[n.inputs[0]] if aliases_first_input(n) else n.name
+        root = _ROOTS[graph] = types.MappingProxyType(found)
     return root
+
+
+_ROOTS: "weakref.WeakKeyDictionary[OpGraph, Mapping[str, str]]" = weakref.WeakKeyDictionary()
 
 
 def _writes(graph: OpGraph, root: Mapping[str, str]) -> dict[str, list[int]]:
