@@ -98,6 +98,9 @@ class SolveStats:
     capture_s: Optional[float]  # None in a plan loaded from a file: timings are not saved
     strategies_s: Optional[float]
     solve_s: Optional[float]
+    # the stacks traced at three layers and unrolled (autotp/tracing/repeats.py), as "path (n layers)";
+    # not saved: a loaded plan says nothing of how its graph was traced
+    unrolled: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -253,7 +256,7 @@ class Plan:
             "time": asdict(self.time),
             "memory": asdict(self.memory),
             # wall-clock timings stay out of the file: the same inputs give byte-identical JSON
-            "stats": {k: v for k, v in asdict(self.stats).items() if k not in _TIMING_FIELDS},
+            "stats": {k: v for k, v in asdict(self.stats).items() if k not in _TIMING_FIELDS + ("unrolled",)},
             "modules": [asdict(m) for m in self.modules],
             "dynamic_dims": [asdict(d) for d in self.dynamic_dims],
             "divisibility": [asdict(d) for d in self.divisibility],

@@ -211,7 +211,7 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
     stats = SolveStats(
         solver=solution.solver, status=solution.status, optimal=solution.optimal, variables=solution.variables,
         constraints=solution.constraints, representatives=solution.representatives, nodes=len(graph.nodes),
-        capture_s=capture_s, strategies_s=strategies_s, solve_s=solution.seconds,
+        capture_s=capture_s, strategies_s=strategies_s, solve_s=solution.seconds, unrolled=graph.unrolled,
     )
     result = Plan(
         model_type=graph.model_type, mesh=spec, mode=mode, hardware=profile,
@@ -288,6 +288,8 @@ def plan(model: torch.nn.Module, mesh: Any, example_inputs: Any, hardware: Any =
         model = WithLoss(model, loss_fn)
     t0 = time.perf_counter()
     # an inference plan is of the model in eval mode (no dropout; batch norm reads its statistics)
-    graph = capture(model, example_inputs, dynamic_dims, training=False if mode == "inference" else None)
+    # stacks of alike layers traced at three layers and unrolled (autotp/tracing/repeats.py): the same
+    # graph as a whole trace, in a time that does not grow with depth
+    graph = capture(model, example_inputs, dynamic_dims, training=False if mode == "inference" else None, unroll=True)
     return plan_graph(graph, mesh, hardware, mode, memory_budget, time_limit_s, capture_s=time.perf_counter() - t0,
                       pin=pin, optimizer=optimizer, recompute=recompute)

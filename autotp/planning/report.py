@@ -203,7 +203,8 @@ def _text(plan: "Plan") -> str:
         f"Solve: {st.solver}, {st.status}; {st.variables} variables, {st.constraints} constraints, "
         f"{st.representatives} of {st.nodes} nodes to decide after layer tying and merging; " + (
             f"capture {st.capture_s:.2f} s, strategies {st.strategies_s:.2f} s, solve {st.solve_s:.2f} s"
-            if st.solve_s is not None else "timings not recorded (loaded plan)"),
+            if st.solve_s is not None else "timings not recorded (loaded plan)") + (
+            f"; traced at 3 layers and unrolled: {', '.join(st.unrolled)}" if st.unrolled else ""),
     ]
     return "\n".join(lines)
 

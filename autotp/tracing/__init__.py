@@ -13,5 +13,6 @@ It imports nothing from the later stages.
 - ``regions``    ``no_grad`` and autocast-off blocks, inlined into the graph
 - ``refusals``   constructs a plan cannot place, each refused with what to do
 - ``aliasing``   views and writes in place: which tensors must share one storage
+- ``repeats``    stacks of alike layers traced at three layers and unrolled (for planning)
 - ``loss``       ``WithLoss``: the model and its loss traced as one module, under the model's names
 """

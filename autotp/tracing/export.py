@@ -37,6 +37,7 @@ from autotp.tracing.inputs import (buffers_on_meta, cache_off, check_devices, di
 from autotp.tracing.refusals import (CaptureError, check_data_dependent_sizes, check_higher_order_ops, check_operand_dtypes,
                              check_parameter_writes, check_written_arguments, module_info)
 from autotp.tracing.regions import RegionError, inline_regions
+from autotp.tracing.repeats import capture_unrolled, find_stacks
 
 __all__ = ["capture", "CaptureError", "concrete", "op_args", "map_tensor_arguments",
            "tensor_arguments"]
@@ -142,7 +143,7 @@ _EXPORT_LOCK = threading.RLock()
 
 
 def capture(model: torch.nn.Module, example_inputs: Any, dynamic_dims: Any = False,
-            training: bool | None = None, device: Any = None) -> OpGraph:
+            training: bool | None = None, device: Any = None, unroll: bool = False) -> OpGraph:
     """Trace ``model`` on ``example_inputs`` and return its :class:`OpGraph`.
 
     ``example_inputs`` is what ``model(*example_inputs)`` would be called with (a tuple, a single
@@ -156,9 +157,19 @@ def capture(model: torch.nn.Module, example_inputs: Any, dynamic_dims: Any = Fal
     ``device``: for a model on meta, the device it will run on (``"cpu"``, ``"cuda"``): it is traced
     with fake tensors that say that device, so code that branches on its tensors' device takes the
     branch the run will take (on meta, it would take another: ``torch.histc`` on integers off CPU).
+    ``unroll``: trace each stack of alike layers at three layers and unroll it
+    (:mod:`autotp.tracing.repeats`): the same graph, in a time that does not grow with depth, but
+    without an exported program (for planning, not for the rewrite); traced whole where it cannot.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model is a {type(model).__name__}; expected a torch.nn.Module")
+    if unroll and dynamic_dims is False:
+        with _EXPORT_LOCK:
+            stacks = find_stacks(model)
+            graph = stacks and capture_unrolled(
+                model, lambda: capture(model, example_inputs, dynamic_dims, training, device), stacks)
+        if graph:
+            return graph
     if training is not None and any(m.training != training for m in model.modules()):
         with in_mode(model, training):
             return capture(model, example_inputs, dynamic_dims, device=device)

@@ -219,9 +219,13 @@ class OpGraph:
     # symbolic size its outputs' dims as expressions in those symbols (None: static)
     dynamic: tuple[Any, ...] = ()
     symbolic: Mapping[str, tuple[tuple[Any, ...], ...]] = field(default_factory=dict, repr=False, compare=False)
+    # the stacks of alike layers traced at three layers and unrolled (autotp/tracing/repeats.py), as
+    # "path (n layers)"; empty for a whole trace
+    unrolled: tuple[str, ...] = field(default=(), compare=False)
     training: bool = True  # the model's mode when traced (train: dropout drops, batch norm updates its statistics)
     _index: Mapping[str, int] = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
     _consumers: Mapping[str, tuple[str, ...]] = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
+    _ops: tuple[OpNode, ...] = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         index = {n.name: i for i, n in enumerate(self.nodes)}
@@ -231,6 +235,7 @@ class OpGraph:
                 consumers[src].append(n.name)
         object.__setattr__(self, "_index", index)
         object.__setattr__(self, "_consumers", {k: tuple(v) for k, v in consumers.items()})
+        object.__setattr__(self, "_ops", tuple(n for n in self.nodes if n.role == OP))
 
     def __getitem__(self, name: str) -> OpNode:
         return self.nodes[self._index[name]]
@@ -260,7 +265,7 @@ class OpGraph:
         return reads + self.outputs.count(name)
 
     def ops(self) -> tuple[OpNode, ...]:
-        return tuple(n for n in self.nodes if n.role == OP)
+        return self._ops
 
     def total_flops(self) -> float:
         """Forward FLOPs of the whole graph."""
