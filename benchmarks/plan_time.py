@@ -143,7 +143,7 @@ def _table(rows: list[dict]) -> None:
               f"(wall {r['wall_s']:.0f} s)")
     print("capture: whole = torch.export over every layer; unrolled = each stack of alike layers traced at three "
           "layers and unrolled (autotp.plan); old = unrolled, recompute left out of the ILP; untied = every node "
-          "its own variables. total = capture + strategies + solve + the plan's report, in one process")
+          "its own variables. total = capture to the finished plan, in one process")
     by = {(r["name"], r["variant"]): r for r in rows}
     for name in dict.fromkeys(r["name"] for r in rows):
         whole, unrolled = by.get((name, "whole")), by.get((name, "unrolled"))
