@@ -164,6 +164,11 @@ class _Problem(Formulation):
         lowest = min(p for p, _ in peaks)  # the fewest layers recomputing among the lowest (to solver precision)
         peak, layers = min(((p, c) for p, c in peaks if p <= lowest * (1 + 1e-6)), key=lambda pc: sum(pc[1].values()))
         least = peak / (1 - MEMORY_MARGIN)
+        if math.isinf(least):
+            return MemoryBudgetError(
+                f"memory budget {format_bytes(self.budget / (1 - MEMORY_MARGIN))} per device is below "
+                f"the minimum any plan needs on mesh {self.cost.mesh} in {self.cost.mode} mode, and the solver found "
+                f"no plan to state that minimum from in its time; raise the budget or use more devices", math.inf)
         budget, needed = format_bytes_pair(self.budget / (1 - MEMORY_MARGIN), least)
         recomputing = " with layers recomputing their activations" if any(layers.values()) else ""
         return MemoryBudgetError(
@@ -186,8 +191,14 @@ class _Problem(Formulation):
         if self.cost.train:
             self.prob += peak >= pulp.lpSum(self.step_terms), "least_step"
         self.prob.setObjective(peak)
-        solve_with_first_solver(self.prob, time_limit_s, lambda prob: None)
-        return float(peak.varValue or 0.0) * self.scale
+        # a solve the time limit stops before any plan is found says nothing: solve again, longer, and
+        # where that finds none either the least is not known (infinite), never 0
+        for limit_s in (time_limit_s, max(30.0, 10 * time_limit_s)):
+            solve_with_first_solver(self.prob, limit_s, lambda prob: None)
+            if self.prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible) \
+                    and peak.varValue is not None:
+                return float(peak.varValue) * self.scale
+        return math.inf
 
     def _forward_steps(self) -> list[dict[str, list[float]]]:
         """In inference, the forward's fullest steps (:func:`autotp.planning.saved.forward_liveness`;

@@ -204,3 +204,29 @@ def test_the_least_a_budget_error_states_is_a_budget_a_plan_fits(blocks):
     # last block's output is returned, not saved by a next block: counted at the first's, the rows
     # missed 256 bytes and a plan recomputing a block came out 2% over)
     assert plan.memory.peak_bytes <= least * (1 - MEMORY_MARGIN) + 1, (plan.memory, plan.recompute)
+
+
+def test_a_least_solve_the_time_limit_stops_before_any_plan_is_solved_again(monkeypatch):
+    """A minimizing solve stopped before it found a plan (a large two-axis ILP spends its 2 s in
+    presolve) has no peak to state: it is solved again for longer, never stated as 0 bytes."""
+    from autotp.planning import solver
+    from tests.helpers.properties import Case, build
+
+    case = Case(blocks=("mlp", "mlp"), dim=8, heads=1, head_dim=4, batch=1, seq=8, mesh=(4,), mode="train", slack=0.0,
+                seed=0)
+    graph = autotp.capture(*build(case))
+    with pytest.raises(autotp.MemoryBudgetError) as err:
+        plan_graph(graph, case.mesh, "cpu-gloo", memory_budget=1)
+    least = err.value.minimum_bytes
+    real, limits = solver.solve_with_first_solver, []
+
+    def stopped_at_once(prob, time_limit_s, problem):  # the least solves' first tries stop before a plan
+        least_solve = "least_start" in prob.constraints
+        limits.append((least_solve, time_limit_s))
+        return real(prob, 1e-6 if least_solve and time_limit_s <= 2.0 else time_limit_s, problem)
+
+    monkeypatch.setattr(solver, "solve_with_first_solver", stopped_at_once)
+    with pytest.raises(autotp.MemoryBudgetError) as err:
+        plan_graph(graph, case.mesh, "cpu-gloo", memory_budget=1)
+    assert err.value.minimum_bytes == least and least > 0
+    assert any(limit > 2.0 for is_least, limit in limits if is_least)  # solved again, longer
