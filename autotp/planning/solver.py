@@ -424,6 +424,9 @@ def _run(f: _Problem, time_limit_s: float, memory_budget_bytes: Optional[float])
                 f"no plan fits the memory budget {format_bytes(memory_budget_bytes or 0)} per device on mesh {f.cost.mesh}", 0.0)
         if status not in ("Optimal", "Not Solved") or any(v.varValue is None for v in f.x[f.roots[0]]):
             return f"status {status}"
+        # stopped by the time limit before any plan: the variables read 0, which is no plan at all
+        if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+            return f"no plan found within its time limit of {time_limit_s:.1f} s (raise time_limit_s)"
         return None
 
     name = solve_with_first_solver(f.prob, time_limit_s, problem)

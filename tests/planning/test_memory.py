@@ -230,3 +230,20 @@ def test_a_least_solve_the_time_limit_stops_before_any_plan_is_solved_again(monk
         plan_graph(graph, case.mesh, "cpu-gloo", memory_budget=1)
     assert err.value.minimum_bytes == least and least > 0
     assert any(limit > 2.0 for is_least, limit in limits if is_least)  # solved again, longer
+
+
+def test_a_solve_the_time_limit_stops_before_any_plan_is_no_plan(monkeypatch):
+    """Stopped before it found a plan, the solver leaves every variable at 0: read as a choice, that
+    was strategy 0 everywhere, a plan far over the budget, returned with no error. It is a solver
+    failure that says to raise the time limit."""
+    from autotp.planning import ilp, solver
+    from tests.helpers.properties import Case, build
+
+    case = Case(blocks=("mlp", "mlp"), dim=8, heads=1, head_dim=4, batch=1, seq=8, mesh=(4,), mode="train", slack=0.0,
+                seed=0)
+    graph = autotp.capture(*build(case))
+    real = solver.solve_with_first_solver
+    monkeypatch.setattr(solver, "solve_with_first_solver",
+                        lambda prob, time_limit_s, problem: real(prob, 1e-6, problem))  # stopped in presolve
+    with pytest.raises(ilp.SolverError, match="no plan found within its time limit"):
+        plan_graph(graph, case.mesh, "cpu-gloo", recompute=False)
