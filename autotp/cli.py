@@ -1,7 +1,8 @@
 """Command line: ``autotp plan MODULE:FACTORY ...`` and ``autotp profile ...``.
 
 ``autotp plan examples.models:llama3_8b --mesh 8 --hardware h100-sxm`` imports the factory (a
-function returning ``(model, example_inputs)``), plans, and prints the report.
+function returning ``(model, example_inputs)``), plans, and prints the report; ``--devices 16``
+instead of ``--mesh`` chooses the mesh shape too.
 """
 
 from __future__ import annotations
@@ -98,7 +99,12 @@ def run_plan(args: argparse.Namespace) -> int:
     names = tuple(args.axis_names.split(",")) if args.axis_names else None
     from autotp.mesh import MeshSpec
 
-    mesh = MeshSpec.of(args.mesh, names)
+    if args.devices is not None:
+        if names:
+            raise SystemExit("autotp plan: --axis-names names the axes of --mesh; with --devices the search names them")
+        mesh = args.devices  # a device count: the mesh shape is chosen too
+    else:
+        mesh = MeshSpec.of(args.mesh, names)
     pins = {}
     for item in args.pin:
         if "=" not in item:
@@ -147,7 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="plan a model on a mesh and print the report")
     p.add_argument("factory", help="MODULE:FACTORY or FILE.py:FACTORY, a function of no arguments returning "
                                    "(model, example_inputs)")
-    p.add_argument("--mesh", type=parse_mesh, required=True, help="mesh shape: 8 or 2x4")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--mesh", type=parse_mesh, help="mesh shape: 8 or 2x4")
+    where.add_argument("--devices", type=int, help="a device count: the mesh shape is chosen too, the cheapest of "
+                                                   "its shapes on one or two axes (the report lists them)")
     p.add_argument("--axis-names", default=None, help="comma-separated axis names (default tp, or dp,tp for 2 axes)")
     p.add_argument("--hardware", default=None,
                    help="built-in profile name (h100-sxm, a100-sxm, a100-pcie, cpu-gloo) or a profile JSON path "

@@ -4,6 +4,7 @@ The second stage: every node's possible placements, priced, and one consistent c
 integer linear program. It reads the graph from :mod:`autotp.tracing` and never runs the model.
 
 - ``planner``           ``autotp.plan`` and ``plan_graph``: the stages below, in order
+- ``mesh_search``       given a device count, every mesh shape of it planned, the fastest kept
 - ``strategies``        per node, the strategies it can take on each mesh axis
 - ``rules/``            autotp's sharding rules by op family, and the user's (``register_rule``)
 - ``dtensor_rules``     DTensor's op-strategy registry, behind one adapter, for the ops left over

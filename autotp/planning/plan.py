@@ -25,6 +25,7 @@ from autotp.mesh import MeshSpec
 from autotp.placement import Strategy, dim_divisor, format_placements
 from autotp.planning.errors import PlanError
 from autotp.planning.explain import ExplainContext, explain
+from autotp.planning.mesh_search import MeshCandidate
 from autotp.planning.program import Collective
 from autotp.planning.report import render
 from autotp.tracing.dynamic import Divisibility, DynamicDim
@@ -179,6 +180,8 @@ class Plan:
     hardware_source: str = "given"
     # buffers by name -> placements, for those the plan stores split (a KV cache by heads); others are whole
     buffer_placements: Mapping[str, str] = field(default_factory=dict)
+    # given a device count, the mesh shapes the search planned, best first (autotp/planning/mesh_search.py)
+    mesh_search: tuple[MeshCandidate, ...] = ()
     _strategies: Mapping[str, Strategy] = field(default=None, repr=False)  # type: ignore[assignment]
     # the captured graph and the planner's arguments, for explain() (a plan made in this process)
     _context: Optional["ExplainContext"] = field(default=None, repr=False, compare=False)
@@ -267,6 +270,7 @@ class Plan:
             "inputs": [asdict(i) for i in self.inputs],
             "hardware_source": self.hardware_source,
             "buffer_placements": dict(self.buffer_placements),
+            "mesh_search": [asdict(c) for c in self.mesh_search],
         }
 
     def to_json(self) -> str:
@@ -303,6 +307,7 @@ class Plan:
                 inputs=tuple(PlannedInput(i["name"], tuple(i["shape"]), i["dtype"]) for i in d.get("inputs", ())),
                 hardware_source=d.get("hardware_source", "given"),
                 buffer_placements=dict(d.get("buffer_placements", {})),
+                mesh_search=tuple(MeshCandidate.from_dict(c) for c in d.get("mesh_search", ())),
             )
         except (KeyError, TypeError, IndexError) as err:
             raise PlanError(f"plan file is missing or has a malformed field: {err}") from err

@@ -19,6 +19,7 @@ from autotp.mesh import MeshSpec
 from autotp.placement import Strategy, format_placements, parse_placements, piece_sizes
 from autotp.planning.costing import MODES, CostModel
 from autotp.planning.explain import ExplainContext
+from autotp.planning.mesh_search import mesh_shapes, search_meshes
 from autotp.planning.plan import MemoryPerDevice, NodeChoice, Plan, PlannedInput, PredictedTime, SolveStats, UnevenSplit, module_choices
 from autotp.planning.program import Collective, LocalCopy, program
 from autotp.planning.recompute import check_recompute, layer_chains, recompute_saved_bytes, recomputed_nodes
@@ -259,7 +260,11 @@ def plan(model: torch.nn.Module, mesh: Any, example_inputs: Any, hardware: Any =
          loss_fn: Any = None) -> Plan:
     """Choose how to split every op of ``model`` over ``mesh``.
 
-    ``mesh`` is a ``DeviceMesh`` or a shape such as ``(8,)`` or ``(2, 4)`` (no processes needed);
+    ``mesh`` is a ``DeviceMesh`` or a shape such as ``(8,)`` or ``(2, 4)`` (no processes needed), or a
+    device count such as ``64``: the mesh is then chosen too, the plan of least predicted step over
+    the shapes of that many devices (one axis, or two with the second inside a node as the profile's
+    ``devices_per_node`` allows), each candidate in ``plan.mesh_search`` and the report
+    (:mod:`autotp.planning.mesh_search`);
     ``hardware`` a built-in profile name, a profile JSON path or a ``HardwareProfile`` (default
     ``"h100-sxm"``, whatever the machine: the report says so); ``mode`` ``"train"`` (the model traced in
     the mode it is in) or ``"inference"`` (traced in eval mode, no backward priced); ``memory_budget`` bytes per device
@@ -281,8 +286,12 @@ def plan(model: torch.nn.Module, mesh: Any, example_inputs: Any, hardware: Any =
         raise ValueError(f"mode {mode!r}: expected one of {MODES}")
     optimizer_spec(optimizer)
     check_recompute(recompute)
-    MeshSpec.of(mesh)  # reject a bad mesh before the (slow) capture
-    resolve_hardware(hardware)
+    devices = mesh if isinstance(mesh, int) and not isinstance(mesh, bool) else None
+    if devices is not None:
+        mesh_shapes(devices)  # a device count: the mesh is chosen too (autotp/planning/mesh_search.py)
+    else:
+        MeshSpec.of(mesh)  # reject a bad mesh before the (slow) capture
+    profile = resolve_hardware(hardware)
     parse_bytes(memory_budget)
     if loss_fn is not None:
         model = WithLoss(model, loss_fn)
@@ -291,5 +300,12 @@ def plan(model: torch.nn.Module, mesh: Any, example_inputs: Any, hardware: Any =
     # stacks of alike layers traced at three layers and unrolled (autotp/tracing/repeats.py): the same
     # graph as a whole trace, in a time that does not grow with depth
     graph = capture(model, example_inputs, dynamic_dims, training=False if mode == "inference" else None, unroll=True)
-    return plan_graph(graph, mesh, hardware, mode, memory_budget, time_limit_s, capture_s=time.perf_counter() - t0,
-                      pin=pin, optimizer=optimizer, recompute=recompute)
+    capture_s = time.perf_counter() - t0
+
+    def plan_on(shape: Any) -> Plan:
+        return plan_graph(graph, shape, hardware, mode, memory_budget, time_limit_s, capture_s=capture_s,
+                          pin=pin, optimizer=optimizer, recompute=recompute)
+
+    if devices is not None:
+        return search_meshes(devices, profile.devices_per_node, plan_on)
+    return plan_on(mesh)

@@ -173,9 +173,28 @@ def buffer_lines(plan: "Plan") -> list[str]:
         for text, names in by.items())]
 
 
+def mesh_search_lines(plan: "Plan") -> list[str]:
+    """Given a device count: the mesh shapes planned, best first, and why each lost."""
+    if not plan.mesh_search:
+        return []
+    devices = plan.mesh.size
+    lines = ["", f"Mesh search: {len(plan.mesh_search)} shapes of {devices} devices "
+             f"({plan.hardware.devices_per_node} per node), best first; build the chosen one with "
+             f"init_device_mesh(..., {tuple(plan.mesh.shape)}, mesh_dim_names={tuple(plan.mesh.axis_names)})"]
+    rows = []
+    for c in plan.mesh_search:
+        step = "-" if c.step_s is None else _t(c.step_s)
+        comm = "-" if c.communication_s is None else _t(c.communication_s)
+        peak = "-" if c.peak_bytes is None else format_bytes(c.peak_bytes)
+        rows.append(["x".join(map(str, c.shape)), " / ".join(l.replace("_node", "") for l in c.links), step, comm,
+                     peak, c.why or "chosen"])
+    lines += _table(["mesh", "links", "step", "communication", "memory", "why not"], rows)
+    return lines
+
+
 def _text(plan: "Plan") -> str:
     mem, t, st = plan.memory, plan.time, plan.stats
-    lines = header_lines(plan) + ["", "Modules"]
+    lines = header_lines(plan) + mesh_search_lines(plan) + ["", "Modules"]
     lines += _table(_MODULE_HEADERS, _module_rows(plan))
     lines += ["", "Collectives per step"]
     rows = _collective_rows(plan)
