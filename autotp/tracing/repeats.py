@@ -145,9 +145,9 @@ def capture_unrolled(model: nn.Module, trace: Callable[[], OpGraph], stacks: lis
 def unroll(graph: OpGraph, stacks: list[Stack]) -> Optional[OpGraph]:
     """The graph of the whole model from ``graph``, traced with each stack at layers 0, 1 and its
     last; None where the trace does not show the layers alike."""
-    if graph.dynamic or graph.symbolic or not _names_as_traced(graph):
-        return None
     base = {n.name: _base(n.name) for n in graph.nodes if n.role == OP}
+    if graph.dynamic or graph.symbolic or not _names_as_traced(graph, base):
+        return None
     nodes, outputs, params = list(graph.nodes), list(graph.outputs), list(graph.parameters)
     for stack in stacks:
         done = _unroll_stack(nodes, outputs, params, graph.alias_placeholders, stack, base)
@@ -188,10 +188,10 @@ def _fx_names(nodes: list[OpNode], base: dict[str, str]) -> Optional[dict[str, s
     return names
 
 
-def _names_as_traced(graph: OpGraph) -> bool:
+def _names_as_traced(graph: OpGraph, base: dict[str, str]) -> bool:
     """The trace's op names are what :func:`_fx_names` makes of their bases: a full trace's names can
     then be told."""
-    names = _fx_names(list(graph.nodes), {n.name: _base(n.name) for n in graph.nodes if n.role == OP})
+    names = _fx_names(list(graph.nodes), base)
     return names is not None and all(k == v for k, v in names.items())
 
 
@@ -288,8 +288,7 @@ def _unroll_stack(nodes: list[OpNode], outputs: list[str], params: list[Paramete
     # the last layer reads the layer before it
     for i in blocks[2]:
         n = nodes[i]
-        inputs = tuple(previous[nodes[blocks[1][block_of[s][1]]].name] if block_of.get(s, (None,))[0] == 1 else s
-                       for s in n.inputs)
+        inputs = tuple(previous[s] if block_of.get(s, (None,))[0] == 1 else s for s in n.inputs)
         new_nodes.append(replace(n, inputs=inputs))
     new_nodes.extend(nodes[end + 1:])
     # the copies' placeholders, after layer 1's of each kind
