@@ -125,7 +125,8 @@ def run_plan(args: argparse.Namespace) -> int:
         plan = autotp.plan(model, mesh, example_inputs, hardware=args.hardware, mode=args.mode,
                            memory_budget=args.memory_budget, time_limit_s=args.time_limit, pin=pins or None,
                            dynamic_dims=None if args.dynamic else False, optimizer=optimizer,
-                           recompute={"auto": None, "all": True, "off": False}[args.recompute])
+                           recompute={"auto": None, "all": True, "off": False}[args.recompute],
+                           pipeline=args.pipeline)
     except (autotp.MemoryBudgetError, ValueError) as err:
         print(f"autotp plan: {err}", file=sys.stderr)
         return 2
@@ -157,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--mesh", type=parse_mesh, help="mesh shape: 8 or 2x4")
     where.add_argument("--devices", type=int, help="a device count: the mesh shape is chosen too, the cheapest of "
                                                    "its shapes on one or two axes (the report lists them)")
+    p.add_argument("--pipeline", action="store_true",
+                   help="with --devices, train mode: price pipeline stages x data x tensor parallel layouts too "
+                        "(micro-batches, schedule, ZeRO stage, recompute); the report lists them. Planned and "
+                        "priced only: autotp runs tensor parallelism alone")
     p.add_argument("--axis-names", default=None, help="comma-separated axis names (default tp, or dp,tp for 2 axes)")
     p.add_argument("--hardware", default=None,
                    help="built-in profile name (h100-sxm, a100-sxm, a100-pcie, cpu-gloo) or a profile JSON path "

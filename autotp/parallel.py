@@ -130,6 +130,11 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
         raise PlanError(f"the plan is a {plan.mode} plan (made with mode={plan.mode!r}), and parallelize was asked "
                         f"for mode={mode!r}; leave mode out to use the plan as it is, or plan again with "
                         f"mode={mode!r}")
+    if isinstance(plan, Plan) and plan.pipeline is not None and (plan.pipeline.chosen.pp, plan.pipeline.chosen.dp) != (1, 1):
+        c = plan.pipeline.chosen
+        raise PlanError(f"the plan's layout is {c.describe()}: pipeline stages and data parallelism are planned and "
+                        f"priced, but autotp runs tensor parallelism only (docs/limits.md); to run a plan, plan "
+                        f"the mesh itself, e.g. autotp.plan(model, ({c.dp}, {c.tp}), inputs) for data x tensor")
     check_inputs = _input_checks(check_inputs)
     spec = MeshSpec.of(mesh)
     device = _device_type(model)

@@ -21,6 +21,7 @@ from cost_models.communication import (
     axis_link_name,
     collective_factor,
     collective_time_s,
+    send_time_s,
 )
 from cost_models.compute import compute_time_s
 from cost_models.hardware import (
@@ -55,4 +56,5 @@ __all__ = [
     "load_profile",
     "model_state_bytes",
     "optimizer_spec",
+    "send_time_s",
 ]

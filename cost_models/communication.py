@@ -86,6 +86,12 @@ def collective_time_s(link: LinkSpec, kind: str, size_bytes: float, n_ranks: int
     return latency_s + size_bytes * factor / bus_bandwidth_bytes_per_s
 
 
+def send_time_s(link: LinkSpec, size_bytes: float) -> float:
+    """Seconds for one rank to send ``size_bytes`` to one other rank on ``link`` (a pipeline stage's
+    activation, or its gradient back): one copy over the link, priced as a two-rank broadcast."""
+    return collective_time_s(link, "broadcast", size_bytes, 2)
+
+
 def axis_link_name(mesh_shape: tuple[int, ...], axis: int, devices_per_node: int) -> str:
     """``"intra_node"`` if every group along ``axis`` fits in one node, else ``"inter_node"``.
 

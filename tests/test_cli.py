@@ -201,3 +201,21 @@ def test_explain_prices_each_placement_of_a_replicated_weight(capsys):
         autotp.Plan.from_json(plan.to_json()).explain("layers.0.mlp.up_proj")
     with pytest.raises(ValueError, match="no parameters of its own"):
         plan.explain("layers.0")
+
+
+def test_pipeline_layouts_from_the_command_line(tmp_path, capsys):
+    """``--devices 4 --pipeline``: the layout search, its report section and file; with ``--mesh`` refused."""
+    factory = tmp_path / "factory.py"
+    factory.write_text(
+        "from examples.models import hf_llama\n\n\n"
+        "def build():\n"
+        "    model, (ids,) = hf_llama(n_layer=4, batch=2)\n"
+        "    model.train()\n"
+        "    return model, {'input_ids': ids, 'labels': ids}\n")
+    out = tmp_path / "plan.json"
+    assert main(["plan", f"{factory}:build", "--devices", "4", "--pipeline", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    plan = autotp.load_plan(out)
+    assert plan.pipeline is not None and f"Chosen: {plan.pipeline.chosen.describe()}" in printed
+    assert main(["plan", f"{factory}:build", "--mesh", "2", "--pipeline"]) == 2
+    assert "give the number of devices" in capsys.readouterr().err

@@ -5,6 +5,9 @@ integer linear program. It reads the graph from :mod:`autotp.tracing` and never 
 
 - ``planner``           ``autotp.plan`` and ``plan_graph``: the stages below, in order
 - ``mesh_search``       given a device count, every mesh shape of it planned, the fastest kept
+- ``pipeline_search``   layouts of pipeline stages x data x tensor parallelism priced, the fastest kept
+- ``stages``            a plan's costs by layer of a stack, and the stack cut into balanced stages
+- ``schedules``         pipeline schedules as orders per rank, and their step replayed
 - ``strategies``        per node, the strategies it can take on each mesh axis
 - ``rules/``            autotp's sharding rules by op family, and the user's (``register_rule``)
 - ``dtensor_rules``     DTensor's op-strategy registry, behind one adapter, for the ops left over

@@ -26,6 +26,7 @@ from autotp.placement import Strategy, dim_divisor, format_placements
 from autotp.planning.errors import PlanError
 from autotp.planning.explain import ExplainContext, explain
 from autotp.planning.mesh_search import MeshCandidate
+from autotp.planning.pipeline_search import PipelineChoice
 from autotp.planning.program import Collective
 from autotp.planning.report import render
 from autotp.tracing.dynamic import Divisibility, DynamicDim
@@ -182,6 +183,9 @@ class Plan:
     buffer_placements: Mapping[str, str] = field(default_factory=dict)
     # given a device count, the mesh shapes the search planned, best first (autotp/planning/mesh_search.py)
     mesh_search: tuple[MeshCandidate, ...] = ()
+    # pipeline=True: the layout chosen in three dimensions, its stages and the candidates priced
+    # (autotp/planning/pipeline_search.py); this plan is then its stages' tensor-parallel plan
+    pipeline: Optional[PipelineChoice] = None
     _strategies: Mapping[str, Strategy] = field(default=None, repr=False)  # type: ignore[assignment]
     # the captured graph and the planner's arguments, for explain() (a plan made in this process)
     _context: Optional["ExplainContext"] = field(default=None, repr=False, compare=False)
@@ -271,6 +275,7 @@ class Plan:
             "hardware_source": self.hardware_source,
             "buffer_placements": dict(self.buffer_placements),
             "mesh_search": [asdict(c) for c in self.mesh_search],
+            "pipeline": self.pipeline.to_dict() if self.pipeline is not None else None,
         }
 
     def to_json(self) -> str:
@@ -308,6 +313,7 @@ class Plan:
                 hardware_source=d.get("hardware_source", "given"),
                 buffer_placements=dict(d.get("buffer_placements", {})),
                 mesh_search=tuple(MeshCandidate.from_dict(c) for c in d.get("mesh_search", ())),
+                pipeline=PipelineChoice.from_dict(d["pipeline"]) if d.get("pipeline") else None,
             )
         except (KeyError, TypeError, IndexError) as err:
             raise PlanError(f"plan file is missing or has a malformed field: {err}") from err

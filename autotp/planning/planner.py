@@ -257,7 +257,7 @@ def uneven_splits(graph: OpGraph, chosen: Mapping[str, Strategy], spec: MeshSpec
 def plan(model: torch.nn.Module, mesh: Any, example_inputs: Any, hardware: Any = None, mode: str = "train",
          memory_budget: Any = None, time_limit_s: float = 60.0, pin: Optional[Mapping[str, str]] = None,
          dynamic_dims: Any = False, optimizer: Any = "adamw", recompute: Optional[bool] = None,
-         loss_fn: Any = None) -> Plan:
+         loss_fn: Any = None, pipeline: bool = False) -> Plan:
     """Choose how to split every op of ``model`` over ``mesh``.
 
     ``mesh`` is a ``DeviceMesh`` or a shape such as ``(8,)`` or ``(2, 4)`` (no processes needed), or a
@@ -281,12 +281,23 @@ def plan(model: torch.nn.Module, mesh: Any, example_inputs: Any, hardware: Any =
     ``loss_fn``: a function of the model's output and the targets (``F.cross_entropy``), planned
     with the model (:class:`autotp.tracing.loss.WithLoss`): its tensors are priced and split, and
     the example inputs then end with the targets (positionally, or ``targets=`` in a dict).
+    ``pipeline``: with a device count in train mode, price three-dimensional layouts too, pipeline
+    stages of the model's stack of layers times data times tensor parallelism, with micro-batches,
+    schedule, ZeRO stage and recompute (:mod:`autotp.planning.pipeline_search`); the plan returned
+    is the chosen layout's tensor-parallel plan of one micro-batch, with ``plan.pipeline`` saying
+    the rest. Such a plan is for reading: ``parallelize`` runs tensor parallelism only (docs/limits.md).
     """
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: expected one of {MODES}")
     optimizer_spec(optimizer)
     check_recompute(recompute)
     devices = mesh if isinstance(mesh, int) and not isinstance(mesh, bool) else None
+    if pipeline and (devices is None or mode != "train"):
+        raise ValueError(f"pipeline=True searches the layout of a device count in train mode; given mesh={mesh!r}, "
+                         f"mode={mode!r}: give the number of devices (e.g. 64) and mode='train'")
+    if pipeline and (recompute is not None or dynamic_dims is not False):
+        raise ValueError(f"pipeline=True chooses recompute itself and plans static sizes; given recompute={recompute!r}, "
+                         f"dynamic_dims={dynamic_dims!r}: leave both out")
     if devices is not None:
         mesh_shapes(devices)  # a device count: the mesh is chosen too (autotp/planning/mesh_search.py)
     else:
@@ -295,6 +306,9 @@ def plan(model: torch.nn.Module, mesh: Any, example_inputs: Any, hardware: Any =
     parse_bytes(memory_budget)
     if loss_fn is not None:
         model = WithLoss(model, loss_fn)
+    if pipeline:
+        return _plan_layout(model, devices, example_inputs, profile, hardware, memory_budget, time_limit_s, pin,
+                            optimizer)
     t0 = time.perf_counter()
     # an inference plan is of the model in eval mode (no dropout; batch norm reads its statistics)
     # stacks of alike layers traced at three layers and unrolled (autotp/tracing/repeats.py): the same
@@ -309,3 +323,57 @@ def plan(model: torch.nn.Module, mesh: Any, example_inputs: Any, hardware: Any =
     if devices is not None:
         return search_meshes(devices, profile.devices_per_node, plan_on)
     return plan_on(mesh)
+
+
+def _plan_layout(model: torch.nn.Module, devices: int, example_inputs: Any, profile: HardwareProfile, hardware: Any,
+                 memory_budget: Any, time_limit_s: float, pin: Optional[Mapping[str, str]], optimizer: Any) -> Plan:
+    """``autotp.plan(..., pipeline=True)``: the model captured at each micro-batch size the search
+    needs, planned on each tensor axis once, every layout priced (autotp/planning/pipeline_search.py)."""
+    import dataclasses  # noqa: PLC0415
+
+    from autotp.planning.pipeline_search import search_layouts, units_of_plan  # noqa: PLC0415
+    from autotp.tracing.repeats import find_stacks  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    batch = _batch_size(example_inputs)
+    budget = parse_bytes(memory_budget) or float(profile.device.memory_bytes)
+    stacks = find_stacks(model)
+    stack = max(stacks, key=lambda s: s.count) if stacks else None
+    layer_paths = [stack.layer(i) for i in range(stack.count)] if stack else []
+    graphs: dict[int, OpGraph] = {}
+    plans: dict[tuple[int, int], tuple[Plan, Any]] = {}
+
+    def plan_for(tp: int, b: int) -> tuple[Plan, Any]:
+        if b not in graphs:
+            graphs[b] = capture(model, _first_rows(example_inputs, batch, b), False, training=None, unroll=True)
+        if (tp, b) not in plans:
+            p = plan_graph(graphs[b], (tp,), hardware, "train", 1e18, time_limit_s, pin=pin, optimizer=optimizer,
+                           recompute=False, explainable=False)
+            plans[tp, b] = (p, units_of_plan(p, graphs[b], layer_paths) if layer_paths else None)
+        return plans[tp, b]
+
+    if not layer_paths:
+        raise ValueError(f"pipeline=True: {type(model).__name__} has no stack of alike layers to cut into stages "
+                         f"(a ModuleList or Sequential of at least 4 alike layers); plan a device count without it")
+    choice = search_layouts(devices, profile, budget, stack.path, stack.count, batch,
+                            lambda tp, b: plan_for(tp, b)[1])
+    best = choice.chosen
+    stage_plan, _ = plan_for(best.tp, best.micro_batch_size)
+    return dataclasses.replace(stage_plan, pipeline=dataclasses.replace(choice, search_s=time.perf_counter() - t0),
+                               memory=dataclasses.replace(stage_plan.memory, budget_bytes=budget),
+                               hardware_source=hardware_origin(hardware))
+
+
+def _batch_size(example_inputs: Any) -> int:
+    """The batch: the first dim of the first tensor among the example inputs."""
+    leaves = [t for t in torch.utils._pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor) and t.ndim]
+    if not leaves:
+        raise ValueError("pipeline=True: the example inputs hold no tensor with a batch dim to split into micro-batches")
+    return int(leaves[0].shape[0])
+
+
+def _first_rows(example_inputs: Any, batch: int, rows: int) -> Any:
+    """The example inputs cut to their first ``rows`` along the batch dim (tensors whose first dim is
+    the batch); the rest as given."""
+    return torch.utils._pytree.tree_map(
+        lambda t: t[:rows] if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == batch else t, example_inputs)

@@ -192,9 +192,44 @@ def mesh_search_lines(plan: "Plan") -> list[str]:
     return lines
 
 
+def pipeline_lines(plan: "Plan") -> list[str]:
+    """With ``pipeline=True``: the layout chosen, its stages, and the layouts priced, best first."""
+    pc = plan.pipeline
+    if pc is None:
+        return []
+    c = pc.chosen
+    sizes = {"pipeline": c.pp, "data": c.dp, "tensor": c.tp}
+    axes = [a for a in sizes if sizes[a] > 1] or ["tensor"]  # the axes of more than one rank
+    links = ", ".join(f"{axis} {link.replace('_node', '')}" for axis, link in pc.links if axis in axes)
+    lines = ["", f"Layout search: {pc.priced} layouts of {pc.devices} devices ({pc.devices_per_node} per node) "
+             f"priced, {pc.global_batch} samples per step" + (f", in {pc.search_s:.1f} s" if pc.search_s else ""),
+             f"Chosen: {c.describe()}: step {_t(c.step_s)} (compute {_t(c.compute_s)}, communication "
+             f"{_t(c.communication_s)}, bubble {_t(c.bubble_s)}: {c.bubble_fraction:.0%}), {format_bytes(c.peak_bytes)} "
+             f"per device at its peak; links: {links}",
+             f"Mesh: init_device_mesh(..., {tuple(sizes[a] for a in axes)}, mesh_dim_names={tuple(axes)}); "
+             f"this plan is each stage's on the tensor axis, for one micro-batch",
+             f"Stages (cut between the layers of {pc.stack}, {pc.layers} layers, balanced by predicted time)"]
+    rows = []
+    for s in pc.stages:
+        parts = ([f"before {pc.stack}"] if s.before else []) + [
+            f"layers {s.first_layer}-{s.end_layer - 1}" if s.end_layer - s.first_layer > 1 else f"layer {s.first_layer}"
+        ] + ([f"after {pc.stack}"] if s.after else [])
+        rows.append([str(s.index), str(s.rank), ", ".join(parts), _t(s.forward_s), _t(s.backward_s),
+                     format_bytes(s.send_bytes) if s.send_bytes else "-", format_bytes(s.state_bytes)])
+    lines += _table(["stage", "rank", "runs", "forward", "backward", "sends on", "state"], rows)
+    lines += [f"Layouts priced, best {len(pc.candidates)} of {pc.priced}"]
+    rows = []
+    for x in pc.candidates:
+        rows.append([x.describe(), "-" if x.step_s is None else _t(x.step_s),
+                     "-" if x.bubble_fraction is None else f"{x.bubble_fraction:.0%}", format_bytes(x.peak_bytes),
+                     x.why or "chosen"])
+    lines += _table(["layout", "step", "bubble", "memory", "why not"], rows)
+    return lines
+
+
 def _text(plan: "Plan") -> str:
     mem, t, st = plan.memory, plan.time, plan.stats
-    lines = header_lines(plan) + mesh_search_lines(plan) + ["", "Modules"]
+    lines = header_lines(plan) + mesh_search_lines(plan) + pipeline_lines(plan) + ["", "Modules"]
     lines += _table(_MODULE_HEADERS, _module_rows(plan))
     lines += ["", "Collectives per step"]
     rows = _collective_rows(plan)
@@ -212,6 +247,8 @@ def _text(plan: "Plan") -> str:
         lines += ["", "Dynamic dims (sizes other than the example's run without planning again)"]
         lines += [f"  {line}" for line in dynamic_lines(plan)]
     step = "step (forward and backward)" if plan.mode == "train" else "forward"
+    if plan.pipeline is not None:
+        step = "forward and backward of one micro-batch through every layer, on the tensor axis alone (the step is above),"
     lines += [
         "",
         f"Predicted {step} time: {_t(t.total_s)} (compute {_t(t.compute_s)}, communication {_t(t.communication_s)}, "

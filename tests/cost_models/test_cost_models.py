@@ -653,3 +653,13 @@ def test_cost_models_never_imports_autotp():
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_a_send_is_one_copy_over_the_link():
+    """A pipeline stage's send: the link's latency plus the bytes at its bus bandwidth, once."""
+    from cost_models import send_time_s
+
+    link = load_profile("h100-sxm").links["inter_node"]
+    latency_s, bus_bytes_per_s = link.cost("broadcast").figures_for(2**26)
+    assert send_time_s(link, 2**26) == pytest.approx(latency_s + 2**26 / bus_bytes_per_s)
+    assert send_time_s(link, 0) == 0.0

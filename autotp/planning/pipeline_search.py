@@ -1,0 +1,374 @@
+"""Three-dimensional layouts: pipeline stages, data and tensor parallelism chosen together, priced.
+
+``autotp.plan(model, 64, inputs, pipeline=True)`` prices every layout of 64 devices as
+``pp × dp × tp`` (ranks numbered row-major over ``(pp, dp, tp)``: the tensor axis holds neighbouring
+ranks and stays inside a node, ``tp`` dividing the profile's ``devices_per_node``), for every
+micro-batch size of a few, every schedule (:mod:`autotp.planning.schedules`), ZeRO stage and
+recompute choice, and keeps the layout of least predicted step that fits the memory budget:
+
+1. **One ILP per (tp, micro-batch).** The model is captured at the micro-batch's size and
+   planned by the ILP on the tensor axis ``(tp,)`` with no memory bound (its fastest layout per
+   layer: TP, sequence parallelism, where the batch splits). Layers of the stack are tied in the
+   ILP, so every stage of a pipeline gets the same layer plan: identical stages are planned once.
+   :func:`autotp.planning.stages.unit_costs` reads that plan by unit (before the stack, each layer,
+   after it).
+2. **Stages.** The stack is cut into ``pp * v`` stages balanced by predicted time
+   (:func:`autotp.planning.stages.balanced_cut`), the embedding in the first, the head and loss in
+   the last; stage ``s`` runs on pipeline rank ``s % pp``.
+3. **Data parallelism, priced per stage on its link**: ZeRO 0 (gradients all-reduced once per
+   step), 1 (optimizer state split over the data axis: gradients reduce-scattered, parameters
+   all-gathered once per step) or 3 (FSDP's layout: parameters and gradients split too, gathered
+   for every micro-batch's forward and backward, gradients reduce-scattered per micro-batch).
+   These collectives run beside the compute, as DDP's buckets and FSDP2's prefetch run them: what
+   one micro-batch's forward or backward compute of the stage hides is not counted, the rest is.
+4. **The step**: the schedule's orders replayed with each stage's forward and backward seconds and
+   the sends between stages on the pipeline axis's link (:func:`autotp.planning.schedules.simulate`),
+   plus each rank's once-per-step reductions. Memory per rank: its stages' state and the most
+   activations its schedule holds at once (1F1B's first rank ``pp`` micro-batches'), or, at the
+   optimizer's step, state and gradients.
+
+Each candidate carries why it lost to the chosen one: memory, the bubble, communication or compute.
+The data-parallel and pipeline runtimes are not built: such a plan is for reading (docs/limits.md).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+from cost_models import HardwareProfile, axis_link_name, collective_time_s, send_time_s
+
+from autotp.planning.costing import CostModel
+from autotp.planning.schedules import held_bytes, timeline as step_timeline
+from autotp.planning.stages import UnitCost, balanced_cut, unit_costs
+from autotp.tracing.graph import PARAMETER
+
+__all__ = ["Layout", "StageChoice", "PipelineChoice", "price_layout", "layouts", "search_layouts", "units_of_plan"]
+
+MICRO_BATCH_SIZES = (1, 2, 4, 8)
+SCHEDULE_OPTIONS = (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate: the axes, the schedule (``"none"`` without stages; ``stages_per_rank`` > 1 for
+    interleaved 1F1B), micro-batches per step and their size per data-parallel replica, the ZeRO
+    stage over the data axis, whether the layers recompute; and, once priced, the predicted step
+    (None: it does not fit), its parts on the busiest rank, the bubble, the peak bytes per device
+    and why it lost (empty: chosen)."""
+
+    pp: int
+    dp: int
+    tp: int
+    schedule: str
+    stages_per_rank: int
+    micro_batches: int
+    micro_batch_size: int
+    zero: int
+    recompute: bool
+    step_s: Optional[float] = None
+    compute_s: Optional[float] = None
+    communication_s: Optional[float] = None
+    bubble_s: Optional[float] = None
+    peak_bytes: Optional[float] = None
+    why: str = ""
+
+    @property
+    def bubble_fraction(self) -> Optional[float]:
+        return None if self.step_s in (None, 0) else self.bubble_s / self.step_s
+
+    def describe(self) -> str:
+        sched = "" if self.pp == 1 else (f", {self.schedule}" + (f" x{self.stages_per_rank}" if self.stages_per_rank > 1
+                                                                  else ""))
+        return (f"pp {self.pp} x dp {self.dp} x tp {self.tp}{sched}, {self.micro_batches} micro-batches of "
+                f"{self.micro_batch_size}, zero {self.zero}{', recompute' if self.recompute else ''}")
+
+
+@dataclass(frozen=True)
+class StageChoice:
+    """One stage of the chosen layout: its pipeline rank, the stack's layers ``[first, end)`` it runs,
+    whether it holds what comes before or after the stack, its seconds per micro-batch, the bytes
+    it sends on, and its bytes of state per device."""
+
+    index: int
+    rank: int
+    first_layer: int
+    end_layer: int
+    before: bool
+    after: bool
+    forward_s: float
+    backward_s: float
+    send_bytes: float
+    state_bytes: float
+
+
+@dataclass(frozen=True)
+class PipelineChoice:
+    """What the search chose and priced: the stack it cuts, the links each axis uses, the chosen
+    layout with its stages, and the candidates best first (each arrangement of stages and
+    micro-batches at its best ZeRO stage and recompute, the top ones; ``priced`` counts every
+    layout)."""
+
+    devices: int
+    devices_per_node: int
+    stack: str
+    layers: int
+    global_batch: int
+    links: tuple[tuple[str, str], ...]
+    chosen: Layout
+    stages: tuple[StageChoice, ...]
+    candidates: tuple[Layout, ...]
+    priced: int
+    search_s: Optional[float] = None  # not saved
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("search_s")
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "PipelineChoice":
+        return cls(**{**d, "links": tuple(tuple(x) for x in d["links"]), "chosen": Layout(**d["chosen"]),
+                      "stages": tuple(StageChoice(**s) for s in d["stages"]),
+                      "candidates": tuple(Layout(**c) for c in d["candidates"])})
+
+
+@dataclass(frozen=True)
+class _Units:
+    """A plan on the tensor axis read by unit, with each parameter's bytes per rank."""
+
+    units: tuple[UnitCost, ...]
+    parameters: Mapping[str, tuple[float, float, float, float]]  # params, grads, optimizer, step temporaries
+
+
+def units_of_plan(plan: Any, graph: Any, layer_paths: Sequence[str]) -> _Units:
+    """``plan`` (made by ``plan_graph`` on ``graph``) read by unit of the stack ``layer_paths``."""
+    chosen = plan._strategies
+    cost = CostModel(plan.mesh, plan.hardware, plan.mode, plan.optimizer, graph)
+    units = unit_costs(graph, chosen, cost, layer_paths)
+    params = {}
+    for n in graph.nodes:
+        if n.role == PARAMETER:
+            p = cost.node_memory(n, chosen[n.name])
+            params[n.name] = (p.parameters_bytes, p.gradients_bytes, p.optimizer_bytes, p.step_temporary_bytes)
+    return _Units(tuple(units), params)
+
+
+def layouts(devices: int, devices_per_node: int, layers: int, batch: int) -> list[Layout]:
+    """Every layout the search prices (unpriced): ``tp`` dividing a node, ``pp`` at most the layers,
+    the batch split evenly over the replicas, micro-batches of :data:`MICRO_BATCH_SIZES`."""
+    out = []
+    for tp in _divisors(devices):
+        if tp > devices_per_node or devices_per_node % tp:
+            continue
+        for pp in _divisors(devices // tp):
+            dp = devices // (tp * pp)
+            if pp > max(layers, 1) or batch % dp:
+                continue
+            per_replica = batch // dp
+            for b in sorted({b for b in MICRO_BATCH_SIZES if per_replica % b == 0} | ({per_replica} if per_replica
+                                                                                      <= max(MICRO_BATCH_SIZES) else set())):
+                m = per_replica // b
+                schedules = [("none", 1)] if pp == 1 else [
+                    (s, v) for s, v in SCHEDULE_OPTIONS if pp * v <= layers and (v == 1 or m % pp == 0)]
+                for s, v in schedules:
+                    for zero in ((0, 1, 3) if dp > 1 else (0,)):
+                        for recompute in (False, True):
+                            out.append(Layout(pp, dp, tp, s, v, m, b, zero, recompute))
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A layout's stages worked out, before its schedule is replayed: its peak bytes per device and
+    a bound no step of it can beat (its busiest rank's work alone, plus the once-per-step reductions)."""
+
+    layout: Layout
+    stages: tuple[StageChoice, ...]
+    peak_bytes: float
+    bound_s: float
+    forward_s: tuple[float, ...]
+    backward_s: tuple[float, ...]
+    send_s: tuple[float, ...]
+    compute_s: tuple[float, ...]  # per stage, one micro-batch
+    communication_s: tuple[float, ...]
+    step_end_s: tuple[float, ...]  # per pipeline rank
+
+
+def price_layout(layout: Layout, plan_units: _Units, profile: HardwareProfile, budget_bytes: float
+                 ) -> tuple[Layout, tuple[StageChoice, ...]]:
+    """``layout`` priced (see the module's docstring); where it does not fit, its step is None and
+    its peak says by how much."""
+    prep = _prepare(layout, plan_units, profile)
+    return _finish(prep, budget_bytes), prep.stages
+
+
+def _prepare(layout: Layout, plan_units: _Units, profile: HardwareProfile) -> _Prepared:
+    units = plan_units.units
+    n_layers = len(units) - 2
+    pp, dp, tp, v, m = layout.pp, layout.dp, layout.tp, layout.stages_per_rank, layout.micro_batches
+    n_stages = pp * v
+    shape = (pp, dp, tp)
+    dpn = profile.devices_per_node
+    pp_link = profile.links[axis_link_name(shape, 0, dpn)]
+    dp_link = profile.links[axis_link_name(shape, 1, dpn)]
+    again = [u.again_s if layout.recompute and 0 < i <= n_layers else 0.0 for i, u in enumerate(units)]
+    seconds = [u.forward_s + u.backward_s + again[i] for i, u in enumerate(units)]
+    weights = seconds[1:-1] if n_layers else [0.0]
+    weights[0] += seconds[0]
+    weights[-1] += seconds[-1]
+    cut = balanced_cut(weights, n_stages)
+    fwd, bwd, comp, comm, acts, sends, state, opt_step, transient, end_s = ([] for _ in range(10))
+    stages = []
+    for k, (a, e) in enumerate(cut):
+        idx = list(range(1 + a, 1 + e)) + ([0] if k == 0 else []) + ([n_layers + 1] if k == n_stages - 1 else [])
+        us = [units[i] for i in idx]
+        f_comp = sum(u.forward_compute_s for u in us)
+        f_comm = sum(u.forward_comm_s for u in us)
+        b_comp = sum(u.backward_compute_s for u in us) + sum(again[i] for i in idx)
+        b_comm = sum(u.backward_comm_s for u in us)
+        names = set().union(*(u.parameters for u in us))
+        p, g, o, t = (sum(plan_units.parameters[n][j] for n in names) for j in range(4))
+        buffers = sum(u.buffers_bytes for u in us)
+        step_end = 0.0  # what the data axis adds once per step, past the last backward it overlaps
+        if dp > 1 and layout.zero == 0:
+            step_end = max(collective_time_s(dp_link, "all_reduce", g, dp) - b_comp, 0.0)
+        elif dp > 1 and layout.zero == 1:
+            step_end = max(collective_time_s(dp_link, "reduce_scatter", g, dp)
+                           + collective_time_s(dp_link, "all_gather", p, dp) - b_comp, 0.0)
+            o, t = o / dp, t / dp
+        elif dp > 1:  # zero 3: gathered for each micro-batch's forward and backward, reduce-scattered after it,
+            # prefetched alongside the compute: only what the compute cannot hide adds
+            gather = collective_time_s(dp_link, "all_gather", p, dp)
+            f_comm += max(gather - f_comp, 0.0)
+            b_comm += max(gather + collective_time_s(dp_link, "reduce_scatter", g, dp) - b_comp, 0.0)
+            largest = max((sum(plan_units.parameters[n][0] for n in u.parameters) for u in us), default=0.0)
+            p, g, o, t = p / dp + largest, g / dp, o / dp, t / dp
+        fwd.append(f_comp + f_comm)
+        bwd.append(b_comp + b_comm)
+        comp.append(f_comp + b_comp)
+        comm.append(f_comm + b_comm)
+        acts.append(sum(u.recomputed_activation_bytes if layout.recompute and 0 < i <= n_layers else u.activation_bytes
+                        for i, u in zip(idx, us)))
+        send = units[e].send_bytes if k < n_stages - 1 else 0.0
+        sends.append(send)
+        state.append(p + o + buffers)
+        opt_step.append(g + t)
+        transient.append(sum(u.transient_bytes for u in us))
+        end_s.append(step_end)
+        stages.append(StageChoice(k, k % pp, a, e, k == 0, k == n_stages - 1, fwd[-1], bwd[-1], send, p + o + buffers))
+    schedule = layout.schedule if pp > 1 else "1f1b"  # one stage: accumulation, each backward after its forward
+    mine = [[k for k in range(n_stages) if k % pp == r] for r in range(pp)]
+    held = held_bytes(schedule, pp, m, v, acts)
+    peak = max(max(sum(state[k] for k in ks) + held[r] + sum(transient[k] for k in ks),
+                   sum(state[k] + opt_step[k] for k in ks)) for r, ks in enumerate(mine))
+    ends = tuple(sum(end_s[k] for k in ks) for ks in mine)
+    bound = max(m * sum(fwd[k] + bwd[k] for k in ks) for ks in mine) + max(ends)
+    return _Prepared(layout, tuple(stages), peak, bound, tuple(fwd), tuple(bwd),
+                     tuple(send_time_s(pp_link, x) for x in sends[:-1]), tuple(comp), tuple(comm), ends)
+
+
+def _finish(prep: _Prepared, budget_bytes: float) -> Layout:
+    """The prepared layout's step: its schedule replayed; a layout over the budget is not."""
+    layout = prep.layout
+    if prep.peak_bytes > budget_bytes:
+        return Layout(**{**asdict(layout), "peak_bytes": prep.peak_bytes})
+    pp, m = layout.pp, layout.micro_batches
+    schedule = layout.schedule if pp > 1 else "1f1b"
+    t = step_timeline(schedule, pp, m, layout.stages_per_rank, prep.forward_s, prep.backward_s, prep.send_s)
+    mine = [[k for k in range(len(prep.stages)) if k % pp == r] for r in range(pp)]
+    step = t.span_s + max(prep.step_end_s)
+    busiest = max(range(pp), key=lambda r: t.busy_s[r] + prep.step_end_s[r])
+    compute = m * sum(prep.compute_s[k] for k in mine[busiest])
+    communication = m * sum(prep.communication_s[k] for k in mine[busiest]) + prep.step_end_s[busiest]
+    return Layout(**{**asdict(layout), "step_s": step, "compute_s": compute, "communication_s": communication,
+                     "bubble_s": max(step - compute - communication, 0.0), "peak_bytes": prep.peak_bytes})
+
+
+def search_layouts(devices: int, profile: HardwareProfile, budget_bytes: float, stack: str, layers: int, batch: int,
+                   units_for: Callable[[int, int], _Units], keep: int = 20) -> PipelineChoice:
+    """Every layout of :func:`layouts` priced with ``units_for(tp, micro_batch_size)`` (cached by the
+    caller), the fastest that fits chosen. Raises :class:`MemoryBudgetError` when none fits.
+
+    Two cuts keep it quick, neither losing the fastest: for each ``tp`` the micro-batch sizes go
+    up only while some layout of the last size fits (a larger one holds more); and a layout's
+    schedule is replayed only while its bound (its busiest rank's work alone) is under the best
+    step found, the layouts taken by bound."""
+    from autotp.planning.errors import MemoryBudgetError  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    dpn = profile.devices_per_node
+    grouped: dict[tuple[int, int], list[Layout]] = {}
+    for layout in layouts(devices, dpn, layers, batch):
+        grouped.setdefault((layout.tp, layout.micro_batch_size), []).append(layout)
+    prepared: list[_Prepared] = []
+    skipped = 0
+    for tp in sorted({tp for tp, _ in grouped}):
+        fits_smaller = True
+        for b in sorted(b for t, b in grouped if t == tp):
+            if not fits_smaller:
+                skipped += len(grouped[tp, b])
+                continue
+            units = units_for(tp, b)
+            batch_prepared = [_prepare(layout, units, profile) for layout in grouped[tp, b]]
+            prepared += batch_prepared
+            fits_smaller = any(p.peak_bytes <= budget_bytes for p in batch_prepared)
+    fitting = sorted((p for p in prepared if p.peak_bytes <= budget_bytes), key=lambda p: p.bound_s)
+    if not fitting:
+        least = min(prepared, key=lambda p: p.peak_bytes)
+        raise MemoryBudgetError(
+            f"no layout of {devices} devices fits {budget_bytes / 2**30:.1f} GiB per device: the least, "
+            f"{least.layout.describe()}, needs {least.peak_bytes / 2**30:.1f} GiB", least.peak_bytes)
+    done: list[tuple[Layout, _Prepared]] = []
+    best_s = math.inf
+    for p in fitting:
+        if p.bound_s >= best_s:
+            break
+        priced = _finish(p, budget_bytes)
+        done.append((priced, p))
+        best_s = min(best_s, priced.step_s)
+    best, best_prep = min(done, key=lambda lp: (lp[0].step_s, lp[0].pp, lp[0].zero, lp[0].recompute))
+    finished = {id(p) for _, p in done}
+    bounded = [Layout(**{**asdict(p.layout), "peak_bytes": p.peak_bytes,
+                         "why": f"at least {_ms(p.bound_s - best.step_s)} slower: its busiest rank's work alone "
+                                f"takes {p.bound_s:.3f} s (its schedule not replayed)"})
+               for p in fitting if id(p) not in finished]
+    over = sorted((_finish(p, budget_bytes) for p in prepared if p.peak_bytes > budget_bytes),
+                  key=lambda c: c.peak_bytes)
+    ranked = [best] + sorted((_lost(c, best, budget_bytes) for c, _ in done if c is not best),
+                             key=lambda c: c.step_s) + bounded + [_lost(c, best, budget_bytes) for c in over]
+    # shown: each arrangement of stages and micro-batches once, at its best ZeRO stage and recompute
+    seen, shown = set(), []
+    for c in ranked:
+        key = (c.pp, c.dp, c.tp, c.schedule, c.stages_per_rank, c.micro_batches)
+        if key not in seen:
+            seen.add(key)
+            shown.append(c)
+    shape = (best.pp, best.dp, best.tp)
+    links = tuple((name, axis_link_name(shape, a, dpn)) for a, name in enumerate(("pipeline", "data", "tensor")))
+    return PipelineChoice(devices, dpn, stack, layers, batch, links, best, best_prep.stages, tuple(shown[:keep]),
+                          len(prepared) + skipped, time.perf_counter() - t0)
+
+
+def _ms(seconds: float) -> str:
+    return f"+{seconds * 1e3:.1f} ms"
+
+
+def _lost(c: Layout, best: Layout, budget_bytes: float) -> Layout:
+    """``c`` with why it lost to ``best``."""
+    if c.step_s is None:
+        why = f"memory: {c.peak_bytes / 2**30:.1f} GiB per device over the {budget_bytes / 2**30:.1f} GiB budget"
+    elif math.isclose(c.step_s, best.step_s, rel_tol=1e-9):
+        why = "as fast (of equals the search keeps fewer stages, then less sharding)"
+    else:
+        more = {"bubble": c.bubble_s - best.bubble_s, "communication": c.communication_s - best.communication_s,
+                "compute": c.compute_s - best.compute_s}
+        part = max(more, key=more.get)
+        why = f"{part} {_ms(more[part])}"
+    return Layout(**{**asdict(c), "why": why})

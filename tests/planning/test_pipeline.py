@@ -1,0 +1,201 @@
+"""Three-dimensional layouts on paper (autotp/planning/stages.py, autotp/planning/pipeline_search.py):
+a plan read by layer, the stack cut into balanced stages, each layout priced, the fastest that fits
+chosen and reported, and a profile's links moving the choice."""
+
+import dataclasses
+import itertools
+import json
+import random
+
+import pytest
+import torch
+from cost_models import LinkSpec, collective_time_s, load_profile
+
+import autotp
+from autotp.planning.errors import PlanError
+from autotp.planning.pipeline_search import Layout, price_layout, units_of_plan
+from autotp.planning.planner import plan_graph
+from autotp.planning.stages import balanced_cut
+from autotp.tracing.repeats import find_stacks
+from examples import models as M
+from examples.ranks import run_threads
+
+
+def test_the_balanced_cut_is_the_least_slowest_stage():
+    """Against every way to cut short chains: the bisection's slowest stage is the least there is."""
+    rng = random.Random(1)
+    for _ in range(40):
+        n = rng.randint(1, 9)
+        seconds = [rng.choice([1.0, 2.0, 3.0, rng.uniform(0.5, 4)]) for _ in range(n)]
+        for parts in range(1, n + 1):
+            cut = balanced_cut(seconds, parts)
+            assert len(cut) == parts and cut[0][0] == 0 and cut[-1][1] == n
+            assert all(a < b for a, b in cut) and all(cut[i][1] == cut[i + 1][0] for i in range(parts - 1))
+            best = min(max(sum(seconds[a:b]) for a, b in zip((0,) + c, c + (n,)))
+                       for c in itertools.combinations(range(1, n), parts - 1))
+            assert max(sum(seconds[a:b]) for a, b in cut) == pytest.approx(best, rel=1e-9)
+    with pytest.raises(ValueError, match="3 units cannot make 4 stages"):
+        balanced_cut([1, 1, 1], 4)
+
+
+@pytest.fixture(scope="module")
+def llama_units():
+    """A tiny Llama with a loss, planned on (2,): its plan, graph and units."""
+    model, (ids,) = M.hf_llama(n_layer=4)
+    model.train()
+    graph = autotp.capture(model, {"input_ids": ids, "labels": ids})
+    plan = plan_graph(graph, (2,), "h100-sxm", "train", 1e18, recompute=False, explainable=False)
+    stack = find_stacks(model)[0]
+    units = units_of_plan(plan, graph, [stack.layer(i) for i in range(stack.count)])
+    return plan, graph, units, stack
+
+
+def test_the_units_add_up_to_the_plan(llama_units):
+    """Every node's compute and every collective and copy falls in exactly one unit: the units sum
+    to the plan's predicted compute and communication; the alike layers cost alike; each cut
+    between layers carries at least the residual stream as the plan splits it."""
+    plan, graph, pu, stack = llama_units
+    units = pu.units
+    assert len(units) == stack.count + 2
+    assert sum(u.forward_compute_s + u.backward_compute_s for u in units) == pytest.approx(plan.time.compute_s)
+    assert sum(u.forward_comm_s + u.backward_comm_s for u in units) == pytest.approx(plan.time.communication_s)
+    middle = units[2:-2]
+    assert all(u.forward_s == pytest.approx(middle[0].forward_s) for u in middle)
+    assert all(u.activation_bytes == pytest.approx(middle[0].activation_bytes) for u in middle)
+    assert all(0 < u.recomputed_activation_bytes < u.activation_bytes for u in units[1:-1])
+    ids = next(n for n in graph.nodes if n.role == "input")
+    hidden = next(p.info.shape[-1] for p in graph.parameters if p.fqn.endswith("embed_tokens.weight"))
+    residual_bytes = ids.output.numel * hidden * 4  # fp32; a rank holds at least half
+    assert all(u.send_bytes >= residual_bytes / 2 for u in units[:-1]) and units[-1].send_bytes == 0
+    # every parameter in some unit; the state of the units is the plan's
+    assert set().union(*(u.parameters for u in units)) == {n.name for n in graph.nodes if n.role == "parameter"}
+    assert sum(v[0] for v in pu.parameters.values()) == pytest.approx(plan.memory.parameters_bytes)
+
+
+def test_a_layout_priced_by_hand(llama_units):
+    """One stage over two data-parallel replicas: m micro-batches one after the other, then one
+    all-reduce of the gradients; two stages under 1F1B: rank 0 holds two micro-batches' activations."""
+    plan, _, pu, _ = llama_units
+    prof = plan.hardware
+    units = pu.units
+    grads = sum(v[1] for v in pu.parameters.values())
+    one, _ = price_layout(Layout(1, 2, 2, "none", 1, 3, 1, 0, False), pu, prof, 1e18)
+    per_mb = sum(u.forward_s + u.backward_s for u in units)
+    link = prof.links["intra_node"]
+    backward_compute = sum(u.backward_compute_s for u in units)  # the last backward hides what it can
+    reduce = collective_time_s(link, "all_reduce", grads, 2)
+    assert one.step_s == pytest.approx(3 * per_mb + max(reduce - backward_compute, 0.0))
+    slow_link = LinkSpec({k: c.scaled(1e-4) for k, c in prof.links["intra_node"].costs.items()})
+    slow = dataclasses.replace(prof, links={**prof.links, "intra_node": slow_link})
+    slow_one, _ = price_layout(Layout(1, 2, 2, "none", 1, 3, 1, 0, False), pu, slow, 1e18)
+    slow_reduce = collective_time_s(slow.links["intra_node"], "all_reduce", grads, 2)
+    assert slow_reduce > backward_compute  # a link slow enough that the reduction shows
+    assert slow_one.step_s - one.step_s == pytest.approx(slow_reduce - backward_compute - max(reduce - backward_compute, 0))
+    assert one.bubble_s == pytest.approx(0.0, abs=1e-12)
+    two, stages = price_layout(Layout(2, 1, 2, "1f1b", 1, 4, 1, 0, False), pu, prof, 1e18)
+    peaks = []
+    for s, held in zip(stages, (2, 1)):  # 1F1B: rank r holds pp - r micro-batches
+        mine = ([units[0]] if s.before else []) + [units[1 + i] for i in range(s.first_layer, s.end_layer)] + (
+            [units[-1]] if s.after else [])
+        names = set().union(*(u.parameters for u in mine))
+        p, g, o, t = (sum(pu.parameters[n][j] for n in names) for j in range(4))
+        state = p + o + sum(u.buffers_bytes for u in mine)
+        assert s.state_bytes == pytest.approx(state)
+        peaks.append(max(state + held * sum(u.activation_bytes for u in mine) + sum(u.transient_bytes for u in mine),
+                         state + g + t))
+    assert two.peak_bytes == pytest.approx(max(peaks))
+    rec, _ = price_layout(Layout(2, 1, 2, "1f1b", 1, 4, 1, 0, True), pu, prof, 1e18)
+    assert rec.peak_bytes <= two.peak_bytes and rec.step_s > two.step_s  # recompute: no more held, more work
+    tight, _ = price_layout(Layout(2, 1, 2, "1f1b", 1, 4, 1, 0, False), pu, prof, two.peak_bytes * 0.99)
+    assert tight.step_s is None and tight.peak_bytes == two.peak_bytes
+
+
+def _two_nodes_of_two(inter_like_intra: bool):
+    base = load_profile("h100-sxm")
+    links = dict(base.links)
+    if inter_like_intra:
+        links["inter_node"] = links["intra_node"]
+    return dataclasses.replace(base, name="flat" if inter_like_intra else "h100-2", devices_per_node=2, links=links)
+
+
+@pytest.fixture(scope="module")
+def searched():
+    model, (ids,) = M.hf_llama(n_layer=4, hidden=2048, ffn=8192, heads=16, kv_heads=4, vocab=32000, seq=256, batch=2,
+                               device="meta")
+    model.train()
+    inputs = {"input_ids": ids, "labels": ids}
+    return {flat: autotp.plan(model, 4, inputs, hardware=_two_nodes_of_two(flat), pipeline=True)
+            for flat in (True, False)}
+
+
+def test_a_slower_link_across_nodes_moves_the_choice_to_pipeline_stages_across_them(searched):
+    """Two nodes of two: where the link across nodes is as fast as inside one, the layout has no
+    stages (no bubble to pay), data parallelism crossing the nodes; on h100-sxm's slower link across
+    nodes, the pipeline axis crosses them and only activations go over it."""
+    flat, h100 = searched[True].pipeline, searched[False].pipeline
+    assert flat.chosen.pp == 1 and dict(flat.links)["data"] == "inter_node"
+    assert h100.chosen.pp > 1 and dict(h100.links)["pipeline"] == "inter_node"
+    assert dict(h100.links)["tensor"] == "intra_node"
+
+
+def test_the_search_keeps_the_fastest_that_fits_and_says_why_each_lost(searched):
+    pc = searched[False].pipeline
+    fitting = [c for c in pc.candidates if c.step_s is not None]
+    assert pc.candidates[0] == pc.chosen and pc.chosen.why == ""
+    assert pc.chosen.step_s == min(c.step_s for c in fitting)
+    assert [c.step_s for c in fitting] == sorted(c.step_s for c in fitting)
+    assert all(c.why.split(" ")[0] in ("bubble", "communication", "compute", "as", "at", "memory:") for c in pc.candidates[1:])
+    assert pc.priced > len(pc.candidates)
+    # the stages cover the stack once, in order, first with the embedding, last with the head
+    assert [(s.first_layer, s.end_layer) for s in pc.stages][0][0] == 0 and pc.stages[-1].end_layer == pc.layers
+    assert all(a.end_layer == b.first_layer for a, b in zip(pc.stages, pc.stages[1:]))
+    assert pc.stages[0].before and pc.stages[-1].after
+    assert len(pc.stages) == pc.chosen.pp * pc.chosen.stages_per_rank
+    assert [s.rank for s in pc.stages] == [k % pc.chosen.pp for k in range(len(pc.stages))]
+
+
+def test_the_report_and_the_file_keep_the_layout(searched, tmp_path):
+    plan = searched[False]
+    text = plan.report()
+    c = plan.pipeline.chosen
+    assert "Layout search:" in text and f"Chosen: {c.describe()}" in text
+    sizes = [(n, a) for n, a in (("pipeline", c.pp), ("data", c.dp), ("tensor", c.tp)) if a > 1]
+    assert (f"init_device_mesh(..., {tuple(a for _, a in sizes)}, mesh_dim_names={tuple(n for n, _ in sizes)})"
+            in text) and "before model.layers" in text
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    loaded = autotp.load_plan(path)
+    assert loaded.pipeline == dataclasses.replace(plan.pipeline, search_s=None)
+    assert json.loads(loaded.to_json()) == json.loads(plan.to_json())
+
+
+def test_bad_requests_are_refused_before_any_capture():
+    model, (ids,) = M.hf_llama(n_layer=4)
+    with pytest.raises(ValueError, match="give the number of devices"):
+        autotp.plan(model, (2, 2), (ids,), pipeline=True)
+    with pytest.raises(ValueError, match="mode='train'"):
+        autotp.plan(model, 4, (ids,), mode="inference", pipeline=True)
+    with pytest.raises(ValueError, match="no stack of alike layers"):
+        autotp.plan(torch.nn.Linear(8, 8), 2, (torch.randn(4, 8),), pipeline=True)
+
+
+def _parallelize_a_layout_plan(rank, world, plan):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    model, (ids,) = M.hf_llama(n_layer=4, hidden=2048, ffn=8192, heads=16, kv_heads=4, vocab=32000, seq=256, batch=2,
+                               device="meta")
+    before = {k: (v.shape, v.dtype, v.device) for k, v in model.state_dict().items()}
+    try:
+        autotp.parallelize(model, mesh, (ids,), plan=plan)
+        return None
+    except PlanError as err:
+        after = {k: (v.shape, v.dtype, v.device) for k, v in model.state_dict().items()}
+        return str(err), before == after
+
+
+def test_parallelize_says_it_runs_no_pipeline_and_leaves_the_model(searched):
+    plan = searched[False]
+    message, untouched = run_threads(_parallelize_a_layout_plan, 1, plan)[0]
+    assert "pipeline stages and data parallelism are planned and priced" in message
+    assert plan.pipeline.chosen.describe() in message and untouched
