@@ -198,12 +198,25 @@ def held_bytes(schedule: str, pp: int, m: int, v: int, activation_bytes: Sequenc
     warm-up 1F1B's stay as they are; GPipe's grow by one micro-batch's with each micro-batch."""
     short = min(m, 2 * replay_up_to * pp)  # a multiple of pp where m is one: interleaving needs it
     out = []
-    for r, acts in enumerate(orders(schedule, pp, short, v)):
-        now = most = 0.0
-        for a in acts:
-            now += activation_bytes[a.stage] if a.kind == "F" else -activation_bytes[a.stage]
-            most = max(most, now)
+    for r, patterns in enumerate(_fullest(schedule, pp, short, v)):
+        most = max((sum(n * activation_bytes[k] for k, n in pattern) for pattern in patterns), default=0.0)
         if schedule == "gpipe":
             most += (m - short) * sum(activation_bytes[k] for k in range(len(activation_bytes)) if k % pp == r)
         out.append(most)
+    return tuple(out)
+
+
+@lru_cache(maxsize=512)
+def _fullest(schedule: str, pp: int, m: int, v: int) -> tuple[tuple[tuple[tuple[int, int], ...], ...], ...]:
+    """Per rank, each distinct holding where a run of forwards ends (where the rank holds most), as
+    ``((stage, micro-batches held), ...)``: the bytes follow for any activation sizes."""
+    out = []
+    for acts in orders(schedule, pp, m, v):
+        held: dict[int, int] = {}
+        found = set()
+        for j, a in enumerate(acts):
+            held[a.stage] = held.get(a.stage, 0) + (1 if a.kind == "F" else -1)
+            if a.kind == "F" and (j + 1 == len(acts) or acts[j + 1].kind == "B"):
+                found.add(tuple(sorted((k, n) for k, n in held.items() if n)))
+        out.append(tuple(found))
     return tuple(out)

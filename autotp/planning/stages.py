@@ -59,26 +59,25 @@ class UnitCost:
         return self.backward_compute_s + self.backward_comm_s
 
 
-def _under(path: str, prefix: str) -> bool:
-    return path == prefix or path.startswith(prefix + ".")
-
-
 def unit_of_nodes(graph: OpGraph, layer_paths: Sequence[str]) -> dict[str, int]:
     """Each node's unit: 0 before the stack, ``1 + i`` in layer ``i``, ``len(layer_paths) + 1`` after.
     A parameter or buffer goes with the first op that reads it; an op outside every layer goes
     before the stack if it comes before layer 0's last node, else after the stack."""
     n_layers = len(layer_paths)
+    index = {lp: i for i, lp in enumerate(layer_paths)}
     unit: dict[str, int] = {}
     first_pos = last_pos = None
     for pos, n in enumerate(graph.nodes):
-        for i, lp in enumerate(layer_paths):
-            if _under(n.module_path, lp) and not n.is_placeholder:
-                unit[n.name] = 1 + i
-                if i == 0 and first_pos is None:
-                    first_pos = pos
-                if i == n_layers - 1:
-                    last_pos = pos
-                break
+        if n.is_placeholder or not n.module_path:
+            continue
+        parts = n.module_path.split(".")
+        i = next((index[p] for p in (".".join(parts[:k]) for k in range(1, len(parts) + 1)) if p in index), None)
+        if i is not None:
+            unit[n.name] = 1 + i
+            if i == 0 and first_pos is None:
+                first_pos = pos
+            if i == n_layers - 1:
+                last_pos = pos
     if first_pos is None or last_pos is None:
         raise ValueError(f"the stack's layers {layer_paths[0]} … {layer_paths[-1]} have no ops in the graph")
     for pos, n in enumerate(graph.nodes):
