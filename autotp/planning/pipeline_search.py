@@ -223,7 +223,7 @@ def _prepare(layout: Layout, plan_units: _Units, profile: HardwareProfile) -> _P
     weights = seconds[1:-1] if n_layers else [0.0]
     weights[0] += seconds[0]
     weights[-1] += seconds[-1]
-    cut = balanced_cut(weights, n_stages)
+    cut = balanced_cut(weights, n_stages, ranks=pp if v > 1 else 0, micro_batches=m)
     fwd, bwd, comp, comm, acts, sends, state, opt_step, transient, end_s = ([] for _ in range(10))
     stages = []
     for k, (a, e) in enumerate(cut):

@@ -153,12 +153,84 @@ def unit_costs(graph: OpGraph, chosen: Mapping[str, Strategy], cost: CostModel,
                      min(a["left"], a["act"]), a["tr"], a["buf"], a["send"]) for u, a in enumerate(acc)]
 
 
-def balanced_cut(seconds: Sequence[float], parts: int) -> list[tuple[int, int]]:
+def balanced_cut(seconds: Sequence[float], parts: int, ranks: int = 0, micro_batches: int = 1) -> list[tuple[int, int]]:
     """``seconds`` of a chain's units split into ``parts`` contiguous runs of at least one unit each,
-    the longest run as short as it can be: ``[(start, end), ...]``."""
+    ``[(start, end), ...]``: the longest run as short as it can be. Of the cuts that achieve it, the
+    more even of two is kept (the bisection's greedy fill, or the cut nearest the even shares).
+    With ``ranks`` (runs going round that many ranks, as interleaved stages do), both the busiest
+    rank's work and the longest run count: of three cuts (those two, and one by unit count with the
+    longer runs in whole rounds first), each as it is and with its boundaries moved a unit at a
+    time while that evens the ranks, the one of least estimated step with ``micro_batches`` is kept."""
     n = len(seconds)
     if not 1 <= parts <= n:
         raise ValueError(f"{n} units cannot make {parts} stages of at least one unit each")
+    options = [_min_max_cut(seconds, parts), _even_cut(seconds, parts)]
+    if ranks <= 1:
+        return min(options, key=lambda cut: (max(sum(seconds[a:b]) for a, b in cut),
+                                             sum(sum(seconds[a:b]) ** 2 for a, b in cut)))
+    q, extra = divmod(n, parts)  # by count: the longer runs first, whole rounds of the ranks at a time
+    sizes = [q + 1] * extra + [q] * (parts - extra)
+    bounds = [sum(sizes[:k]) for k in range(parts + 1)]
+    options.append(list(zip(bounds, bounds[1:])))
+    tried = options + [_even_out(seconds, cut, ranks) for cut in options]
+    return min(tried, key=lambda cut: _step_estimate(seconds, cut, ranks, micro_batches))
+
+
+def _step_estimate(seconds: Sequence[float], cut: list[tuple[int, int]], ranks: int, micro_batches: int) -> float:
+    """A step's rough length under an interleaved schedule: every micro-batch through the busiest
+    rank, plus one longest run per rank the warm-up and the drain wait on."""
+    runs = [sum(seconds[a:b]) for a, b in cut]
+    busiest = max(sum(runs[k] for k in range(r, len(runs), ranks)) for r in range(ranks))
+    return micro_batches * busiest + (ranks - 1) * max(runs)
+
+
+def _rank_key(seconds: Sequence[float], cut: list[tuple[int, int]], ranks: int) -> tuple[float, float, float]:
+    runs = [sum(seconds[a:b]) for a, b in cut]
+    loads = [sum(runs[k] for k in range(r, len(runs), ranks)) for r in range(ranks)]
+    return (round(max(loads), 12), round(max(runs), 12), sum(x * x for x in loads))
+
+
+def _even_out(seconds: Sequence[float], cut: list[tuple[int, int]], ranks: int) -> list[tuple[int, int]]:
+    """``cut`` with its boundaries moved one unit at a time while that makes the busiest rank's
+    work less, then the longest run, then the ranks' loads more even."""
+    bounds = [a for a, _ in cut] + [cut[-1][1]]
+    best = _rank_key(seconds, cut, ranks)
+    for _ in range(20 * len(cut)):
+        moved = False
+        for i in range(1, len(bounds) - 1):
+            for step in (-1, 1):
+                j = bounds[i] + step
+                if not bounds[i - 1] < j < bounds[i + 1]:
+                    continue
+                trial = bounds[:i] + [j] + bounds[i + 1:]
+                key = _rank_key(seconds, list(zip(trial, trial[1:])), ranks)
+                if key < best:
+                    bounds, best, moved = trial, key, True
+        if not moved:
+            break
+    return list(zip(bounds, bounds[1:]))
+
+
+def _even_cut(seconds: Sequence[float], parts: int) -> list[tuple[int, int]]:
+    """Each boundary where the running sum comes nearest its even share, one unit at least per run."""
+    n = len(seconds)
+    prefix = [0.0]
+    for s in seconds:
+        prefix.append(prefix[-1] + s)
+    bounds, last = [0], 0
+    for k in range(1, parts):
+        target = prefix[-1] * k / parts
+        lo, hi = last + 1, n - (parts - k)
+        i = min(range(lo, hi + 1), key=lambda j: abs(prefix[j] - target))
+        bounds.append(i)
+        last = i
+    bounds.append(n)
+    return list(zip(bounds, bounds[1:]))
+
+
+def _min_max_cut(seconds: Sequence[float], parts: int) -> list[tuple[int, int]]:
+    """The least longest run: bisection on the bound, each tried by a greedy fill."""
+    n = len(seconds)
 
     def runs(bound: float) -> list[tuple[int, int]] | None:
         out, start, total = [], 0, 0.0

@@ -199,3 +199,12 @@ def test_parallelize_says_it_runs_no_pipeline_and_leaves_the_model(searched):
     message, untouched = run_threads(_parallelize_a_layout_plan, 1, plan)[0]
     assert "pipeline stages and data parallelism are planned and priced" in message
     assert plan.pipeline.chosen.describe() in message and untouched
+
+
+def test_stages_going_round_the_ranks_are_cut_for_the_busiest_rank():
+    """80 alike layers in 32 stages over 8 ranks (interleaved, 4 each): at most 3 layers a stage,
+    and each rank 10 layers, not 9 on one and 11 on another."""
+    cut = balanced_cut([1.0] * 80, 32, ranks=8, micro_batches=8)
+    sizes = [b - a for a, b in cut]
+    assert max(sizes) == 3
+    assert {sum(sizes[k] for k in range(r, 32, 8)) for r in range(8)} == {10}
