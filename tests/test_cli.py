@@ -204,7 +204,7 @@ def test_explain_prices_each_placement_of_a_replicated_weight(capsys):
 
 
 def test_pipeline_layouts_from_the_command_line(tmp_path, capsys):
-    """``--devices 4 --pipeline``: the layout search, its report section and file; with ``--mesh`` refused."""
+    """``--devices 2 --pipeline``: the layout search, its report section and file; with ``--mesh`` refused."""
     factory = tmp_path / "factory.py"
     factory.write_text(
         "from examples.models import hf_llama\n\n\n"
@@ -213,7 +213,7 @@ def test_pipeline_layouts_from_the_command_line(tmp_path, capsys):
         "    model.train()\n"
         "    return model, {'input_ids': ids, 'labels': ids}\n")
     out = tmp_path / "plan.json"
-    assert main(["plan", f"{factory}:build", "--devices", "4", "--pipeline", "--json", str(out)]) == 0
+    assert main(["plan", f"{factory}:build", "--devices", "2", "--pipeline", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     plan = autotp.load_plan(out)
     assert plan.pipeline is not None and f"Chosen: {plan.pipeline.chosen.describe()}" in printed

@@ -47,9 +47,25 @@ def _activation_bytes(graph, names):
     return sum(cost.node_memory(graph[n], whole(n)).activations_bytes for n in names)
 
 
+_SHORT: dict = {}  # id of the module's graph -> its short budget, and the plan made under it
+
+
 def _short(graph) -> float:
     """A budget on (2,) that no plan meets without recompute and some plan meets with it: halfway
-    between the two least memories."""
+    between the two least memories (worked out once per graph)."""
+    if (id(graph), "budget") not in _SHORT:
+        _SHORT[id(graph), "budget"] = _short_uncached(graph)
+    return _SHORT[id(graph), "budget"]
+
+
+def _short_plan(graph):
+    """The plan of the graph on (2,) under :func:`_short`, its recompute search run to the end (once)."""
+    if (id(graph), "plan") not in _SHORT:
+        _SHORT[id(graph), "plan"] = plan_graph(graph, (2,), "h100-sxm", "train", _short(graph))
+    return _SHORT[id(graph), "plan"]
+
+
+def _short_uncached(graph) -> float:
     least = []
     for recompute in (False, None):
         with pytest.raises(autotp.MemoryBudgetError) as err:
@@ -145,7 +161,7 @@ def _run_recompute(rank, world, graph, plan, model, x):
 
 def test_recomputing_module_is_exact_and_runs_the_planned_collectives(llama):
     model, x, graph = llama
-    plan = plan_graph(graph, (2,), "h100-sxm", "train", _short(graph))
+    plan = _short_plan(graph)
     assert plan.recompute and planned(plan, "recompute")
     ref = model(x)
     ref.float().pow(2).mean().backward()
@@ -301,7 +317,7 @@ def test_the_recompute_search_says_what_the_time_limit_left_unsolved(llama, monk
     cut = plan_graph(graph, (2,), "h100-sxm", "train", _short(graph))
     assert cut.recompute and "the time limit left" in cut.report(), cut.report().splitlines()[-3:]
     monkeypatch.setattr(solver, "search", real)
-    assert "time limit" not in plan_graph(graph, (2,), "h100-sxm", "train", _short(graph)).report()
+    assert "time limit" not in _short_plan(graph).report()
 
 
 class _WritesIntoItsInput(nn.Module):
