@@ -93,6 +93,11 @@ NO_OP = frozenset({"aten.alias.default", "aten.detach.default", "aten.clone.defa
                    "aten.to.dtype", "aten.to.dtype_layout", "aten.to.device", "aten._to_copy.default"})
 
 # Where the weight enters a matmul-like op (its input position), for module styles.
+CONVOLUTIONS = frozenset({"aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default", "aten.conv1d.padding",
+                          "aten.conv2d.padding", "aten.conv3d.padding", "aten.conv_transpose1d.default",
+                          "aten.conv_transpose2d.input", "aten.conv_transpose3d.input", "aten.convolution.default"})
+CHANNELS_FIRST = CONVOLUTIONS | frozenset({"aten.batch_norm.default", "aten.group_norm.default",
+                                           "aten.instance_norm.default"})
 WEIGHT_INPUT = {"aten.linear.default": 1, "aten.embedding.default": 0, "aten.mm.default": 1,
-                "aten.matmul.default": 1, "aten.addmm.default": 2}
+                "aten.matmul.default": 1, "aten.addmm.default": 2, **{name: 1 for name in CONVOLUTIONS}}
 TRANSPOSE = frozenset({"aten.t.default", "aten.numpy_T.default", "aten.transpose.int"})

@@ -47,7 +47,7 @@ from cost_models import (HardwareProfile, OptimizerSpec, collective_time_s, comp
 
 from autotp.mesh import MeshSpec
 from autotp.placement import Placement, R, Strategy, axis_divisor, plain, shard_divisor
-from autotp.planning.rules.losses import loss_collectives
+from autotp.planning.rules.inner import inner_collectives
 from autotp.planning.saved import forward_liveness, kept_storages
 from autotp.tracing.graph import BUFFER, PARAMETER, OpGraph, OpNode, TensorInfo, dtype_bytes
 from autotp.planning.redistribute import (all_reduce_copies, conversion, is_convertible, reorder_copies, step_bytes,
@@ -199,11 +199,13 @@ class CostModel:
             return seconds
         return seconds + self._work_s(node, strategy) + self.inner_collectives_s(node, strategy)
 
-    def inner_collectives_s(self, node: OpNode, strategy: Strategy) -> float:
-        """Seconds of the collectives an op runs inside itself: a loss on split classes
-        (:func:`autotp.planning.rules.losses.loss_collectives`); forward only."""
+    def inner_collectives_s(self, node: OpNode, strategy: Strategy, backward: bool = True) -> float:
+        """Seconds of the collectives an op runs inside itself (a loss on split classes, batch norm
+        on a split batch: :func:`autotp.planning.rules.inner.inner_collectives`): the forward's, and
+        when training and ``backward``, the backward's."""
         return sum(self.collective_s(kind, axis, size)
-                   for kind, axis, size in loss_collectives(node, strategy, self.mesh.shape))
+                   for kind, _, axis, size in inner_collectives(node, strategy, self.mesh.shape,
+                                                                 self.train and backward and node.requires_grad))
 
     def gradient_sums_s(self, node: OpNode, strategy: Strategy, gradient_reads: int) -> float:
         """Seconds of adding up the ``gradient_reads`` gradients of the node's output (training only)."""
@@ -216,7 +218,7 @@ class CostModel:
         """Roofline seconds of the node's forward alone (what recomputing it costs)."""
         if node.is_placeholder or node.is_view:
             return 0.0
-        return self._forward(node, strategy)[0] + self.inner_collectives_s(node, strategy)
+        return self._forward(node, strategy)[0] + self.inner_collectives_s(node, strategy, backward=False)
 
     def _forward(self, node: OpNode, strategy: Strategy) -> tuple[float, float, list, float, str]:
         # the work splits over an axis only where some tensor is cut in pieces on it: an op on

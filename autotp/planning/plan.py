@@ -425,15 +425,17 @@ def module_choices(graph: OpGraph, chosen: Mapping[str, Strategy]) -> tuple[Modu
             # the dim of the weight that indexes output features: (out, in) for linear,
             # (in, out) for mm/addmm (HF Conv1D), (rows, features) for an embedding
             out_dim = 0 if node.target == "aten.linear.default" else 1
+            if node.target in ops.CONVOLUTIONS:  # (out, in/groups, *kernel); transposed (in, out/groups, *kernel)
+                out_dim = 1 if "transpose" in node.target or node.args.get("transposed", False) else 0
+                if node.args.int("groups", default=1) > 1 and w_dims:
+                    out_dim = -1  # split by whole groups
             in_dim = 1 - out_dim
-            style = "colwise" if out_dim in w_dims else "rowwise" if in_dim in w_dims else "replicate"
+            style = ("colwise" if out_dim in w_dims else "rowwise" if in_dim in w_dims else "grouped" if w_dims
+                     else _activation_style(node, act_in, node.input_infos[acts[0]] if acts else None))
         else:
             k_w = params[0]
             w = strat.inputs[k_w]
-            info = node.input_infos[acts[0]] if acts else None
-            seq = act_in is not None and info is not None and any(
-                p.is_shard and 0 < p.dim < info.ndim - 1 for p in act_in)
-            style = "sequence" if seq else "replicate"
+            style = _activation_style(node, act_in, node.input_infos[acts[0]] if acts else None)
         out[node.module_path] = ModuleChoice(node.module_path, style, node.target.split(".")[1],
                                              format_placements(stored if k_w in params else w),
                                              format_placements(act_in),
@@ -441,6 +443,20 @@ def module_choices(graph: OpGraph, chosen: Mapping[str, Strategy]) -> tuple[Modu
     return tuple(out.values())
 
 
+
+
+def _activation_style(node, act_in, info) -> str:
+    """The style of a module whose weight stays whole, from how its input is split: ``batch`` (dim
+    0: data parallel), ``channel`` / ``spatial`` for a channels-first op (a convolution, batch or
+    group norm, dims 1 / 2 on), else ``sequence`` (a dim between the batch and the features)."""
+    dims = {p.dim for p in (act_in or ()) if p.is_shard} if info is not None else set()
+    if not dims:
+        return "replicate"
+    if 0 in dims and info.ndim > 1:
+        return "batch"
+    if node.target in ops.CHANNELS_FIRST:
+        return "channel" if 1 in dims else "spatial"
+    return "sequence" if any(0 < d < info.ndim - 1 for d in dims) else "replicate"
 
 
 def _through_transpose(graph: OpGraph, node, params: list[int]):

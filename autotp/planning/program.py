@@ -21,7 +21,7 @@ from autotp.mesh import MeshSpec
 from autotp.placement import Placement, R, Strategy, shard_divisor
 from autotp.tracing.aliasing import read_versions
 from autotp.tracing.graph import OpGraph, OpNode
-from autotp.planning.rules.losses import loss_collectives
+from autotp.planning.rules.inner import inner_collectives
 from autotp.planning.redistribute import (all_reduce_copies, conversion, fused_axes, reduced_axes, reorder_copies, step_bytes,
                                  step_copies)
 from autotp.units import format_bytes
@@ -131,11 +131,16 @@ def program(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, trai
     last = None
 
     def inner(name: Optional[str]) -> None:
-        """The collectives op ``name`` runs inside itself (a loss on split classes), after its reads."""
+        """The collectives op ``name`` runs inside itself (a loss on split classes, batch norm on a
+        split batch), after its reads."""
         if name is None or name == OUTPUT:
             return
-        for kind, a, size in loss_collectives(graph[name], chosen[name], mesh.shape):
-            fwd.append(Collective(kind, "forward", mesh.axis_names[a], size, name))
+        node = graph[name]
+        for kind, phase, a, size in inner_collectives(node, chosen[name], mesh.shape, train and node.requires_grad):
+            if phase == "backward":
+                bwd.append(Collective(kind, phase, mesh.axis_names[a], size, name))
+                continue
+            fwd.append(Collective(kind, phase, mesh.axis_names[a], size, name))
             if name in recomputed:
                 rec.append(Collective(kind, "recompute", mesh.axis_names[a], size, name))
 

@@ -30,8 +30,11 @@ from autotp.planning.program import OUTPUT, reads
 from autotp.planning.recompute import recomputed_nodes
 from autotp.planning.redistribute import conversion, fused_axes, reduced_axes
 from autotp.planning.rules.blocks import cut_blocks, local_cut_arguments, slice_range
+from autotp.planning.rules.convolutions import GROUPED, local_groups
 from autotp.planning.rules.losses import class_dim, class_split_axes
+from autotp.planning.rules.norms import channel_axes, stat_axes
 from autotp.planning.rules.reductions import reduced_dims
+from autotp.runtime.batch_norm import ShardedBatchNorm
 from autotp.runtime.collectives import GradAllReduce, MaskedEmbedding, RedistributeStep, to_local
 from autotp.runtime.dropout import ShardedDropout
 from autotp.runtime.losses import VocabParallelCrossEntropy
@@ -363,6 +366,19 @@ class GraphRewrite:
                                                int(op.args.get("ignore_index", -100)))
             self.local[node.name] = self.fx.call_module(self._add_module(module, "vocab_parallel_loss"), args[:2])
             return
+        elif stat_axes(op, strat) or channel_axes(op, strat):
+            # batch norm's statistics over a split batch, or its running statistics over split channels
+            stats, chans = stat_axes(op, strat), channel_axes(op, strat)
+            channels = op.input_infos[0].shape[1]
+            start, stop = self.piece_of(channels, strat.inputs[0], chans)
+            module = ShardedBatchNorm(start, stop, channels, [self.groups[a] for a in stats],
+                                      [self.groups[a] for a in chans], [self.axis_names[a] for a in stats])
+            self.local[node.name] = self.fx.call_module(self._add_module(module, "batch_norm"), args, kwargs)
+            return
+        elif str(target) in GROUPED and local_groups(op, strat.inputs[0], self.mesh_shape) is not None:
+            # whole groups per rank: the op runs with its share of them
+            args, kwargs = _set_argument(target, args, kwargs, "groups" if "groups" in op.args else "num_groups",
+                                            local_groups(op, strat.inputs[0], self.mesh_shape))
         elif target is aten.embedding.default:
             w = strat.inputs[0]
             axes = [a for a, p in enumerate(w) if p.is_shard and p.dim == 0]
@@ -450,6 +466,16 @@ class GraphRewrite:
 
     def plan_output_placement(self) -> tuple[Placement, ...]:
         return tuple(Placement("R") for _ in self.mesh_shape)
+
+
+def _set_argument(target: Any, args: tuple, kwargs: dict, name: str, value: Any) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` of a call of ``target`` with its argument ``name`` set to ``value``."""
+    if name in kwargs:
+        return args, {**kwargs, name: value}
+    position = [a.name for a in target._schema.arguments].index(name)
+    if position < len(args):
+        return (*args[:position], value, *args[position + 1:]), kwargs
+    return args, {**kwargs, name: value}
 
 
 def _is_size(node: torch.fx.Node) -> bool:

@@ -125,6 +125,12 @@ def _flops(node: torch.fx.Node) -> float:
     if target is aten.scaled_dot_product_attention.default:
         q, k, v = vals[:3]
         return float(flop_counter.sdpa_flop_count(tuple(q.shape), tuple(k.shape), tuple(v.shape)))
+    if str(target) in ops.CONVOLUTIONS:  # composite ops the registry knows only as aten.convolution
+        x, w = vals[0], vals[1]
+        lead = [1] if x.ndim == w.ndim - 1 else []  # an unbatched input: a batch of one
+        transposed = "transpose" in str(target) or bool(vals[6] if len(vals) > 6 and str(target).startswith(
+            "aten.convolution") else False)
+        return float(flop_counter.conv_flop_count([*lead, *x.shape], list(w.shape), [*lead, *out.shape], transposed))
     packet = getattr(target, "overloadpacket", None)
     formula = flop_counter.flop_registry.get(packet)
     if formula is None:

@@ -19,6 +19,8 @@ import autotp
 from autotp import ops
 from autotp.placement import Strategy, local_shape
 from autotp.planning.strategies import node_strategies
+from autotp.planning.rules.convolutions import GROUPED, local_groups
+from autotp.planning.rules.inner import inner_collectives
 
 
 aten = torch.ops.aten
@@ -175,6 +177,13 @@ def _run_local(graph, fx_node: torch.fx.Node, op, strategy: Strategy, values: di
             step = args[4] if len(args) > 4 else 1
             start = (args[2] or 0) if step != 1 and len(args) > 2 else 0
             args = [args[0], dim, start, sys.maxsize, step]
+    elif str(target) in GROUPED and local_groups(op, strategy.inputs[0], mesh) is not None:
+        name = "groups" if "groups" in op.args else "num_groups"  # whole groups per rank: its share of them
+        at = [a.name for a in target._schema.arguments].index(name)
+        if at < len(args):
+            args[at] = local_groups(op, strategy.inputs[0], mesh)
+        else:
+            kwargs[name] = local_groups(op, strategy.inputs[0], mesh)
     elif target is aten.embedding.default:
         w = strategy.inputs[0]
         row_axes = [a for a, p in enumerate(w) if p.is_shard and p.dim == 0]
@@ -226,6 +235,8 @@ def check_every_strategy(graph, values: dict, mesh: tuple, targets=None) -> int:
         for k, strategy in enumerate(node_strategies(graph, op, mesh)):
             if partial_bool(op, strategy):
                 continue  # a partial sum of booleans has no meaning; see test_no_partial_bool
+            if inner_collectives(op, strategy, mesh):
+                continue  # the op communicates inside itself: checked on ranks (tests/runtime/test_batch_norm.py)
             check_strategy(graph, fx_nodes[op.name], op, strategy, values, mesh, seed=k)
             checked += 1
     return checked

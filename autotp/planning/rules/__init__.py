@@ -12,11 +12,14 @@ rules for ops autotp does not know with :func:`register_rule` and checks them on
 Modules:
 
 - ``views``, ``pointwise``, ``reductions``, ``joins``, ``contractions``, ``indexing``: the op families
+- ``convolutions`` convolutions (grouped, transposed), pooling, upsampling, pixel shuffles
+- ``norms``      batch norm (synchronized over a split batch in training), group and instance norm
 - ``blocks``     blocked splits: a fused projection cut into its parts, each part split
 - ``uneven``     uneven splits: units (heads, vocabulary rows) the ranks do not divide
 - ``gradients``  the ``Rg`` variants: replicated ops that pass a partial gradient on
-- ``losses``     cross-entropy on split classes: the one rule whose op does not run on its pieces
-                 as it is (the rewrite runs it with two all-reduces inside)
+- ``losses``     cross-entropy on split classes: its op does not run on its pieces as it is (the
+                 rewrite runs it with two all-reduces inside), nor does batch norm's on a split batch
+- ``inner``      the collectives those two ops run inside themselves
 - ``common``     what every family shares: a single-axis choice, the evenness test
 - ``check``      ``check_rule``: a rule checked on data, pieces against the op's output
 
@@ -33,7 +36,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from autotp.placement import Placement, R, parse_placements
-from autotp.planning.rules import contractions, indexing, joins, losses, pointwise, reductions
+from autotp.planning.rules import contractions, convolutions, indexing, joins, losses, norms, pointwise, reductions
 from autotp.planning.rules.common import AxisChoice
 from autotp.tracing.graph import OpNode
 
@@ -47,6 +50,7 @@ Rule = Callable[[OpNode, int], Iterable[tuple[Sequence[Any], Any]]]
 # DTensor's registry (autotp.planning.dtensor_rules).
 BUILTIN: dict[str, Callable[[OpNode, int], Optional[list[AxisChoice]]]] = {
     **contractions.RULES, **pointwise.RULES, **reductions.RULES, **joins.RULES, **indexing.RULES, **losses.RULES,
+    **convolutions.RULES, **norms.RULES,
 }
 
 _USER: dict[str, Rule] = {}

@@ -6,7 +6,11 @@ for each one cuts the full inputs into every rank's pieces (``R``: the whole ten
 the rank's even slice, ``P``: random summands), runs the op on each rank's pieces alone, puts the
 outputs back together (``S``: concatenate, ``R``: every rank must hold the whole, ``P``: sum) and
 compares with the op on the full inputs. Nothing of autotp's runtime runs: this is the contract
-the runtime relies on, checked directly.
+the runtime relies on, checked directly. The one argument autotp changes on a rank is checked as it
+changes it: a grouped convolution (or group norm) split by whole groups runs with its share of the
+groups. The strategies of an op that runs collectives inside itself (a loss on split classes, batch
+norm on a split batch: :mod:`autotp.planning.rules.inner`) are left out: that op does not run on its
+pieces alone (the runtime's tests check those).
 
 >>> import torch
 >>> from autotp.planning.rules.check import check_rule
@@ -21,6 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from autotp.placement import Placement, Strategy
+from autotp.planning.rules.convolutions import GROUPED, local_groups
 
 __all__ = ["check_rule", "RuleNotExact"]
 
@@ -45,6 +50,7 @@ def check_rule(op: Any, example_args: Sequence[Any], n: int = 2, seed: int = 0) 
     ``example_args`` are the op's positional arguments (tensors and plain values). Returns the
     strategies checked; raises :class:`RuleNotExact` naming each one whose pieces do not give the
     op's output (or whose pieces the op refuses), with the error."""
+    from autotp.planning.rules.inner import inner_collectives
     from autotp.planning.strategies import node_strategies
     from autotp.tracing.export import capture
 
@@ -61,7 +67,7 @@ def check_rule(op: Any, example_args: Sequence[Any], n: int = 2, seed: int = 0) 
     node = nodes[0]
     full = op(*args)
     full_out = full[0] if isinstance(full, (tuple, list)) else full
-    strategies = node_strategies(graph, node, (n,))
+    strategies = [s for s in node_strategies(graph, node, (n,)) if not inner_collectives(node, s, (n,))]
     failures = []
     for strategy in strategies:
         try:
@@ -96,6 +102,10 @@ def _check(op: Any, args: tuple, node: Any, strategy: Strategy, full: torch.Tens
     for k, i in enumerate(positions):
         placement = strategy.inputs[k][0] if strategy.inputs[k] is not None else Placement("R")
         pieces[i] = _pieces(args[i], placement, n, gen)
+    groups = local_groups(node, strategy.inputs[0], (n,)) if str(op) in GROUPED else None
+    if groups is not None:  # whole groups per rank: the op runs with its share of them
+        at = [a.name for a in op._schema.arguments].index("groups" if "groups" in node.args else "num_groups")
+        args = (*args[:at], groups, *args[at + 1:]) if at < len(args) else args
     outs = []
     for rank in range(n):
         local = tuple(pieces[i][rank] if i in pieces else a for i, a in enumerate(args))
