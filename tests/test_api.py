@@ -4,6 +4,7 @@ nothing the examples, benchmarks or docs use beyond it but what the page lists a
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import inspect
 import re
@@ -55,6 +56,9 @@ def resolve(dotted: str):
             rest = parts[i:]
             break
     for part in rest:
+        if dataclasses.is_dataclass(obj) and isinstance(obj, type) and part in {f.name for f in dataclasses.fields(obj)}:
+            obj = next(f for f in dataclasses.fields(obj) if f.name == part)  # a field with no class default
+            continue
         obj = getattr(obj, part)
     return obj
 

@@ -13,6 +13,7 @@ which it asks the planner for, with every weight kept where it is).
 - ``shards``        a rank's piece of a tensor, and the DTensor that holds it
 - ``guard``         the input check: shapes the plan can run, the same inputs on every rank
 - ``dropout``       dropout masks on shards (one mask where ranks hold the same values)
+- ``batch_norm``    batch norm on a split batch or split space: statistics all-reduced inside
 - ``losses``        cross-entropy on logits split by vocabulary: two all-reduces of per-row numbers
 - ``recompute``     recomputed layers as checkpointed submodules
 - ``generation``    ``generate()``: its graphs (prompt and token; encoder, first and later decoder step),
