@@ -9,7 +9,7 @@ all-reduced; the biased variance normalizes, the unbiased one goes into the runn
 as one device's batch norm does. Backward: the sums of the output gradient and of its product with
 the normalized input, all-reduced, give the input's gradient; the weight's and bias's gradients
 are this rank's own sums (partial over the batch axes: the plan's gradient reduction adds them).
-Statistics are computed in float32. The running statistics: every rank computes the same global
+Statistics are computed in float32 (float64 for a float64 input). The running statistics: every rank computes the same global
 values for its channels; where channels are split, the new values are placed into a zero vector of
 all channels and summed over the ``channel_groups``, so every rank writes every channel, the same.
 """
@@ -32,6 +32,11 @@ def _sum(x: torch.Tensor, groups: Sequence[dist.ProcessGroup]) -> torch.Tensor:
     return x
 
 
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """Statistics in float32 at least (float64 stays float64)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def _shape(x: torch.Tensor) -> list[int]:
     """Broadcast shape of a per-channel vector against ``x`` (channels on dim 1)."""
     return [1, -1] + [1] * (x.ndim - 2)
@@ -42,7 +47,7 @@ class _Normalize(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],  # type: ignore[override]
                 eps: float, groups: tuple):
         dims = [d for d in range(x.ndim) if d != 1]
-        xf = x.float()
+        xf = x.to(_compute_dtype(x))
         local_count = xf.numel() // max(xf.shape[1], 1)
         sums = _sum(torch.cat([xf.sum(dims), xf.new_full((1,), float(local_count))]), groups)
         count = sums[-1]
@@ -53,9 +58,9 @@ class _Normalize(torch.autograd.Function):
         xhat = centred * invstd.view(_shape(x))
         y = xhat
         if weight is not None:
-            y = y * weight.float().view(_shape(x))
+            y = y * weight.to(xf.dtype).view(_shape(x))
         if bias is not None:
-            y = y + bias.float().view(_shape(x))
+            y = y + bias.to(xf.dtype).view(_shape(x))
         ctx.save_for_backward(xhat, invstd, weight if weight is not None else invstd.new_ones(()), count)
         ctx.has_weight, ctx.has_bias, ctx.groups, ctx.dtype = weight is not None, bias is not None, groups, x.dtype
         ctx.mark_non_differentiable(mean, var, count)
@@ -65,11 +70,11 @@ class _Normalize(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor, *_unused):  # type: ignore[override]
         xhat, invstd, weight, count = ctx.saved_tensors
         dims = [d for d in range(grad.ndim) if d != 1]
-        g = grad.float()
+        g = grad.to(xhat.dtype)
         sum_g = g.sum(dims)
         sum_g_xhat = (g * xhat).sum(dims)
         both = _sum(torch.stack([sum_g, sum_g_xhat]), ctx.groups) / count
-        scale = invstd * (weight.float() if ctx.has_weight else 1.0)
+        scale = invstd * (weight.to(g.dtype) if ctx.has_weight else 1.0)
         dx = (g - both[0].view(_shape(g)) - xhat * both[1].view(_shape(g))) * scale.view(_shape(g))
         dw = sum_g_xhat.to(weight.dtype) if ctx.has_weight else None
         db = sum_g.to(weight.dtype if ctx.has_weight else grad.dtype) if ctx.has_bias else None
