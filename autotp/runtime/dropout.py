@@ -13,6 +13,13 @@ as a :class:`ShardedDropout` that draws its mask from a generator of its own, se
 - the rank's coordinates on the mesh axes that split the tensor, so different pieces get
   independent masks and ranks that hold the same piece (replicated, or partial sums) the same.
 
+Every other random op of the graph (``rand``, ``randn``, ``randint``, ``randperm``, their ``_like``
+forms, ``bernoulli``, ``normal``, ``uniform``, ``multinomial``, ``exponential``, ``poisson``: a model
+that drops class labels for classifier-free guidance, stochastic depth drawn as a tensor) runs as a
+:class:`SharedRandom` seeded the same way, from the op's own stream: a value held whole is drawn the
+same on every rank (left to the global generators, ranks seeded differently would hold different
+"replicated" values, and nothing would say so), and a piece is drawn independently of the others.
+
 What this does not give: the mask a single-device run draws (its generator walks the whole tensor
 in one order; each rank here draws only its piece), so a run with dropout on equals a single
 device in distribution, not value by value. The call count lives in the module, not in its
@@ -31,10 +38,12 @@ and runs are exact.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
-__all__ = ["ShardedDropout"]
+__all__ = ["ShardedDropout", "SharedRandom", "RANDOM_OPS"]
 
 _MASK = (1 << 63) - 1
 
@@ -65,3 +74,46 @@ class ShardedDropout(nn.Module):
             return x * 0, mask
         keep = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32) >= self.p
         return x * keep * (1.0 / (1.0 - self.p)), keep
+
+
+# The random ops of an exported graph, and the overload of each that takes a generator (``None``: the
+# op's own overload takes a ``generator`` keyword).
+RANDOM_OPS: dict[str, Optional[str]] = {
+    "aten.rand.default": "generator", "aten.randn.default": "generator", "aten.randint.default": "generator",
+    "aten.randint.low": "low_generator", "aten.randperm.default": "generator", "aten.rand_like.default": "generator",
+    "aten.randn_like.default": "generator", "aten.randint_like.default": "generator",
+    "aten.randint_like.low_dtype": "low_generator_dtype", "aten.randint_like.Tensor": "Tensor_generator",
+    "aten.bernoulli.default": None, "aten.bernoulli.p": None, "aten.bernoulli.Tensor": None,
+    "aten.normal.Tensor_float": None, "aten.normal.float_Tensor": None, "aten.normal.Tensor_Tensor": None,
+    "aten.normal.float_float": None, "aten.uniform.default": None, "aten.multinomial.default": None,
+    "aten.exponential.default": None, "aten.poisson.default": None,
+}
+
+
+class SharedRandom(nn.Module):
+    """One random op of the graph, drawn from a generator of its own: the same values on ranks with
+    equal shard keys (a tensor held whole: every rank), independent pieces otherwise."""
+
+    def __init__(self, op: torch._ops.OpOverload, base_seed: int, stream: int, shard_key: tuple[int, ...]) -> None:
+        super().__init__()
+        name = f"aten.{op._schema.name.split('::')[1]}.{op._overloadname}"
+        if name not in RANDOM_OPS:
+            raise ValueError(f"{name} is not one of autotp's random ops: expected one of {sorted(RANDOM_OPS)}")
+        overload = RANDOM_OPS[name]
+        self.op = getattr(op.overloadpacket, overload) if overload else op
+        self.name, self.base_seed, self.stream, self.shard_key = name, int(base_seed), int(stream), tuple(shard_key)
+        self.calls = 0
+
+    def extra_repr(self) -> str:
+        return f"{self.name}, stream={self.stream}, shard_key={self.shard_key}"
+
+    def seed(self) -> int:
+        """This call's seed: equal on ranks with equal shard keys, independent otherwise."""
+        return hash((self.base_seed, self.calls, self.stream, self.shard_key)) & _MASK
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        device = kwargs.get("device") or (tensors[0].device if tensors else torch.device("cpu"))
+        generator = torch.Generator(device=device).manual_seed(self.seed())
+        self.calls += 1
+        return self.op(*args, **kwargs, generator=generator)

@@ -36,7 +36,7 @@ from autotp.planning.rules.norms import channel_axes, stat_axes
 from autotp.planning.rules.reductions import reduced_dims
 from autotp.runtime.batch_norm import ShardedBatchNorm
 from autotp.runtime.collectives import GradAllReduce, MaskedEmbedding, RedistributeStep, to_local
-from autotp.runtime.dropout import ShardedDropout
+from autotp.runtime.dropout import RANDOM_OPS, SharedRandom, ShardedDropout
 from autotp.runtime.losses import VocabParallelCrossEntropy
 from autotp.runtime.guard import InputGuard, InputSpec, SameOnEveryRank
 from autotp.runtime.recompute import apply_recompute
@@ -357,6 +357,13 @@ class GraphRewrite:
             call = self.fx.call_module(self._add_module(module, "dropout"), (args[0],))
             native = target is aten.native_dropout.default
             self.local[node.name] = call if native else self.fx.call_function(operator.getitem, (call, 0))
+            return
+        elif str(target) in RANDOM_OPS:
+            # drawn from a stream of its own: alike where ranks hold the same values (autotp.runtime.dropout)
+            shard_key = tuple(self.coordinate[a] for a, p in enumerate(strat.output or ()) if p.is_shard)
+            module = SharedRandom(target, self.seed, self.n_dropouts, shard_key)
+            self.n_dropouts += 1
+            self.local[node.name] = self.fx.call_module(self._add_module(module, "random"), args, kwargs)
             return
         elif class_split_axes(op, strat):
             axes = class_split_axes(op, strat)

@@ -103,3 +103,60 @@ def test_dropout_off_is_the_plain_op():
     assert not has_active_dropout(graph)
     with pytest.raises(ValueError, match="dropout probability 1.5"):
         ShardedDropout(1.5, 0, 0, ())
+
+
+class LabelDrop(nn.Module):
+    """Random ops beside dropout: class labels dropped at random (as classifier-free guidance trains)
+    and noise drawn like the input, on the replicated batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(11, 64)
+        self.up = nn.Linear(64, 256)
+        self.down = nn.Linear(256, 64)
+
+    def forward(self, labels, x):  # (B,), (B, 64)
+        labels = torch.where(torch.rand(labels.shape[0]) < 0.5, 10, labels)
+        h = self.embed(labels) + x + 0.1 * torch.randn_like(x)
+        return self.down(self.up(h).relu())
+
+
+def _random_rank(rank, world, graph, plan, inputs, model):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autotp.runtime.dropout import SharedRandom
+    from autotp.runtime.module import build_parallel_module
+
+    torch.manual_seed(100 + rank)  # ranks seeded differently, as a data loader's seed often is
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    pm = build_parallel_module(graph, plan, mesh, model, seed=1234)
+    drawn: list = []
+    for m in pm.modules():
+        if isinstance(m, SharedRandom):
+            m.register_forward_hook(lambda mod, args, out: drawn.append((mod.name, out.clone())))
+    outs = [pm(*inputs).detach() for _ in range(2)]
+    return outs, drawn
+
+
+def test_other_random_ops_draw_the_same_values_on_every_rank():
+    import autotp
+    from autotp.planning.planner import plan_graph
+
+    inputs = (torch.randint(0, 10, (16,), generator=torch.Generator().manual_seed(2)),
+              torch.randn(16, 64, generator=torch.Generator().manual_seed(1)))
+    graph = autotp.capture(LabelDrop().train(), inputs)
+    plan = plan_graph(graph, (2,), "cpu-gloo", "train", pin={"up.weight": "S(0)", "down.weight": "S(1)"})
+    assert plan.module_styles()["up"] == "colwise"
+    (outs0, drawn0), (outs1, drawn1) = run_threads(_random_rank, 2, graph, plan, inputs, LabelDrop())
+    assert [n for n, _ in drawn0] == ["aten.rand.default", "aten.randn_like.default"] * 2
+    for (_, a), (_, b) in zip(drawn0, drawn1):
+        assert torch.equal(a, b), "ranks drew different values for a tensor they both hold whole"
+    assert not torch.equal(drawn0[0][1], drawn0[2][1]), "the draws did not change between calls"
+    ref = LabelDrop()
+    labels, x = inputs
+    for call in range(2):  # the model applied by hand to the values drawn: both ranks' outputs
+        drop, noise = drawn0[2 * call][1], drawn0[2 * call + 1][1]
+        want = ref.down(ref.up(ref.embed(torch.where(drop < 0.5, 10, labels)) + x + 0.1 * noise).relu())
+        for outs in (outs0, outs1):
+            torch.testing.assert_close(outs[call], want, rtol=1e-5, atol=1e-6)
