@@ -245,11 +245,10 @@ ONLY_REGISTRY = {
     # are R or S) and no op in front of a weight makes one
     ("aten.linear.default", "(R, P, P) -> P"),
     ("aten.linear.default", "(R, P) -> P"),
-    # non-causal attention: v's head_dim split, v partial (attention is linear in v), the query
-    # sequence split. Own rules offer batch and heads only (tests/planning/test_strategies.py pins that).
+    # non-causal attention: v's head_dim split, v partial (attention is linear in v). Own rules offer
+    # batch, heads and the query rows (tests/planning/test_strategies.py pins that).
     ("aten.scaled_dot_product_attention.default", "(R, R, S(3)) -> S(3)"),
     ("aten.scaled_dot_product_attention.default", "(R, R, P) -> P"),
-    ("aten.scaled_dot_product_attention.default", "(S(2), R, R) -> S(2)"),
 }
 # Strategies own rules offer and the registry (after filtering) does not, with why.
 ONLY_OWN = {

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.fx
 import torch.nn as nn
+import torch.nn.functional as F
 
 import autotp
 from autotp import ops
@@ -128,15 +129,36 @@ def test_embedding_strategies(ops_graph):
     assert "(R, S(0)) -> S(0)" in got  # batch
 
 
-def test_sdpa_strategies_split_batch_or_heads_only(ops_graph):
+def test_causal_sdpa_strategies_split_batch_or_heads_only(ops_graph):
     g, _ = ops_graph
     (sdpa,) = nodes_of(g, "aten.scaled_dot_product_attention.default")
     got = set(strategy_texts(g, sdpa, (2,)))
     assert {"(S(1), S(1), S(1)) -> S(1)", "(S(0), S(0), S(0)) -> S(0)", "(R, R, R) -> R"} <= got
-    # splitting the sequence or head_dim of q/k/v would not be exact (softmax over keys, dot products)
+    # splitting the keys' sequence or the head_dim would not be exact (softmax over keys, dot
+    # products); nor the query rows under ``is_causal`` (its mask follows the rows' local index)
     for s in node_strategies(g, sdpa, (2,)):
         for pl, _info in strategy_tensors(sdpa, s):
             assert all(not (p.is_shard and p.dim in (2, 3)) and not p.is_partial for p in pl), str(s)
+
+
+class MaskedAttention(nn.Module):
+    """Non-causal attention with an explicit (B, 1, Lq, Lk) mask."""
+
+    def forward(self, q, k, v, mask):  # (2, 4, 8, 16) x3, (2, 1, 8, 8) bool
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_non_causal_sdpa_also_splits_the_query_rows_with_their_mask():
+    """Each query row attends on its own: the rows split, keys and values whole, an explicit mask split
+    with the rows."""
+    torch.manual_seed(0)
+    inputs = (torch.randn(2, 4, 8, 16), torch.randn(2, 4, 8, 16), torch.randn(2, 4, 8, 16),
+              torch.rand(2, 1, 8, 8) > 0.3)
+    g = capture_graph(MaskedAttention(), inputs)
+    (sdpa,) = nodes_of(g, "aten.scaled_dot_product_attention.default")
+    got = set(strategy_texts(g, sdpa, (2,)))
+    assert "(S(2), R, R, S(2)) -> S(2)" in got and not any("S(3)" in s for s in got), got
+    assert check_every_strategy(g, full_values(g, inputs), (2,), {sdpa.target}) >= 4
 
 
 def test_view_transpose_reshape_strategies(ops_graph):

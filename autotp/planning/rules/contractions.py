@@ -83,12 +83,20 @@ def sdpa_choices(node: OpNode, n: int) -> list[AxisChoice]:
     q, k = node.input_infos[0], node.input_infos[1]
     k_in = len(node.inputs)
     choices: list[AxisChoice] = [((R,) * k_in, R)]
-    for d in (0, 1):  # batch, heads: attention is independent across both
+    for d in range(q.ndim - 2):  # batch, heads: attention is independent across both (not the rows)
         if not (divisible(q.shape[d], n) and divisible(k.shape[d], n)):
             continue
         extra = tuple(broadcast_in(m, node.output, d) if m.ndim == node.output.ndim else R
                       for m in node.input_infos[3:])
         choices.append(((S(d), S(d), S(d), *extra), S(d)))
+    # the queries split along their sequence, keys and values whole: each query row attends on its
+    # own (a high-resolution image's tokens, too many and too few heads to split otherwise). Not for
+    # ``is_causal``, whose mask is placed by the rows' local index; an explicit mask splits with them
+    d = q.ndim - 2
+    if d >= 0 and not node.args.get("is_causal", False) and divisible(q.shape[d], n):
+        extra = tuple(broadcast_in(m, node.output, d) if m.ndim == node.output.ndim else R
+                      for m in node.input_infos[3:])
+        choices.append(((S(d), R, R, *extra), S(d)))
     return choices
 
 
