@@ -181,3 +181,44 @@ def test_a_resnet_at_batch_one_on_large_images_splits_channels():
     flops = sum(n.flops for n in convs)
     assert sum(n.flops for n in split) > 0.5 * flops, [(n.module_path, str(plan.strategy(n.name))) for n in convs]
     assert {plan.module_styles()[n.module_path] for n in split} & {"colwise", "rowwise"}
+
+
+def test_a_unet_at_batch_one_on_large_images_splits_its_convolutions_and_attention():
+    """Stable Diffusion 1.5's UNet widths (one layer per block) on a 1024² image (128² latents), batch
+    1: no batch to split, weights the planner may split. Nearly every FLOP runs on a piece (channels of
+    the convolutions, heads or rows of attention), and the step is under half that of the best plan
+    that keeps every weight whole (which can still split rows and space)."""
+    diffusers = pytest.importorskip("diffusers")
+    with torch.device("meta"):
+        model = diffusers.UNet2DConditionModel(cross_attention_dim=768, layers_per_block=1).train()
+    inputs = {"sample": torch.randn(1, 4, 128, 128, device="meta"), "timestep": torch.tensor([10], device="meta"),
+              "encoder_hidden_states": torch.randn(1, 77, 768, device="meta")}
+    graph = autotp.capture(model, inputs)
+    plan = plan_graph(graph, (8,), "h100-sxm")
+    whole = plan_graph(graph, (8,), "h100-sxm", pin={p.fqn: "R" for p in graph.parameters})
+    convs = [n for n in graph.ops() if n.target in ops.CONVOLUTIONS]
+    split = [n for n in convs if any(p is not None and p != (R,) for p in plan.strategy(n.name).inputs)]
+    assert sum(n.flops for n in split) > 0.95 * sum(n.flops for n in convs)
+    assert {plan.module_styles()[n.module_path] for n in split} >= {"colwise", "rowwise"}
+    on_pieces = sum(n.flops for n in graph.ops() if any(p is not None and p != (R,) for p in plan.strategy(n.name).inputs))
+    assert on_pieces > 0.99 * sum(n.flops for n in graph.ops())
+    assert plan.predicted_time().total_s < 0.5 * whole.predicted_time().total_s
+
+
+def test_a_segmentation_model_at_batch_one_splits_attention_by_query_rows():
+    """SegFormer-B0 on a 1024² image, batch 1: its first stage attends with one head over 65536 query
+    rows (keys spatially reduced): no batch or heads to split, so the rows are, and the step comes in
+    well under one device's."""
+    from transformers import SegformerConfig, SegformerForSemanticSegmentation
+
+    config = SegformerConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    with torch.device("meta"):
+        model = SegformerForSemanticSegmentation(config).train()
+    graph = autotp.capture(model, {"pixel_values": torch.randn(1, 3, 1024, 1024, device="meta")})
+    plan = plan_graph(graph, (8,), "h100-sxm")
+    one = plan_graph(graph, (1,), "h100-sxm")
+    attention = nodes_of(graph, "aten.scaled_dot_product_attention.default")
+    single_head = [n for n in attention if n.input_infos[0].shape[1] == 1]
+    assert single_head and all(plan.strategy(n.name).inputs[:3] == ((S(2),), (R,), (R,)) for n in single_head), [
+        str(plan.strategy(n.name)) for n in single_head]
+    assert plan.predicted_time().total_s < 0.85 * one.predicted_time().total_s
