@@ -98,3 +98,25 @@ def test_the_zoo_phimoe_row_is_megatron_quality_and_exact():
     assert row["status"] == "planned", row
     assert row["megatron_weights"] and row["few_collectives"] and row["ratio_ok"], row
     assert row["is_exact"], row
+
+
+def test_a_zoo_vision_row_plans_resnet50_no_slower_than_data_parallel_or_hand_tp_and_exact():
+    """benchmarks/zoo_vision.py's ResNet-50 row: at real widths, batch 256, autotp's predicted step is at
+    most data parallel's and the hand channel-split layout's; the tiny model's training step (batch norm
+    on a split batch) is exact on 2 ranks with its weights sharded."""
+    from benchmarks import zoo_vision
+
+    row = zoo_vision.run_entry(next(e for e in zoo_vision.ENTRIES if e.name == "resnet50"), exact=True)
+    assert row["ok"] and row["is_exact"], row
+    assert "batch" in row["status"] and row["hand"].split()[0] != "-", row
+    assert int(row["exact"].rsplit("; ", 1)[1].split("/")[0]) > 0, row
+
+
+def test_a_zoo_vision_diffusion_transformer_is_exact_on_2_ranks():
+    """DiT at tiny widths (adaptive layer norm from the timestep and class label, patch embedding and
+    unpatchify): one training step on 2 ranks equals one process."""
+    pytest.importorskip("diffusers")
+    from benchmarks import zoo_vision
+
+    result = zoo_vision.check_exact(next(e for e in zoo_vision.ENTRIES if e.name == "dit"))
+    assert result.startswith("exact"), result
