@@ -19,6 +19,9 @@ that drops class labels for classifier-free guidance, stochastic depth drawn as 
 :class:`SharedRandom` seeded the same way, from the op's own stream: a value held whole is drawn the
 same on every rank (left to the global generators, ranks seeded differently would hold different
 "replicated" values, and nothing would say so), and a piece is drawn independently of the others.
+Attention that drops its weights (``scaled_dot_product_attention`` with ``dropout_p > 0``, whose
+kernels draw from the global generator and take none) runs as a :class:`SeededAttention`: the global
+generator forked, seeded the same way for the call, and put back.
 
 What this does not give: the mask a single-device run draws (its generator walks the whole tensor
 in one order; each rank here draws only its piece), so a run with dropout on equals a single
@@ -38,14 +41,16 @@ and runs are exact.
 
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
 from torch import nn
 
-__all__ = ["ShardedDropout", "SharedRandom", "RANDOM_OPS"]
+__all__ = ["ShardedDropout", "SharedRandom", "SeededAttention", "RANDOM_OPS", "attention_dropout_p"]
 
 _MASK = (1 << 63) - 1
+_GLOBAL_RNG = threading.Lock()  # ranks run as threads of one process (tests) share the global generator
 
 
 class ShardedDropout(nn.Module):
@@ -117,3 +122,42 @@ class SharedRandom(nn.Module):
         generator = torch.Generator(device=device).manual_seed(self.seed())
         self.calls += 1
         return self.op(*args, **kwargs, generator=generator)
+
+
+def attention_dropout_p(args: tuple, kwargs: dict) -> float:
+    """``dropout_p`` of a ``scaled_dot_product_attention`` call's arguments (0.0 where not given)."""
+    p = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+    return float(p or 0.0)
+
+
+class SeededAttention(nn.Module):
+    """``scaled_dot_product_attention`` with ``dropout_p > 0``, its kernel's draws made under the
+    global generator of its device forked and seeded for this call: the same dropped weights on
+    ranks with equal shard keys, independent ones on different pieces (heads, batch, rows), and the
+    caller's generator state as it was. The backward replays the forward's mask (the kernels keep it,
+    or the seed they drew it from)."""
+
+    def __init__(self, op: torch._ops.OpOverload, base_seed: int, stream: int, shard_key: tuple[int, ...]) -> None:
+        super().__init__()
+        self.op, self.base_seed, self.stream, self.shard_key = op, int(base_seed), int(stream), tuple(shard_key)
+        self.calls = 0
+
+    def extra_repr(self) -> str:
+        return f"stream={self.stream}, shard_key={self.shard_key}"
+
+    def seed(self) -> int:
+        """This call's seed: equal on ranks with equal shard keys, independent otherwise."""
+        return hash((self.base_seed, self.calls, self.stream, self.shard_key)) & _MASK
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        device = args[0].device
+        seed = self.seed()
+        self.calls += 1
+        with _GLOBAL_RNG, torch.random.fork_rng(devices=[device] if device.type != "cpu" else [], device_type=device.type):
+            if device.type == "cpu":
+                torch.random.default_generator.manual_seed(seed)
+            else:
+                module = torch.get_device_module(device.type)
+                with module.device(device):
+                    module.manual_seed(seed)
+            return self.op(*args, **kwargs)

@@ -18,7 +18,7 @@ import torch.fx
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from autotp.runtime.dropout import SharedRandom, ShardedDropout
+from autotp.runtime.dropout import SeededAttention, SharedRandom, ShardedDropout
 
 __all__ = ["Recompute", "RecomputeContext", "apply_recompute"]
 
@@ -96,7 +96,7 @@ def apply_recompute(gm: torch.fx.GraphModule, layer_of: dict[torch.fx.Node, str]
             env[n] = sub.node_copy(n, lambda a: env[a])
         sub.output(tuple(env[n] for n in outputs))
         body = torch.fx.GraphModule(gm, sub, class_name="AutotpLayer")
-        dropouts = [m for m in body.modules() if isinstance(m, (ShardedDropout, SharedRandom))]
+        dropouts = [m for m in body.modules() if isinstance(m, (ShardedDropout, SharedRandom, SeededAttention))]
         name = f"autotp_{prefix}recompute_{i}"
         gm.add_module(name, Recompute(body, path, dropouts))
         order = {n: j for j, n in enumerate(gm.graph.nodes)}

@@ -36,7 +36,7 @@ from autotp.planning.rules.norms import channel_axes, stat_axes
 from autotp.planning.rules.reductions import reduced_dims
 from autotp.runtime.batch_norm import ShardedBatchNorm
 from autotp.runtime.collectives import GradAllReduce, MaskedEmbedding, RedistributeStep, to_local
-from autotp.runtime.dropout import RANDOM_OPS, SharedRandom, ShardedDropout
+from autotp.runtime.dropout import RANDOM_OPS, SeededAttention, SharedRandom, ShardedDropout, attention_dropout_p
 from autotp.runtime.losses import VocabParallelCrossEntropy
 from autotp.runtime.guard import InputGuard, InputSpec, SameOnEveryRank
 from autotp.runtime.recompute import apply_recompute
@@ -365,6 +365,13 @@ class GraphRewrite:
             self.n_dropouts += 1
             self.local[node.name] = self.fx.call_module(self._add_module(module, "random"), args, kwargs)
             return
+        elif target is aten.scaled_dot_product_attention.default and attention_dropout_p(args, kwargs) > 0:
+            # its kernel draws the dropped weights from the global generator: forked and seeded alike
+            shard_key = tuple(self.coordinate[a] for a, p in enumerate(strat.output or ()) if p.is_shard)
+            module = SeededAttention(target, self.seed, self.n_dropouts, shard_key)
+            self.n_dropouts += 1
+            self.local[node.name] = self.fx.call_module(self._add_module(module, "attention"), args, kwargs)
+            return
         elif class_split_axes(op, strat):
             axes = class_split_axes(op, strat)
             start, stop = self.piece_of(op.input_infos[0].shape[class_dim(op)], strat.inputs[0], axes)
@@ -493,5 +500,7 @@ def _is_size(node: torch.fx.Node) -> bool:
 def has_active_dropout(graph: OpGraph) -> bool:
     """Whether the graph drops anything at run time (then its ranks must agree on a seed)."""
     return graph.exported is not None and any(
-        n.op == "call_function" and str(n.target) in ops.DROPOUT and GraphRewrite.active_dropout(n.args)
+        n.op == "call_function" and (
+            (str(n.target) in ops.DROPOUT and GraphRewrite.active_dropout(n.args))
+            or (n.target is aten.scaled_dot_product_attention.default and attention_dropout_p(n.args, n.kwargs) > 0))
         for n in graph.exported.graph.nodes)

@@ -160,3 +160,99 @@ def test_other_random_ops_draw_the_same_values_on_every_rank():
         want = ref.down(ref.up(ref.embed(torch.where(drop < 0.5, 10, labels)) + x + 0.1 * noise).relu())
         for outs in (outs0, outs1):
             torch.testing.assert_close(outs[call], want, rtol=1e-5, atol=1e-6)
+
+
+def test_attention_dropout_draws_from_a_seeded_fork_of_the_global_generator():
+    """``scaled_dot_product_attention(dropout_p > 0)`` takes no generator: SeededAttention runs it
+    with the global generator forked and seeded per call, so the same shard key gives the same
+    dropped weights whatever the caller's seed, another key or call other ones, the caller's
+    generator goes on as if nothing had drawn, and the backward replays the forward's mask."""
+    from autotp.runtime.dropout import SeededAttention
+
+    aten = torch.ops.aten.scaled_dot_product_attention.default
+    q, k, v = (torch.randn(2, 4, 8, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    leaf = v.clone().requires_grad_()
+
+    def call(key, seed, calls=0, value=v):
+        torch.manual_seed(seed)
+        a = SeededAttention(aten, base_seed=7, stream=0, shard_key=key)
+        a.calls = calls
+        out = a(q, k, value, None, 0.5)
+        return out, torch.rand(3)  # what the caller's generator draws next
+
+    (a0, after0), (a1, after1) = call((0,), 1), call((0,), 2)
+    assert torch.equal(a0, a1), "the same shard key dropped different weights under different global seeds"
+    torch.manual_seed(1)
+    assert torch.equal(after0, torch.rand(3)), "the caller's generator state moved"
+    assert not torch.equal(a0, call((1,), 1)[0]) and not torch.equal(a0, call((0,), 1, calls=1)[0])
+    assert not torch.equal(a0, aten(q, k, v, None, 0.0)), "nothing was dropped"
+    out, _ = call((0,), 1, value=leaf)
+    out.sum().backward()
+    eye = torch.zeros(2, 4, 8, 16)
+    eye[..., :8] = torch.eye(8)
+    weights = call((0,), 4, value=eye)[0][..., :8]  # the dropped attention weights themselves (v = I)
+    torch.testing.assert_close(a0, weights @ v)
+    # out = weights @ v: d sum(out) / dv[j] = the weights of column j summed over the rows, if the
+    # backward used the forward's mask
+    torch.testing.assert_close(leaf.grad, weights.sum(-2).unsqueeze(-1).expand_as(leaf.grad))
+
+
+class DropAttention(nn.Module):
+    """One attention layer whose weights drop at rate P (transformers' ``attention_dropout``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = nn.ModuleList(nn.Linear(32, 32, bias=False) for _ in range(3))
+        self.o = nn.Linear(32, 32, bias=False)
+
+    def heads(self, x):  # (B, T, 32) -> (B, 4, T, 8)
+        return x.view(x.shape[0], x.shape[1], 4, 8).transpose(1, 2)
+
+    def forward(self, x):
+        q, k, v = (self.heads(p(x)) for p in self.qkv)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=P if self.training else 0.0)
+        return self.o(y.transpose(1, 2).reshape(x.shape))
+
+
+def _attention_rank(rank, world, graph, plan, x, model):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autotp.runtime.dropout import SeededAttention
+    from autotp.runtime.module import build_parallel_module
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    pm = build_parallel_module(graph, plan, mesh, model, seed=1234)
+    (att,) = [m for m in pm.modules() if isinstance(m, SeededAttention)]
+    seeds = []
+    for _ in range(2):
+        seeds.append(att.seed())
+        out = pm(x)
+    return att.shard_key, seeds, out.detach()
+
+
+def test_attention_dropout_on_split_heads_draws_per_piece_and_matches_the_model_by_hand():
+    """Heads split over 2 ranks: each rank's attention is seeded by its piece (keys (0,), (1,)); the
+    output equals the model applied by hand with each half of the heads dropped under its rank's seed,
+    on both ranks, and the second call draws anew."""
+    import autotp
+    from autotp.planning.planner import plan_graph
+    from autotp.runtime.rewrite import has_active_dropout
+
+    x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(1))
+    graph = autotp.capture(DropAttention().train(), (x,))
+    assert has_active_dropout(graph)
+    pin = {**{f"qkv.{i}.weight": "S(0)" for i in range(3)}, "o.weight": "S(1)"}
+    plan = plan_graph(graph, (2,), "cpu-gloo", "train", pin=pin)
+    (key0, seeds0, out0), (key1, seeds1, out1) = run_threads(_attention_rank, 2, graph, plan, x, DropAttention())
+    assert (key0, key1) == ((0,), (1,)) and seeds0[0] != seeds1[0] and seeds0[0] != seeds0[1]
+    ref = DropAttention()
+    q, k, v = (ref.heads(p(x)) for p in ref.qkv)
+    pieces = []
+    for r, seed in enumerate((seeds0[1], seeds1[1])):
+        torch.manual_seed(seed)
+        h = slice(2 * r, 2 * r + 2)
+        pieces.append(F.scaled_dot_product_attention(q[:, h], k[:, h], v[:, h], dropout_p=P))
+    want = ref.o(torch.cat(pieces, 1).transpose(1, 2).reshape(x.shape))
+    for out in (out0, out1):
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
