@@ -1,5 +1,11 @@
 """autotp on a zoo of Hugging Face architectures: one row per architecture.
 
+This zoo holds language models (causal, mixture-of-experts, encoders, encoder-decoders): its
+columns count a transformer block's weight matrices and activation collectives and compare with
+Megatron's layout. Convnets, vision and audio transformers, a state-space model and diffusion
+models have their own zoo, ``benchmarks/zoo_vision.py``, whose references are data parallelism and
+each family's hand layout instead.
+
 Each architecture is built by ``transformers`` from its config class at the widths of a well-known
 checkpoint (written out below; nothing comes from the hub), on the meta device, and planned for a
 (8,) mesh of ``h100-sxm`` in train mode (float32, the device's memory as the budget). Per row:
