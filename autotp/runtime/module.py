@@ -189,10 +189,11 @@ class ParallelModule(torch.fx.GraphModule):
         if len(args) + len(kwargs) < len(_input_names(type(self).forward)):
             inputs = _input_names(type(self).forward)
             missing = [n for n in inputs[len(args):] if n not in kwargs]
+            it = "it" if len(missing) == 1 else "them"
+            hint = " (an attention mask of ones for none)" if any("mask" in n for n in missing) else ""
             raise TypeError(f"this parallel module was traced with the inputs ({', '.join(inputs)}) and runs only "
-                            f"with all of them; {', '.join(missing)} not given. Give "
-                            f"{'it' if len(missing) == 1 else 'them'} (an attention mask of ones for none), or "
-                            f"parallelize with example inputs without {'it' if len(missing) == 1 else 'them'}")
+                            f"with all of them; {', '.join(missing)} not given. Give {it}{hint}, or parallelize "
+                            f"with example inputs without {it}")
         if self._autotp_variants:  # the call's shapes read only once a graph for other sizes exists
             variant = self._autotp_variants.get((self.graph_training, _shape_key(args, kwargs)))
             if variant is not None:
