@@ -131,10 +131,7 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
                         f"for mode={mode!r}; leave mode out to use the plan as it is, or plan again with "
                         f"mode={mode!r}")
     if isinstance(plan, Plan) and plan.pipeline is not None and (plan.pipeline.chosen.pp, plan.pipeline.chosen.dp) != (1, 1):
-        c = plan.pipeline.chosen
-        raise PlanError(f"the plan's layout is {c.describe()}: pipeline stages and data parallelism are planned and "
-                        f"priced, but autotp runs tensor parallelism only (docs/limits.md); to run a plan, plan "
-                        f"the mesh itself, e.g. autotp.plan(model, ({c.dp}, {c.tp}), inputs) for data x tensor")
+        return _parallelize_pipeline(model, mesh, example_inputs, plan)
     check_inputs = _input_checks(check_inputs)
     spec = MeshSpec.of(mesh)
     device = _device_type(model)
@@ -178,6 +175,29 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
     switch = ModeSwitch(meta_copy(model), example_inputs, dynamic_dims, mesh, memory_budget, recompute)
     module = build_parallel_module(graph, plan, mesh, model, seed, switch, check_inputs)
     return module.train(training)
+
+
+def _parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, plan: Plan) -> Any:
+    """A pipeline x tensor plan's stages of this rank (:mod:`autotp.runtime.pipeline`): the model captured
+    at the plan's micro-batch size (the example inputs' first rows), as the plan was."""
+    from autotp.planning.planner import _batch_size, _first_rows
+    from autotp.runtime.pipeline import build_pipeline_module, mesh_problem
+
+    c = plan.pipeline.chosen
+    problem = mesh_problem(c, mesh)
+    if problem:
+        raise PlanError(problem)
+    batch = _batch_size(example_inputs)
+    if batch != plan.pipeline.global_batch:
+        raise ValueError(f"the plan was made for a batch of {plan.pipeline.global_batch} ({c.micro_batches} "
+                         f"micro-batches of {c.micro_batch_size}); the example inputs' batch is {batch}")
+    micro = _first_rows(example_inputs, batch, c.micro_batch_size)
+    graph = capture(model, micro, False, training=True, device=getattr(mesh, "device_type", None))
+    plan.check_matches(graph, plan.mesh)
+    args, kwargs = (micro, {}) if not isinstance(micro, dict) else ((), micro)
+    args = args if isinstance(args, tuple) else (args,)
+    flat, _ = torch.utils._pytree.tree_flatten((args, kwargs))
+    return build_pipeline_module(graph, plan, mesh, model, flat, dropout_seed(mesh, graph))
 
 
 def _input_checks(value: Any) -> Optional[int]:

@@ -28,10 +28,12 @@ recompute choice, and keeps the layout of least predicted step that fits the mem
    optimizer's step, state and gradients.
 
 Each candidate carries why it lost to the chosen one: memory, the bubble, communication or compute.
-The data-parallel and pipeline runtimes are not built: such a plan is for reading (docs/limits.md).
+``autotp.parallelize`` runs the chosen layout (:mod:`autotp.runtime.pipeline`; docs/limits.md says what it leaves out).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import math
 import time
@@ -44,6 +46,7 @@ from autotp.planning.costing import CostModel
 from autotp.planning.schedules import held_bytes, timeline as step_timeline
 from autotp.planning.stages import UnitCost, balanced_cut, unit_costs
 from autotp.tracing.graph import PARAMETER
+from autotp.units import format_bytes
 
 __all__ = ["Layout", "StageChoice", "PipelineChoice", "price_layout", "layouts", "search_layouts", "units_of_plan"]
 
@@ -292,7 +295,8 @@ def _finish(prep: _Prepared, budget_bytes: float) -> Layout:
 
 
 def search_layouts(devices: int, profile: HardwareProfile, budget_bytes: float, stack: str, layers: int, batch: int,
-                   units_for: Callable[[int, int], _Units], keep: int = 20) -> PipelineChoice:
+                   units_for: Callable[[int, int], _Units], keep: int = 20,
+                   only: Optional[Mapping[str, Any]] = None) -> PipelineChoice:
     """Every layout of :func:`layouts` priced with ``units_for(tp, micro_batch_size)`` (cached by the
     caller), the fastest that fits chosen. Raises :class:`MemoryBudgetError` when none fits.
 
@@ -305,7 +309,20 @@ def search_layouts(devices: int, profile: HardwareProfile, budget_bytes: float, 
     t0 = time.perf_counter()
     dpn = profile.devices_per_node
     grouped: dict[tuple[int, int], list[Layout]] = {}
-    for layout in layouts(devices, dpn, layers, batch):
+    every = layouts(devices, dpn, layers, batch)
+    if only:
+        fields = {f.name for f in dataclasses.fields(Layout)} - {"step_s", "compute_s", "communication_s", "bubble_s",
+                                                                  "peak_bytes", "why"}
+        unknown = sorted(set(only) - fields)
+        if unknown:
+            raise ValueError(f"pipeline={dict(only)!r}: {unknown} are not layout fields; expected some of {sorted(fields)}")
+        kept = [x for x in every if all(getattr(x, k) == v for k, v in only.items())]
+        if not kept:
+            values = {k: sorted({getattr(x, k) for x in every}, key=str) for k in only}
+            raise ValueError(f"pipeline={dict(only)!r}: no layout of {devices} devices has them; the values that "
+                             f"occur: {values}")
+        every = kept
+    for layout in every:
         grouped.setdefault((layout.tp, layout.micro_batch_size), []).append(layout)
     prepared: list[_Prepared] = []
     skipped = 0
@@ -323,8 +340,8 @@ def search_layouts(devices: int, profile: HardwareProfile, budget_bytes: float, 
     if not fitting:
         least = min(prepared, key=lambda p: p.peak_bytes)
         raise MemoryBudgetError(
-            f"no layout of {devices} devices fits {budget_bytes / 2**30:.1f} GiB per device: the least, "
-            f"{least.layout.describe()}, needs {least.peak_bytes / 2**30:.1f} GiB", least.peak_bytes)
+            f"no layout of {devices} devices fits {format_bytes(budget_bytes)} per device: the least, "
+            f"{least.layout.describe()}, needs {format_bytes(least.peak_bytes)}", least.peak_bytes)
     done: list[tuple[Layout, _Prepared]] = []
     best_s = math.inf
     for p in fitting:

@@ -257,7 +257,7 @@ def uneven_splits(graph: OpGraph, chosen: Mapping[str, Strategy], spec: MeshSpec
 def plan(model: torch.nn.Module, mesh: Any, example_inputs: Any, hardware: Any = None, mode: str = "train",
          memory_budget: Any = None, time_limit_s: float = 60.0, pin: Optional[Mapping[str, str]] = None,
          dynamic_dims: Any = False, optimizer: Any = "adamw", recompute: Optional[bool] = None,
-         loss_fn: Any = None, pipeline: bool = False) -> Plan:
+         loss_fn: Any = None, pipeline: Any = False) -> Plan:
     """Choose how to split every op of ``model`` over ``mesh``.
 
     ``mesh`` is a ``DeviceMesh`` or a shape such as ``(8,)`` or ``(2, 4)`` (no processes needed), or a
@@ -285,7 +285,10 @@ def plan(model: torch.nn.Module, mesh: Any, example_inputs: Any, hardware: Any =
     stages of the model's stack of layers times data times tensor parallelism, with micro-batches,
     schedule, ZeRO stage and recompute (:mod:`autotp.planning.pipeline_search`); the plan returned
     is the chosen layout's tensor-parallel plan of one micro-batch, with ``plan.pipeline`` saying
-    the rest. Such a plan is for reading: ``parallelize`` runs tensor parallelism only (docs/limits.md).
+    the rest. ``pipeline`` may also be a dict of layout fields the search keeps to (``pp``, ``dp``,
+    ``tp``, ``schedule``, ``stages_per_rank``, ``micro_batches``, ``zero``, ``recompute``), e.g.
+    ``{"pp": 2, "tp": 2}``: the best layout that has them. ``parallelize`` runs such a plan's
+    stages where the layout is pipeline x tensor (dp 1; :mod:`autotp.runtime.pipeline`).
     """
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: expected one of {MODES}")
@@ -308,7 +311,7 @@ def plan(model: torch.nn.Module, mesh: Any, example_inputs: Any, hardware: Any =
         model = WithLoss(model, loss_fn)
     if pipeline:
         return _plan_layout(model, devices, example_inputs, profile, hardware, memory_budget, time_limit_s, pin,
-                            optimizer)
+                            optimizer, pipeline if isinstance(pipeline, Mapping) else None)
     t0 = time.perf_counter()
     # an inference plan is of the model in eval mode (no dropout; batch norm reads its statistics)
     # stacks of alike layers traced at three layers and unrolled (autotp/tracing/repeats.py): the same
@@ -326,7 +329,8 @@ def plan(model: torch.nn.Module, mesh: Any, example_inputs: Any, hardware: Any =
 
 
 def _plan_layout(model: torch.nn.Module, devices: int, example_inputs: Any, profile: HardwareProfile, hardware: Any,
-                 memory_budget: Any, time_limit_s: float, pin: Optional[Mapping[str, str]], optimizer: Any) -> Plan:
+                 memory_budget: Any, time_limit_s: float, pin: Optional[Mapping[str, str]], optimizer: Any,
+                 only: Optional[Mapping[str, Any]] = None) -> Plan:
     """``autotp.plan(..., pipeline=True)``: the model captured at each micro-batch size the search
     needs, planned on each tensor axis once, every layout priced (autotp/planning/pipeline_search.py)."""
     import dataclasses  # noqa: PLC0415
@@ -356,7 +360,7 @@ def _plan_layout(model: torch.nn.Module, devices: int, example_inputs: Any, prof
         raise ValueError(f"pipeline=True: {type(model).__name__} has no stack of alike layers to cut into stages "
                          f"(a ModuleList or Sequential of at least 4 alike layers); plan a device count without it")
     choice = search_layouts(devices, profile, budget, stack.path, stack.count, batch,
-                            lambda tp, b: plan_for(tp, b)[1])
+                            lambda tp, b: plan_for(tp, b)[1], only=only)
     best = choice.chosen
     stage_plan, _ = plan_for(best.tp, best.micro_batch_size)
     return dataclasses.replace(stage_plan, pipeline=dataclasses.replace(choice, search_s=time.perf_counter() - t0),

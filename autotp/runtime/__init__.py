@@ -16,6 +16,8 @@ which it asks the planner for, with every weight kept where it is).
 - ``batch_norm``    batch norm on a split batch or split space: statistics all-reduced inside
 - ``losses``        cross-entropy on logits split by vocabulary: two all-reduces of per-row numbers
 - ``recompute``     recomputed layers as checkpointed submodules
+- ``pipeline``      a three-dimensional plan's stages of this rank under a pipelining schedule, with
+                    a data axis (gradient all-reduce, or FSDP2 for ZeRO): ``PipelineModule.step``
 - ``generation``    ``generate()``: its graphs (prompt and token; encoder, first and later decoder step),
                     planned with the caches split like the attention, and the decoding loop
 - ``static_cache``  copies of a Hugging Face model whose KV cache is a set of buffers, to trace

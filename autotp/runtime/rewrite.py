@@ -87,6 +87,7 @@ class GraphRewrite:
         train = plan.mode == "train"
         self.recomputed = recomputed_nodes(graph, plan.recompute)  # node -> the recomputed layer it is in
         self.layer_of: dict[str, str] = {}  # fx node name -> the recomputed layer it runs in
+        self.origin: dict[str, str] = {}  # fx node name -> the graph op it was emitted for (pipeline stages)
         self.size_layer: dict[str, str] = {}  # exported size node -> the recomputed layer it is computed in
         program_reads = reads(graph, plan.strategies, plan.mesh, train)
         self.grad_axes = {(r.consumer, r.index): r.grad_axes for r in program_reads}
@@ -229,6 +230,10 @@ class GraphRewrite:
                     continue
                 tail = self.fx._root.prev  # the last node so far: what emit adds comes after it
                 self.emit_node(node, alias)
+                added = self.fx._root.prev
+                while added is not tail:
+                    self.origin[added.name] = node.name
+                    added = added.prev
                 layer = self.recomputed.get(node.name)
                 if layer is not None:  # the node and the reads made for it run in its layer's recompute
                     self.tag_since(tail, layer)

@@ -54,7 +54,7 @@ def load_weights(module: nn.Module, path: str | os.PathLike) -> None:
     try:  # anything this rank finds wrong is raised in _agree, which every rank must reach
         kind = "dcp" if (root / ".metadata").is_file() else "safetensors"
         if kind == "safetensors":
-            plan = _match(_targets(module), _safetensors_files(root))
+            plan = _match(_targets(module), _safetensors_files(root), getattr(module, "autotp_other_stages_keys", ()))
     except Exception as err:  # noqa: BLE001 - an unreadable directory too (is_file raises on EACCES)
         problem = err
     _agree(module, root, kind, problem)
@@ -119,8 +119,9 @@ def _targets(module: nn.Module) -> list[tuple[tuple[str, ...], torch.Tensor]]:
     return [(tuple(names), value) for names, value in by_id.values()]
 
 
-def _match(targets, files: dict[str, Path]) -> list[tuple[str, Path, torch.Tensor]]:
-    """``(key, file, tensor)`` to read for every target, or one ValueError naming every problem."""
+def _match(targets, files: dict[str, Path], elsewhere=()) -> list[tuple[str, Path, torch.Tensor]]:
+    """``(key, file, tensor)`` to read for every target, or one ValueError naming every problem.
+    ``elsewhere``: keys another part of the model holds (a pipeline's other stages), not read here."""
     shapes: dict[str, tuple[int, ...]] = {}
     where: dict[str, Path] = {}
     for file in sorted(set(files.values())):
@@ -138,7 +139,7 @@ def _match(targets, files: dict[str, Path]) -> list[tuple[str, Path, torch.Tenso
             wrong.append(f"{key}: {list(shapes[key])} in the file, {list(value.shape)} in the model")
             continue
         out.append((key, where[key], value))
-    unexpected = sorted(k for k in shapes if k not in known)
+    unexpected = sorted(k for k in shapes if k not in known and k not in elsewhere)
     if missing or unexpected or wrong or misplaced:
         parts = [f"missing from the checkpoint: {', '.join(missing)}" if missing else "",
                  f"the index lists them in a file that does not hold them: {', '.join(misplaced)}" if misplaced else "",

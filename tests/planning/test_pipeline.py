@@ -194,11 +194,14 @@ def _parallelize_a_layout_plan(rank, world, plan):
         return str(err), before == after
 
 
-def test_parallelize_says_it_runs_no_pipeline_and_leaves_the_model(searched):
+def test_parallelize_says_which_mesh_a_layout_runs_on_and_leaves_the_model(searched):
     plan = searched[False]
+    c = plan.pipeline.chosen
     message, untouched = run_threads(_parallelize_a_layout_plan, 1, plan)[0]
-    assert "pipeline stages and data parallelism are planned and priced" in message
-    assert plan.pipeline.chosen.describe() in message and untouched
+    names = ("pp", "dp", "tp") if c.dp > 1 else ("pp", "tp")
+    shape = (c.pp, c.dp, c.tp) if c.dp > 1 else (c.pp, c.tp)
+    expected = f"a mesh of shape {shape} with axes named {names}"
+    assert expected in message and c.describe() in message and untouched, message
 
 
 def test_stages_going_round_the_ranks_are_cut_for_the_busiest_rank():

@@ -1,0 +1,273 @@
+"""Pipeline stages at run time (autotp.runtime.pipeline): a plan made with ``pipeline=`` run as stages
+under torch.distributed.pipelining's schedules, against one process.
+
+The default suite cuts a graph into stages and runs them one after the other on one rank (the
+mechanism), and runs a 2-rank pipeline of a Llama (1F1B) and a GPT-2 whose embedding is tied to its
+head (GPipe) on 2 gloo processes: the loss on the last stage and every parameter's gradient equal one
+process's. The slow suite runs 4 ranks: pp 2 x tp 2 (Megatron's layout pinned inside the stages) and
+pp 4.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autotp
+from examples.ranks import run_ranks
+
+
+def _model(name: str):
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if name == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                             max_position_embeddings=64))
+    else:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        model = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=4, n_head=4, vocab_size=128, n_positions=64,
+                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def _megatron_pin(model) -> dict[str, str]:
+    """Megatron's split of each layer pinned (Llama's attention and MLP; GPT-2's MLP, whose ``Conv1D``
+    weights are stored (in, out))."""
+    cols = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")
+    rows = ("o_proj.weight", "down_proj.weight")
+    pin = {}
+    for n, _ in model.named_parameters():
+        if n.endswith(cols) or n.endswith("mlp.c_proj.weight"):
+            pin[n] = "S(0)"
+        elif n.endswith(rows) or n.endswith("mlp.c_fc.weight"):
+            pin[n] = "S(1)"
+    return pin
+
+
+def _plan(name: str, pp: int, tp: int, schedule: str, micro_batches: int, dp: int = 1, zero: int = 0):
+    model, inputs = _model(name)
+    layout = {"pp": pp, "tp": tp, "dp": dp, "schedule": schedule, "micro_batches": micro_batches, "zero": zero}
+    if schedule == "interleaved_1f1b":
+        layout["stages_per_rank"] = 2
+    return autotp.plan(model, pp * dp * tp, inputs, hardware="cpu-gloo", pin=_megatron_pin(model) if tp > 1 else None,
+                       pipeline=layout)
+
+
+def _reference(name: str):
+    model, inputs = _model(name)
+    loss = model(**inputs).loss
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _observe_sends(sent: list):
+    """torch.distributed.pipelining's point-to-point ops, recorded as (``isend``/``irecv``, bytes) as the
+    schedule posts them."""
+    import torch.distributed.pipelining.schedules as schedules
+
+    def wrap(fn):
+        def recorded(ops, *a, **kw):
+            sent.extend((op.op.__name__, op.tensor.numel() * op.tensor.element_size()) for op in ops)
+            return fn(ops, *a, **kw)
+        return recorded
+
+    schedules._batch_p2p = wrap(schedules._batch_p2p)  # _sorted_batch_p2p posts through it too
+
+
+def _built(name: str, plan_json: str, shape: tuple, weights: str | None):
+    """The pipeline module; with ``weights`` (a saved model), built on meta and filled from it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp", "tp") if len(shape) == 3 else ("pp", "tp"))
+    if weights is None:
+        model, inputs = _model(name)
+    else:
+        with autotp.meta_init():
+            model, inputs = _model(name)
+    pm = autotp.parallelize(model, mesh, inputs, plan=autotp.Plan.from_json(plan_json))
+    if weights is not None:
+        autotp.load_weights(pm, weights)
+    return pm, inputs
+
+
+def _rank(rank, world, cases):
+    sent: list = []
+    _observe_sends(sent)
+    out = []
+    for name, plan_json, shape, weights, checkpoint in cases:
+        pm, inputs = _built(name, plan_json, shape, weights)
+        del sent[:]
+        loss = pm.step(**inputs)
+        step_sends = [b for kind, b in sent if kind == "isend"]
+        grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+                 for n, p in pm.named_parameters()}
+        logits = pm(**inputs)  # inference: the batch through the stages, the output on the last stage
+        restored = None
+        if checkpoint is not None:  # each rank writes and reads its stage's shards
+            autotp.checkpoint.save(pm, checkpoint)
+            again, _ = _built(name, plan_json, shape, weights)
+            autotp.checkpoint.load(again, checkpoint)
+            mine, theirs = pm.state_dict(), again.state_dict()
+            restored = sorted(mine) == sorted(theirs) and all(
+                torch.equal(_local(mine[k]), _local(theirs[k])) for k in mine)
+        out.append({"loss": None if loss is None else loss.item(), "grads": grads,
+                    "logits": None if logits is None else logits.logits,
+                    "stages": pm.stage_indices, "state": sorted(pm.state_dict()), "sends": step_sends,
+                    "restored": restored,
+                    "placements": {n: getattr(p, "placements", None) for n, p in pm.named_parameters()}})
+    return out
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _check(name: str, results: list[dict], plan, pp: int) -> None:  # noqa: C901
+    ref_loss, ref_grads = _reference(name)
+    m, stages = plan.pipeline.chosen.micro_batches, plan.pipeline.stages
+    n = len(stages)
+    for r in results:  # the point-to-point sends of a step, against the bytes the plan prices at each cut
+        forward = m * sum(stages[k].send_bytes for k in r["stages"] if k < n - 1)
+        if n == 1:  # one stage: nothing to send
+            assert r["sends"] == []
+        elif r["stages"] == (0,):  # the first stage sends its activations on, each micro-batch, and nothing back
+            assert sum(r["sends"]) == forward > 0, (r["sends"], forward)
+        else:  # a later stage also sends back the gradients of what it received that needs one
+            back = sum(r["sends"]) - forward
+            assert 0 < back <= m * sum(stages[k - 1].send_bytes for k in r["stages"] if k > 0), (r["stages"], r["sends"])
+    last = [r for r in results if r["loss"] is not None]
+    assert len(last) == len(results) // pp and all(n - 1 in r["stages"] for r in last)
+    for r in last:
+        assert r["loss"] == pytest.approx(ref_loss, rel=1e-5)
+    held: dict[str, torch.Tensor] = {}
+    for r in results:  # each rank holds its stage's parameters only, under the model's names
+        assert set(r["grads"]) <= set(ref_grads) and set(r["grads"]) <= set(r["state"])
+        assert pp == 1 or set(r["grads"]) < set(ref_grads)
+        for n in set(r["grads"]) & set(held):  # a weight two stages hold: the same gradient in both
+            torch.testing.assert_close(r["grads"][n], held[n], msg=n)
+        held.update(r["grads"])
+    assert set(held) == set(ref_grads), set(ref_grads) - set(held)
+    scale = max(g.abs().max().item() for g in ref_grads.values())
+    for n, g in ref_grads.items():
+        torch.testing.assert_close(held[n], g, rtol=1e-4, atol=1e-5 * scale, msg=n)
+    model, inputs = _model(name)
+    with torch.no_grad():
+        want = model(**inputs).logits
+    for r in last:
+        torch.testing.assert_close(r["logits"], want, rtol=1e-4, atol=1e-5)
+
+
+def test_stages_run_one_after_the_other_compute_the_whole_graph():
+    """The rewritten graph cut at the plan's stages: each stage reads what crosses the cut in front of
+    it; run in order on one rank, they give the whole graph's output, and every parameter is in one
+    stage."""
+    from examples.ranks import run_threads
+
+    plan = _plan("llama", 4, 1, "gpipe", 4)
+    assert [(s.first_layer, s.end_layer) for s in plan.pipeline.stages] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+    def rank(r, world):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from autotp.planning.stages import unit_of_nodes
+        from autotp.runtime.pipeline import split_stages, stage_of_units
+        from autotp.runtime.rewrite import GraphRewrite
+        from autotp.runtime.state import register_state
+
+        model, inputs = _model("llama")
+        micro = {k: v[:1] for k, v in inputs.items()}
+        graph = autotp.capture(model, micro)
+        root = torch.nn.Module()
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        register_state(root, graph, plan, mesh, model)
+        rewrite = GraphRewrite(graph, plan, mesh, root)
+        rewrite.emit()
+        gm = torch.fx.GraphModule(root, rewrite.fx)
+        unit = unit_of_nodes(graph, [f"model.layers.{i}" for i in range(4)])
+        stages = split_stages(gm, rewrite.origin, unit, stage_of_units(plan.pipeline.stages, 4))
+        given = dict(zip(stages[0].keywords, (micro["input_ids"], micro["labels"])))
+        values: dict = {}
+        for s in stages[:-1]:
+            values.update(zip(s.outputs, s.module(*(values[n] for n in s.inputs), **given)))
+        out = stages[-1].module(*(values[n] for n in stages[-1].inputs), **given)
+        owners = {}
+        for s in stages:
+            for n, _ in s.module.named_parameters():
+                owners.setdefault(n, []).append(s.index)
+        return out, gm(micro["input_ids"], micro["labels"]), owners, [s.outputs for s in stages]
+
+    ((out, whole, owners, crossing),) = run_threads(rank, 1)
+    torch.testing.assert_close(out[0], whole[0])  # the loss
+    torch.testing.assert_close(out[1], whole[1])  # the logits
+    assert all(len(v) == 1 for v in owners.values()) and len(owners) == 39, owners
+    assert not crossing[-1] and all(crossing[:-1]), crossing
+    assert not {"input_ids", "labels"} & {n for names in crossing for n in names}, "inputs are given, never sent"
+
+
+def test_two_stage_pipelines_equal_one_process(tmp_path):
+    """Llama under 1F1B, built on meta and filled from a saved model (each rank reads its stage's
+    tensors), then checkpointed and restored stage by stage; GPT-2 (its embedding tied to the head:
+    held by both stages, the gradients summed) under GPipe. 2 stages of 2 layers, 2 micro-batches, on
+    2 gloo processes."""
+    _model("llama")[0].save_pretrained(tmp_path / "llama")
+    cases = [("llama", _plan("llama", 2, 1, "1f1b", 2).to_json(), (2, 1), str(tmp_path / "llama"),
+              str(tmp_path / "checkpoint")),
+             ("gpt2", _plan("gpt2", 2, 1, "gpipe", 2).to_json(), (2, 1), None, None)]
+    results = run_ranks(_rank, 2, cases)
+    for i, (name, plan_json, *_) in enumerate(cases):
+        _check(name, [r[i] for r in results], autotp.Plan.from_json(plan_json), pp=2)
+    assert [r[0]["restored"] for r in results] == [True, True]
+    both = [set(results[0][i]["grads"]) & set(results[1][i]["grads"]) for i in range(2)]
+    assert both[0] == set() and len(both[1]) == 1, both  # only GPT-2's tied embedding is held by two stages
+
+
+@pytest.mark.slow  # 4 processes
+@pytest.mark.parametrize("pp,dp,tp,zero", [(2, 2, 1, 0), (1, 2, 2, 3), (2, 2, 1, 1)])
+def test_data_parallel_replicas_equal_one_process(pp, dp, tp, zero):
+    """A data axis beside the stages or the tensor axis: each replica runs its rows of the batch, the
+    gradients averaged over the replicas (ZeRO 0), or the stages under FSDP2 over the tensor-parallel
+    shards, parameters sharded on the data axis (ZeRO 1: kept gathered through the step; ZeRO 3:
+    gathered for each pass)."""
+    plan = _plan("llama", pp, tp, "1f1b" if pp > 1 else "none", 2, dp=dp, zero=zero)
+    results = run_ranks(_rank, pp * dp * tp, [("llama", plan.to_json(), (pp, dp, tp), None, None)])
+    _check("llama", [r[0] for r in results], plan, pp=pp)
+    if zero:  # FSDP2 holds each parameter sharded over the data axis
+        assert all("Shard" in str(p) for p in results[0][0]["placements"].values()), results[0][0]["placements"]
+
+
+@pytest.mark.slow  # 4 processes; the 2-rank pipeline and the stages' cut are in the default suite
+@pytest.mark.parametrize("name,pp,tp,schedule,micro", [("llama", 2, 2, "1f1b", 2), ("gpt2", 2, 2, "gpipe", 2),
+                                                       ("llama", 4, 1, "1f1b", 4), ("llama", 2, 1, "interleaved_1f1b", 2)])
+def test_four_rank_pipelines_equal_one_process(name, pp, tp, schedule, micro):
+    plan = _plan(name, pp, tp, schedule, micro)
+    if tp > 1:
+        assert sum(v != "R" for v in plan.parameter_placements.values()) >= 8  # the stages split their layers
+    results = run_ranks(_rank, pp * tp, [(name, plan.to_json(), (pp, tp), None, None)])
+    _check(name, [r[0] for r in results], plan, pp=pp)
+
+
+def test_a_mesh_that_is_not_the_layout_s_is_refused_before_anything_runs():
+    """A pp 2 x dp 2 layout given a mesh of 2 ranks: the error names the mesh it needs, and the model
+    is as it was."""
+    plan = _plan("llama", 2, 1, "1f1b", 2, dp=2)
+
+    def rank(r, world):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        model, inputs = _model("llama")
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        with pytest.raises(autotp.PlanError, match=r"a mesh of shape \(2, 2, 1\) with axes named \('pp', 'dp', 'tp'\)"):
+            autotp.parallelize(model, mesh, inputs, plan=plan)
+        return all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+    from examples.ranks import run_threads
+
+    assert run_threads(rank, 2) == [True, True]
