@@ -225,7 +225,8 @@ class PipelineModule(nn.Module):
     def __init__(self, stages: Sequence[StageGraph], mine: Sequence[int], pp_group: Any, device: torch.device,
                  plan: Any, out_spec: Any, in_spec: Any, examples: Mapping[str, torch.Tensor],
                  shared: Sequence[tuple[str, tuple[int, ...], torch.dtype]] = (),
-                 persistent: frozenset[str] = frozenset(), dp_group: Any = None, dp_rank: int = 0) -> None:
+                 persistent: frozenset[str] = frozenset(), dp_group: Any = None, dp_rank: int = 0,
+                 tp_mesh: Any = None) -> None:
         super().__init__()
         from torch.distributed.pipelining import PipelineStage
 
@@ -262,6 +263,7 @@ class PipelineModule(nn.Module):
         self._schedules: dict[tuple, Any] = {}
         self._shared = tuple(shared)  # weights several stages hold: their gradients summed over the stages
         self.dp_group, self.dp_rank = dp_group, dp_rank
+        self.tp_mesh = tp_mesh
         self._zero = plan.pipeline.chosen.zero
         self._merge_spec = _merge_spec(examples["<output>"], plan.pipeline.chosen.micro_batch_size,
                                        plan.pipeline.chosen.micro_batches)
@@ -442,7 +444,7 @@ def build_pipeline_module(graph: Any, plan: Any, mesh: Any, model: nn.Module, ex
                             info.out_spec if info is not None else None, info.in_spec if info is not None else None,
                             examples, shared, frozenset(model.state_dict().keys()),
                             dp_mesh.get_group() if dp_mesh is not None else None,
-                            dp_mesh.get_local_rank() if dp_mesh is not None else 0)
+                            dp_mesh.get_local_rank() if dp_mesh is not None else 0, tp_mesh)
     return module
 
 

@@ -104,7 +104,10 @@ def _rank(rank, world, cases):
     for name, plan_json, shape, weights, checkpoint in cases:
         pm, inputs = _built(name, plan_json, shape, weights)
         del sent[:]
-        loss = pm.step(**inputs)
+        from tests.helpers.observed import CollectiveLog
+
+        with CollectiveLog(pm.tp_mesh) as log:  # the stage's collectives on its tensor axis
+            loss = pm.step(**inputs)
         step_sends = [b for kind, b in sent if kind == "isend"]
         grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
                  for n, p in pm.named_parameters()}
@@ -120,7 +123,7 @@ def _rank(rank, world, cases):
         out.append({"loss": None if loss is None else loss.item(), "grads": grads,
                     "logits": None if logits is None else logits.logits,
                     "stages": pm.stage_indices, "state": sorted(pm.state_dict()), "sends": step_sends,
-                    "restored": restored,
+                    "restored": restored, "collectives": [(c.kind, c.mesh_axis, c.bytes) for c in log.seen],
                     "placements": {n: getattr(p, "placements", None) for n, p in pm.named_parameters()}})
     return out
 
@@ -251,6 +254,14 @@ def test_four_rank_pipelines_equal_one_process(name, pp, tp, schedule, micro):
         assert sum(v != "R" for v in plan.parameter_placements.values()) >= 8  # the stages split their layers
     results = run_ranks(_rank, pp * tp, [(name, plan.to_json(), (pp, tp), None, None)])
     _check(name, [r[0] for r in results], plan, pp=pp)
+    if tp > 1:  # the stages of one tensor rank together run the plan's collectives, once per micro-batch
+        from collections import Counter
+
+        seen = Counter(c for r in results[::tp] for c in r[0]["collectives"])
+        planned: Counter = Counter()
+        for c in plan.collectives():
+            planned[(c.kind, c.mesh_axis, int(c.bytes))] += plan.pipeline.chosen.micro_batches
+        assert seen == planned and seen, (seen, planned)
 
 
 def test_a_mesh_that_is_not_the_layout_s_is_refused_before_anything_runs():
