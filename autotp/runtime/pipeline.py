@@ -20,11 +20,13 @@ to point to the same tensor-parallel rank of the next stage: what the plan price
 them, and each stage reads those it uses (the last stage the labels of a loss computed in the
 graph).
 
-What it does not do (docs/limits.md): data parallelism (``dp`` > 1) and ZeRO over a data axis;
-the layout's recompute (the layers run once, holding their activations); a stage's parameters
-built only on its ranks (every rank builds the whole model's shards first, then keeps its
-stages'). A weight read by two stages (an embedding tied to the head) is held by both, and its
-gradients summed over the pipeline axis after the step (an all-reduce the plan does not price).
+A data axis: each replica runs its rows of the batch; its gradients are averaged over the axis
+(ZeRO 0), or each stage runs under FSDP2 over the tensor-parallel shards (ZeRO 1 and 3). The
+layout's recompute runs each layer of a stage under ``torch.utils.checkpoint``
+(:mod:`autotp.runtime.recompute`). What it leaves out is in docs/limits.md: every rank builds the
+whole model's tensor-parallel shards before keeping its stages'; a weight read by two stages (an
+embedding tied to the head) is held by both and its gradients summed over the pipeline axis after
+the step (an all-reduce the plan does not price).
 """
 
 from __future__ import annotations
@@ -422,6 +424,17 @@ def build_pipeline_module(graph: Any, plan: Any, mesh: Any, model: nn.Module, ex
     stages = split_stages(gm, rewrite.origin, unit, stage_of_units(choice.stages, choice.layers))
     pp_rank = pp_mesh.get_local_rank()
     mine = [k for k in range(len(stages)) if k % c.pp == pp_rank]
+    if c.recompute:  # the layout's recompute: each layer of a stage runs its forward again in the backward
+        from autotp.runtime.recompute import apply_recompute
+
+        for k in mine:
+            sg = stages[k].module
+            layer_of = {}
+            for n in sg.graph.nodes:
+                u = unit.get(rewrite.origin.get(n.name, ""), 0)
+                if 1 <= u <= choice.layers and n.op in ("call_function", "call_module") and not _reads_state(n):
+                    layer_of[n] = layer_paths[u - 1]
+            apply_recompute(sg, layer_of, prefix="pipeline_")
     if dp_mesh is not None and c.zero > 0:
         # ZeRO over the data axis runs on PyTorch's FSDP2, over the tensor-parallel shards: parameters
         # sharded on the data axis, gathered before each stage's forward and backward (prefetched),

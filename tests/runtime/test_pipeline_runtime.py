@@ -51,9 +51,11 @@ def _megatron_pin(model) -> dict[str, str]:
     return pin
 
 
-def _plan(name: str, pp: int, tp: int, schedule: str, micro_batches: int, dp: int = 1, zero: int = 0):
+def _plan(name: str, pp: int, tp: int, schedule: str, micro_batches: int, dp: int = 1, zero: int = 0,
+          recompute: bool = False):
     model, inputs = _model(name)
-    layout = {"pp": pp, "tp": tp, "dp": dp, "schedule": schedule, "micro_batches": micro_batches, "zero": zero}
+    layout = {"pp": pp, "tp": tp, "dp": dp, "schedule": schedule, "micro_batches": micro_batches, "zero": zero,
+              "recompute": recompute}
     if schedule == "interleaved_1f1b":
         layout["stages_per_rank"] = 2
     return autotp.plan(model, pp * dp * tp, inputs, hardware="cpu-gloo", pin=_megatron_pin(model) if tp > 1 else None,
@@ -124,6 +126,7 @@ def _rank(rank, world, cases):
                     "logits": None if logits is None else logits.logits,
                     "stages": pm.stage_indices, "state": sorted(pm.state_dict()), "sends": step_sends,
                     "restored": restored, "collectives": [(c.kind, c.mesh_axis, c.bytes) for c in log.seen],
+                    "recomputed": sorted(m.path for st in pm.stages for m in st.modules() if type(m).__name__ == "Recompute"),
                     "placements": {n: getattr(p, "placements", None) for n, p in pm.named_parameters()}})
     return out
 
@@ -217,16 +220,19 @@ def test_stages_run_one_after_the_other_compute_the_whole_graph():
 def test_two_stage_pipelines_equal_one_process(tmp_path):
     """Llama under 1F1B, built on meta and filled from a saved model (each rank reads its stage's
     tensors), then checkpointed and restored stage by stage; GPT-2 (its embedding tied to the head:
-    held by both stages, the gradients summed) under GPipe. 2 stages of 2 layers, 2 micro-batches, on
+    held by both stages, the gradients summed) under GPipe with its layers recomputed. 2 stages of 2 layers, 2 micro-batches, on
     2 gloo processes."""
     _model("llama")[0].save_pretrained(tmp_path / "llama")
     cases = [("llama", _plan("llama", 2, 1, "1f1b", 2).to_json(), (2, 1), str(tmp_path / "llama"),
               str(tmp_path / "checkpoint")),
-             ("gpt2", _plan("gpt2", 2, 1, "gpipe", 2).to_json(), (2, 1), None, None)]
+             ("gpt2", _plan("gpt2", 2, 1, "gpipe", 2, recompute=True).to_json(), (2, 1), None, None)]
     results = run_ranks(_rank, 2, cases)
     for i, (name, plan_json, *_) in enumerate(cases):
         _check(name, [r[i] for r in results], autotp.Plan.from_json(plan_json), pp=2)
     assert [r[0]["restored"] for r in results] == [True, True]
+    assert [r[1]["recomputed"] for r in results] == [["transformer.h.0", "transformer.h.1"],
+                                                     ["transformer.h.2", "transformer.h.3"]]  # the layout's recompute
+    assert [r[0]["recomputed"] for r in results] == [[], []]
     both = [set(results[0][i]["grads"]) & set(results[1][i]["grads"]) for i in range(2)]
     assert both[0] == set() and len(both[1]) == 1, both  # only GPT-2's tied embedding is held by two stages
 
