@@ -9,6 +9,8 @@ needs equal) are refused before any collective, with the input, dim, size and di
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -39,6 +41,7 @@ def _inputs(name: str, batch: int, seq: int) -> tuple:
     return (torch.randint(0, 128, (batch, seq), generator=g),)
 
 
+@functools.lru_cache(maxsize=None)  # several tests read the same prepared model: planned once (both are values)
 def _prepare(name: str, world: int = 2, mode: str = "train", budget_scale: float = 1.05, dynamic_dims=None):
     """``(graph, plan)`` at the example sizes, planned to a budget just above the minimum."""
     import autotp
