@@ -215,11 +215,12 @@ def test_what_the_adapter_filters_or_declines(caplog):
     # shape arguments DTensor rewrites to local shapes before running the op: not asked
     assert dtensor_rules.registry_axis_choices(g, node["aten.view.default"], 2) is None
     assert dtensor_rules.registry_axis_choices(g, node["aten.expand.default"], 2) is None
-    # a custom dispatch handler (argmax gathers candidates across ranks): not asked, so unknown
+    # a custom dispatch handler (argmax gathers candidates across ranks): not asked, so unknown to the
+    # registry; own rules split its kept dims (autotp.planning.rules.reductions.extremum_choices)
     assert dtensor_rules.registry_axis_choices(g, node["aten.argmax.default"], 2) is None
     with caplog.at_level(logging.WARNING, logger="autotp"):
         all_strategies(g, (2,))
-    assert [r.getMessage() for r in caplog.records if "aten.argmax.default" in r.getMessage()]
+    assert not [r.getMessage() for r in caplog.records if "aten.argmax.default" in r.getMessage()]
     # random ops: DTensor offsets the generator per shard
     assert dtensor_rules.registry_source(torch.ops.aten.native_dropout.default) is None
     # the row-split embedding is a _MaskPartial in DTensor: filtered (own rules do it as a masked lookup)

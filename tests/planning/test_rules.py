@@ -256,3 +256,27 @@ def test_fill_splits_like_its_tensor_and_is_never_a_partial_sum():
                      (torch.ops.aten.fill_.Scalar, (torch.randn(4, 6), 2.0))):
         checked = [str(s) for s in check_rule(op, args)]
         assert {"(S(0)) -> S(0)", "(S(0), R) -> S(0)"} & set(checked) and not any("P" in s for s in checked), checked
+
+
+class Extrema(torch.nn.Module):
+    """argmax/argmin over a dim (CLIP pools its text at the end token: ``input_ids.argmax(-1)``), and
+    over the flattened tensor."""
+
+    def forward(self, x):  # (4, 6, 8)
+        return x.argmax(-1), x.argmin(1, keepdim=True), x.argmax()
+
+
+def test_argmax_and_argmin_split_the_kept_dims_only_and_are_exact():
+    from autotp.planning.strategies import node_strategies
+    from tests.helpers.local_exactness import capture_graph, check_every_strategy, full_values, strategy_texts
+
+    x = torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(0))
+    g = capture_graph(Extrema(), (x,))
+    over_dim, flat = [n for n in g.ops() if n.target == "aten.argmax.default"]
+    assert set(strategy_texts(g, over_dim, (2,))) == {"(R) -> R", "(S(0)) -> S(0)", "(S(1)) -> S(1)"}
+    assert strategy_texts(g, flat, (2,)) == ["(R) -> R"]  # the flattened tensor's index: whole
+    for node in g.ops():  # a reduced dim is never split, nor anything partial
+        for st in node_strategies(g, node, (2,)):
+            assert not any(p.is_partial for pl in (*st.inputs, st.output) if pl for p in pl), (node.name, str(st))
+    checked = check_every_strategy(g, full_values(g, (x,)), (2,), {"aten.argmax.default", "aten.argmin.default"})
+    assert checked >= 4, checked

@@ -34,6 +34,20 @@ def reduction_choices(node: OpNode, n: int) -> list[AxisChoice]:
     return choices
 
 
+def extremum_choices(node: OpNode, n: int) -> list[AxisChoice]:
+    """argmax / argmin over a dim (CLIP pools its text at the end token: ``input_ids.argmax(-1)``): a
+    kept dim's split carries over; the reduced dim stays whole (an index is the whole dim's). Without
+    a dim they read the flattened tensor: whole. (DTensor's registry declines them: its handler
+    gathers candidates across ranks; amax/amin come from the registry.)"""
+    x = node.input_infos[0]
+    if node.args.get("dim") is None:
+        return [((R,), R)]
+    dims = {node.args.int("dim", x.ndim)}
+    keepdim = bool(node.args.get("keepdim", False))
+    kept = [d for d in range(x.ndim) if d not in dims]
+    return [((R,), R)] + [((S(d),), S(d if keepdim else kept.index(d))) for d in kept if divisible(x.shape[d], n)]
+
+
 def norm_choices(node: OpNode, n: int) -> list[AxisChoice]:
     """layer_norm / rms_norm: the normalized (trailing) dims stay whole; weight and bias replicated."""
     x = node.input_infos[0]
@@ -52,4 +66,6 @@ RULES = {
     "aten.mean.dim": reduction_choices,
     "aten.sum.default": reduction_choices,
     "aten.mean.default": reduction_choices,
+    "aten.argmax.default": extremum_choices,
+    "aten.argmin.default": extremum_choices,
 }
