@@ -408,6 +408,7 @@ class Formulation:
             return
         cost: dict[tuple, float] = defaultdict(float)
         bad: dict[tuple, set[tuple[str, int, tuple[int, ...]]]] = defaultdict(set)
+        reads: dict[tuple[str, int, int], list[tuple[tuple, tuple[int, ...]]]] = {}  # alike readers, once
         for t in self.graph.nodes:
             if not t.requires_grad:
                 continue
@@ -420,14 +421,16 @@ class Formulation:
                     if src != t.name:
                         continue
                     for a in range(self.cost.mesh.ndim):
-                        by_q: dict[tuple, list[int]] = defaultdict(list)
-                        for s, st in enumerate(self.strategies[rc]):
-                            q = st.inputs[k]
-                            if q is not None and q[a].is_replicate and st.partial_grads_on(a):
-                                by_q[q].append(s)
-                        for q, idx in by_q.items():
+                        if (rc, k, a) not in reads:  # the reader's strategies that return a partial gradient on a
+                            by_q: dict[tuple, list[int]] = defaultdict(list)
+                            for s, st in enumerate(self.strategies[rc]):
+                                q = st.inputs[k]
+                                if q is not None and q[a].is_replicate and st.partial_grads_on(a):
+                                    by_q[q].append(s)
+                            reads[(rc, k, a)] = [(q, tuple(idx)) for q, idx in by_q.items()]
+                        for q, idx in reads[(rc, k, a)]:
                             key = (rt, a, q)
-                            bad[key].add((rc, k, tuple(idx)))
+                            bad[key].add((rc, k, idx))
                             if (t.name, a, q) not in counted:  # once per tensor instance, not per reader
                                 counted.add((t.name, a, q))
                                 cost[key] += self.cost.grad_reduce_s(t.outputs[0], q, a)

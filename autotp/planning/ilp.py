@@ -74,9 +74,10 @@ def _quiet_stdout():
 def _solvers(time_limit_s: float) -> list[tuple[str, pulp.LpSolver]]:
     out = []
     # strong branching dominates HiGHS' time on these models; trusting pseudo-costs from the start
-    # reaches the same optimum sooner
+    # reaches the same optimum sooner. Presolve off: on the 70B shape on (8, 8) it took 1.7 s of
+    # HiGHS' 2.2 s and the LP relaxation (tight: one node) solves the whole model in 0.6 s without it
     highs = pulp.HiGHS(msg=bool(os.environ.get("AUTOTP_SOLVER_LOG")), timeLimit=time_limit_s, threads=1,
-                       gapRel=MIP_GAP, mip_pscost_minreliable=0)
+                       gapRel=MIP_GAP, mip_pscost_minreliable=0, presolve="off")
     if highs.available():
         out.append(("HiGHS", highs))
     with warnings.catch_warnings():  # PuLP 3 deprecates its bundled CBC in favour of an installed one
