@@ -23,10 +23,11 @@ graph).
 A data axis: each replica runs its rows of the batch; its gradients are averaged over the axis
 (ZeRO 0), or each stage runs under FSDP2 over the tensor-parallel shards (ZeRO 1 and 3). The
 layout's recompute runs each layer of a stage under ``torch.utils.checkpoint``
-(:mod:`autotp.runtime.recompute`). What it leaves out is in docs/limits.md: every rank builds the
-whole model's tensor-parallel shards before keeping its stages'; a weight read by two stages (an
-embedding tied to the head) is held by both and its gradients summed over the pipeline axis after
-the step (an all-reduce the plan does not price).
+(:mod:`autotp.runtime.recompute`). A rank allocates its stages' shards only (the others' stay on meta)
+and runs nothing to build: the shapes each stage sends and receives are the plan's. What it leaves
+out is in docs/limits.md; a weight read by two stages (an embedding tied to the head) is held by
+both and its gradients summed over the pipeline axis after the step (an all-reduce the plan does
+not price).
 """
 
 from __future__ import annotations
@@ -414,16 +415,24 @@ def build_pipeline_module(graph: Any, plan: Any, mesh: Any, model: nn.Module, ex
         raise ValueError(problem)
     tp_mesh, pp_mesh = mesh["tp"], mesh["pp"]
     dp_mesh = mesh["dp"] if c.dp > 1 else None
-    root = nn.Module()
-    register_state(root, graph, plan, tp_mesh, model)
-    rewrite = GraphRewrite(graph, plan, tp_mesh, root, seed, check_inputs=0)
-    rewrite.emit()
-    gm = torch.fx.GraphModule(root, rewrite.fx, class_name="AutotpPipelineGraph")
     layer_paths = [f"{choice.stack}.{i}" if choice.stack else str(i) for i in range(choice.layers)]
     unit = unit_of_nodes(graph, layer_paths)
-    stages = split_stages(gm, rewrite.origin, unit, stage_of_units(choice.stages, choice.layers))
+    unit_stage = stage_of_units(choice.stages, choice.layers)
     pp_rank = pp_mesh.get_local_rank()
-    mine = [k for k in range(len(stages)) if k % c.pp == pp_rank]
+    mine = [k for k in range(len(choice.stages)) if k % c.pp == pp_rank]
+    # the parameters this rank's stages read; the others' shards stay on meta (no memory)
+    held = {p.fqn for p in graph.parameters
+            if any(unit_stage[unit[r]] in mine for r in graph.consumers(p.node) if r in unit)}
+    for attempt in ("stages", "whole"):
+        root = nn.Module()
+        register_state(root, graph, plan, tp_mesh, model, keep=held.__contains__ if attempt == "stages" else None)
+        rewrite = GraphRewrite(graph, plan, tp_mesh, root, seed, check_inputs=0)
+        rewrite.emit()
+        gm = torch.fx.GraphModule(root, rewrite.fx, class_name="AutotpPipelineGraph")
+        stages = split_stages(gm, rewrite.origin, unit, unit_stage)
+        examples = _planned_values(graph, plan, tp_mesh, rewrite, stages) if attempt == "stages" else None
+        if examples is not None:
+            break
     if c.recompute:  # the layout's recompute: each layer of a stage runs its forward again in the backward
         from autotp.runtime.recompute import apply_recompute
 
@@ -445,7 +454,8 @@ def build_pipeline_module(graph: Any, plan: Any, mesh: Any, model: nn.Module, ex
             fully_shard(stages[k].module, mesh=dp_mesh, reshard_after_forward=c.zero >= 3)
     unlifted = graph.exported.module()
     info = unlifted.graph._codegen.pytree_info if hasattr(unlifted.graph._codegen, "pytree_info") else None
-    examples = _example_values(gm, stages, example_flat, info.out_spec if info is not None else None)
+    if examples is None:  # a value crossing a cut that the plan does not describe: one run to see it
+        examples = _example_values(gm, stages, example_flat, info.out_spec if info is not None else None)
     device = torch.device(mesh.device_type) if mesh.device_type == "cpu" else torch.device(
         mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
     shared = []
@@ -458,6 +468,9 @@ def build_pipeline_module(graph: Any, plan: Any, mesh: Any, model: nn.Module, ex
                             examples, shared, frozenset(model.state_dict().keys()),
                             dp_mesh.get_group() if dp_mesh is not None else None,
                             dp_mesh.get_local_rank() if dp_mesh is not None else 0, tp_mesh)
+    # whether the rank allocated its stages' shards only and ran nothing to build (else: every
+    # stage's shards, and the whole graph run once to see a crossing value the plan does not describe)
+    module.built_from_plan = attempt == "stages"
     return module
 
 
@@ -488,6 +501,40 @@ def _example_values(gm: torch.fx.GraphModule, stages: Sequence[StageGraph], exam
                                   f"pipeline runtime sends tensors only")
     flat = list(flat) if isinstance(flat, (tuple, list)) else [flat]
     tensors = tuple(_detached(x) for x in flat if isinstance(x, torch.Tensor))
+    seen["<output>"] = tensors[0] if len(tensors) == 1 else tensors
+    return seen
+
+
+def _planned_values(graph: Any, plan: Any, tp_mesh: Any, rewrite: Any, stages: Sequence[StageGraph]
+                    ) -> Optional[dict[str, Any]]:
+    """What :func:`_example_values` finds by a run, from the plan alone: each value crossing a cut is
+    an op's local output (its shape this rank's piece of the op's output as the plan places it, its
+    dtype the op's, a gradient where the op carries one), and the model's outputs are whole. None
+    where a crossing value is something else (a redistribution made for a reader)."""
+    from autotp.placement import local_shape
+
+    of_node = {fx.name: op for op, fx in rewrite.local.items()}
+    mesh_shape, coordinate = tuple(int(x) for x in tp_mesh.mesh.shape), tp_mesh.get_coordinate()
+    device = torch.device(tp_mesh.device_type) if tp_mesh.device_type == "cpu" else torch.device(
+        tp_mesh.device_type, torch.get_device_module(tp_mesh.device_type).current_device())
+
+    def empty(info: Any, placements: Any, requires_grad: bool) -> torch.Tensor:
+        shape = local_shape(info.shape, placements, mesh_shape, coordinate) if placements else info.shape
+        t = torch.empty(shape, dtype=getattr(torch, info.dtype), device=device)
+        return t.requires_grad_(requires_grad and t.is_floating_point())
+
+    seen: dict[str, Any] = {}
+    for s in stages:
+        for name in (*s.inputs, *s.outputs):
+            op = of_node.get(name)
+            if op is None or op not in graph or len(graph[op].outputs) != 1:
+                return None
+            node = graph[op]
+            seen[name] = empty(node.outputs[0], plan.strategy(op).output, bool(node.requires_grad) and plan.mode == "train")
+    outs = [graph[o] for o in graph.outputs]
+    if any(len(n.outputs) != 1 for n in outs):
+        return None
+    tensors = tuple(empty(n.outputs[0], None, bool(n.requires_grad)) for n in outs)
     seen["<output>"] = tensors[0] if len(tensors) == 1 else tensors
     return seen
 

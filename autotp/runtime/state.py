@@ -42,12 +42,14 @@ def put(root: nn.Module, fqn: str, value: Any, kind: str, persistent: bool = Tru
 
 
 def register_state(root: nn.Module, graph: OpGraph, plan: Plan, mesh: DeviceMesh,
-                   model: nn.Module) -> dict[str, tuple[Placement, ...]]:
+                   model: nn.Module, keep: Optional[Any] = None) -> dict[str, tuple[Placement, ...]]:
     """This rank's state on ``root``: parameters as DTensors of its shard, buffers and constants as
     they are, each a copy (the module owns its tensors: training it leaves ``model`` as it was). A
     parameter on the meta device gets an uninitialized shard of its local shape on the mesh's device
     (never its full size); a buffer on meta an uninitialized tensor (``autotp.load_weights`` fills
-    both). Returns autotp's placements of every parameter name (tied names too)."""
+    both). ``keep(fqn)``: where given, a parameter it refuses gets its shard on the meta device, no
+    memory (a pipeline rank holds its stages' only). Returns autotp's placements of every parameter
+    name (tied names too)."""
     mesh_shape, coordinate = tuple(int(n) for n in mesh.mesh.shape), mesh.get_coordinate()
     params = dict(model.named_parameters(remove_duplicate=False))
     device = torch.device(mesh.device_type)
@@ -55,7 +57,10 @@ def register_state(root: nn.Module, graph: OpGraph, plan: Plan, mesh: DeviceMesh
     for p in graph.parameters:
         full = params[p.fqn].detach()
         placements = plan.strategy(p.node).output
-        if full.is_meta:
+        if keep is not None and not keep(p.fqn):
+            local = torch.empty(local_shape(full.shape, placements, mesh_shape, coordinate), dtype=full.dtype,
+                                device="meta")
+        elif full.is_meta:
             local = torch.empty(local_shape(full.shape, placements, mesh_shape, coordinate), dtype=full.dtype,
                                 device=device)
         else:

@@ -126,6 +126,8 @@ def _rank(rank, world, cases):
                     "logits": None if logits is None else logits.logits,
                     "stages": pm.stage_indices, "state": sorted(pm.state_dict()), "sends": step_sends,
                     "restored": restored, "collectives": [(c.kind, c.mesh_axis, c.bytes) for c in log.seen],
+                    "from_plan": pm.built_from_plan,
+                    "on_meta": [n for n, p in pm.named_parameters() if _local(p).is_meta],
                     "recomputed": sorted(m.path for st in pm.stages for m in st.modules() if type(m).__name__ == "Recompute"),
                     "placements": {n: getattr(p, "placements", None) for n, p in pm.named_parameters()}})
     return out
@@ -139,6 +141,8 @@ def _check(name: str, results: list[dict], plan, pp: int) -> None:  # noqa: C901
     ref_loss, ref_grads = _reference(name)
     m, stages = plan.pipeline.chosen.micro_batches, plan.pipeline.stages
     n = len(stages)
+    for r in results:  # each rank allocated its stages' shards only, and ran nothing to build
+        assert r["from_plan"] and not r["on_meta"], (r["from_plan"], r["on_meta"])
     for r in results:  # the point-to-point sends of a step, against the bytes the plan prices at each cut
         forward = m * sum(stages[k].send_bytes for k in r["stages"] if k < n - 1)
         if n == 1:  # one stage: nothing to send
