@@ -26,6 +26,7 @@ from autotp.runtime.batch_norm import ShardedBatchNorm
 from examples.ranks import run_threads
 from tests.helpers.local_exactness import _assemble, _local
 from tests.helpers.observed import CollectiveLog, assert_as_planned
+from tests.helpers.turns import run_threads_tracing_in_turns
 
 C = 4
 
@@ -169,7 +170,8 @@ def test_a_training_step_with_batch_norm_equals_one_process(width, split):
     ref.eval()
     with torch.no_grad():
         want_eval = ref(x)
-    for out, grads, buffers, kinds, evaluated in run_threads(_step, 2, plan, model, x):
+    # each rank traces (parallelize, then eval()): in turns, as torch.export must not trace beside another thread
+    for out, grads, buffers, kinds, evaluated in run_threads_tracing_in_turns(_step, 2, plan, model, x):
         torch.testing.assert_close(out, want.detach(), rtol=1e-4, atol=1e-5)
         for name, p in ref.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5 * (1 + p.grad.abs().max().item()),
