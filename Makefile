@@ -22,8 +22,10 @@ setup: $(VENV)/.installed
 demo: setup
 	$(BIN)/python -m examples.demo
 
+# two workers, each test file whole on one (its module fixtures run once): tracing and planning are
+# single-threaded Python, so the 2 cores the suite is sized for are both kept busy
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow
