@@ -22,7 +22,7 @@ def _model(name: str):
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    if name == "llama":
+    if name.startswith("llama"):
         from transformers import LlamaConfig, LlamaForCausalLM
 
         model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -34,7 +34,15 @@ def _model(name: str):
         model = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=4, n_head=4, vocab_size=128, n_positions=64,
                                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
     ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+    if name.endswith("_loss"):  # traced without labels: the loss is step()'s loss_fn, on the last stage
+        return model, {"input_ids": ids}
     return model, {"input_ids": ids, "labels": ids}
+
+
+def _shifted_cross_entropy(output, target):
+    """The loss a Hugging Face causal LM computes from ``labels=``: each position predicts the next."""
+    logits = output.logits[:, :-1]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target[:, 1:].reshape(-1))
 
 
 def _megatron_pin(model) -> dict[str, str]:
@@ -63,7 +71,7 @@ def _plan(name: str, pp: int, tp: int, schedule: str, micro_batches: int, dp: in
 
 
 def _reference(name: str):
-    model, inputs = _model(name)
+    model, inputs = _model(name.removesuffix("_loss"))
     loss = model(**inputs).loss
     loss.backward()
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}
@@ -108,8 +116,9 @@ def _rank(rank, world, cases):
         del sent[:]
         from tests.helpers.observed import CollectiveLog
 
+        given = dict(target=inputs["input_ids"], loss_fn=_shifted_cross_entropy) if name.endswith("_loss") else {}
         with CollectiveLog(pm.tp_mesh) as log:  # the stage's collectives on its tensor axis
-            loss = pm.step(**inputs)
+            loss = pm.step(**inputs, **given)
         step_sends = [b for kind, b in sent if kind == "isend"]
         grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
                  for n, p in pm.named_parameters()}
@@ -167,7 +176,7 @@ def _check(name: str, results: list[dict], plan, pp: int) -> None:  # noqa: C901
     scale = max(g.abs().max().item() for g in ref_grads.values())
     for n, g in ref_grads.items():
         torch.testing.assert_close(held[n], g, rtol=1e-4, atol=1e-5 * scale, msg=n)
-    model, inputs = _model(name)
+    model, inputs = _model(name.removesuffix("_loss"))
     with torch.no_grad():
         want = model(**inputs).logits
     for r in last:
@@ -224,12 +233,13 @@ def test_stages_run_one_after_the_other_compute_the_whole_graph():
 def test_two_stage_pipelines_equal_one_process(tmp_path):
     """Llama under 1F1B, built on meta and filled from a saved model (each rank reads its stage's
     tensors), then checkpointed and restored stage by stage; GPT-2 (its embedding tied to the head:
-    held by both stages, the gradients summed) under GPipe with its layers recomputed. 2 stages of 2 layers, 2 micro-batches, on
+    held by both stages, the gradients summed) under GPipe with its layers recomputed, traced without
+    labels and stepped with a loss_fn and a target. 2 stages of 2 layers, 2 micro-batches, on
     2 gloo processes."""
     _model("llama")[0].save_pretrained(tmp_path / "llama")
     cases = [("llama", _plan("llama", 2, 1, "1f1b", 2).to_json(), (2, 1), str(tmp_path / "llama"),
               str(tmp_path / "checkpoint")),
-             ("gpt2", _plan("gpt2", 2, 1, "gpipe", 2, recompute=True).to_json(), (2, 1), None, None)]
+             ("gpt2_loss", _plan("gpt2_loss", 2, 1, "gpipe", 2, recompute=True).to_json(), (2, 1), None, None)]
     results = run_ranks(_rank, 2, cases)
     for i, (name, plan_json, *_) in enumerate(cases):
         _check(name, [r[i] for r in results], autotp.Plan.from_json(plan_json), pp=2)
