@@ -10,8 +10,8 @@ the loss on the last stage, the gradients on every stage's shards) and a forward
 
 How a graph becomes stages: the whole graph is rewritten once for the tensor-parallel sub-mesh;
 each node of the result goes with the unit it was emitted for (before the stack, a layer, after
-it: :func:`autotp.planning.stages.unit_of_nodes`), a parameter with its first reader, and the
-units with the stage that runs them. A stage's graph receives what crosses the cut in front of
+it: :func:`autotp.planning.stages.unit_of_nodes`), a parameter's read with every stage that reads
+it, and the units with the stage that runs them. A stage's graph receives what crosses the cut in front of
 it and returns what crosses the cut after it: every value made at or before the stage and read
 after it (the residual stream; a mask or rotary table made before the stack, passed on by the
 stages between). Those are local tensors (each rank's piece, as the plan places them), sent point
@@ -41,7 +41,7 @@ from torch import nn
 
 from autotp.runtime.state import put
 
-__all__ = ["PipelineModule", "split_stages", "stage_of_units", "SCHEDULES"]
+__all__ = ["PipelineModule", "build_pipeline_module", "mesh_problem", "split_stages", "stage_of_units", "SCHEDULES"]
 
 # the plan's schedule names -> torch.distributed.pipelining's classes (looked up when built)
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
