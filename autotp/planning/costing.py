@@ -101,6 +101,7 @@ class CostModel:
         self._collective_cached = lru_cache(maxsize=None)(self._collective_uncached)
         self._edge_cached = lru_cache(maxsize=None)(self._edge_uncached)
         self._event_cached = lru_cache(maxsize=None)(self._backward_event_uncached)
+        self._grad_reduce_cached = lru_cache(maxsize=None)(self._grad_reduce_uncached)
         # one conversion per (shape, src, dst, partial-gradient axes), shared by the time and memory figures
         self._conversion = lru_cache(maxsize=None)(
             lambda shape, src, dst, axes: conversion(shape, src, dst, self.mesh.shape, axes))
@@ -176,6 +177,9 @@ class CostModel:
         the clone of the gradient it reduces into (:func:`autotp.planning.redistribute.all_reduce_copies`)."""
         if not self.train:
             return 0.0
+        return self._grad_reduce_cached(info, tuple(placements), axis)
+
+    def _grad_reduce_uncached(self, info: TensorInfo, placements: tuple, axis: int) -> float:
         divisor = shard_divisor(info.shape, [p for b, p in enumerate(placements) if b != axis],
                                 [n for b, n in enumerate(self.mesh.shape) if b != axis])
         size = info.nbytes / divisor

@@ -192,7 +192,11 @@ class Plan:
 
     def __post_init__(self) -> None:
         if self._strategies is None:
-            object.__setattr__(self, "_strategies", {n.name: Strategy.parse(n.strategy) for n in self.nodes})
+            parsed: dict[str, Strategy] = {}  # the layers' nodes share a few texts: each parsed once
+            for n in self.nodes:
+                if n.strategy not in parsed:
+                    parsed[n.strategy] = Strategy.parse(n.strategy)
+            object.__setattr__(self, "_strategies", {n.name: parsed[n.strategy] for n in self.nodes})
 
     # -- the public API (docs/design.md) ---------------------------------------------------------
 

@@ -17,7 +17,7 @@ from cost_models import HardwareProfile, builtin_profile_names, load_profile, op
 
 from autotp.mesh import MeshSpec
 from autotp.placement import Strategy, format_placements, parse_placements, piece_sizes
-from autotp.planning.costing import MODES, CostModel
+from autotp.planning.costing import MODES, CostModel, MemoryParts
 from autotp.planning.explain import ExplainContext
 from autotp.planning.mesh_search import mesh_shapes, search_meshes
 from autotp.planning.plan import MemoryPerDevice, NodeChoice, Plan, PlannedInput, PredictedTime, SolveStats, UnevenSplit, module_choices
@@ -139,12 +139,21 @@ def _apply_pins(graph: OpGraph, spec: MeshSpec, rep: Mapping[str, str], strat_re
 
 def predicted_time(graph: OpGraph, chosen: Mapping[str, Strategy], spec: MeshSpec, cost: CostModel,
                    steps: Optional[tuple[Sequence[Collective], Sequence[LocalCopy]]] = None,
-                   recomputed: Collection[str] = ()) -> PredictedTime:
+                   recomputed: Collection[str] = (), rep: Optional[Mapping[str, str]] = None) -> PredictedTime:
     """Seconds of one step under ``chosen``: every node's compute (and the forward again of the
     ``recomputed`` nodes), and every collective and local copy the program runs
-    (:func:`autotp.planning.program.program`, or ``steps`` if given), each priced by ``cost``."""
+    (:func:`autotp.planning.program.program`, or ``steps`` if given), each priced by ``cost``.
+    ``rep``: the tied nodes' representatives (:func:`autotp.planning.tying.tie`), which compute
+    alike under one strategy: priced once each."""
     colls, copies = steps if steps is not None else program(graph, chosen, spec, cost.train, recomputed)
-    compute_s = sum(cost.node_compute_s(n, chosen[n.name], graph.gradient_reads(n.name)) for n in graph.nodes)
+    seconds: dict[tuple, float] = {}
+    compute_s = 0.0
+    for n in graph.nodes:
+        reads = graph.gradient_reads(n.name)
+        key = (rep[n.name], reads) if rep is not None else (n.name, reads)
+        if key not in seconds:
+            seconds[key] = cost.node_compute_s(n, chosen[n.name], reads)
+        compute_s += seconds[key]
     again_s = sum(cost.node_forward_s(graph[n], chosen[n]) for n in recomputed)
     compute_s += again_s
     comm = [cost.collective_s(c.kind, spec.axis_names.index(c.mesh_axis), c.bytes) for c in colls]
@@ -197,7 +206,13 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
     recomputed = recomputed_nodes(graph, [layer.path for layer in layers])
 
     colls, copies = program(graph, chosen, spec, cost.train, recomputed)
-    parts = {n.name: cost.node_memory(n, chosen[n.name]) for n in graph.nodes}
+    parts: dict[str, MemoryParts] = {}
+    alike: dict[tuple, MemoryParts] = {}  # tied nodes with equal memory keys commit equal bytes
+    for n in graph.nodes:
+        key = (rep[n.name], cost.memory_key(n))
+        if key not in alike:
+            alike[key] = cost.node_memory(n, chosen[n.name])
+        parts[n.name] = alike[key]
     saved = recompute_saved_bytes(chains, solution.recompute, {n: p.activations_bytes for n, p in parts.items()})
     memory = MemoryPerDevice(
         parameters_bytes=sum(p.parameters_bytes for p in parts.values()),
@@ -219,7 +234,7 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
         nodes=tuple(NodeChoice(n.name, n.target, n.module_path, n.outputs[0].shape, str(chosen[n.name]))
                     for n in graph.nodes),
         parameter_placements={p.fqn: format_placements(chosen[p.node].output) for p in graph.parameters},
-        collective_list=tuple(colls), time=predicted_time(graph, chosen, spec, cost, (colls, copies), recomputed),
+        collective_list=tuple(colls), time=predicted_time(graph, chosen, spec, cost, (colls, copies), recomputed, rep),
         memory=memory, stats=stats,
         modules=module_choices(graph, chosen),
         dynamic_dims=tuple(graph.dynamic),

@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional, Sequence
 
 from autotp.placement import Placement, S, axis_divisor, plain
@@ -123,6 +124,11 @@ def is_convertible(src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
     """Whether ``src`` redistributes to ``dst``: not ``S -> P``, and an uneven split ``S(d)~g`` only
     gathered (padded to its largest piece), sliced from a whole tensor or reduce-scattered from a
     partial sum, never moved to another split."""
+    return _is_convertible(tuple(src), tuple(dst))
+
+
+@lru_cache(maxsize=1 << 14)  # asked once per read of every layer: the same few pairs over and over
+def _is_convertible(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> bool:
     for s, d in zip(src, dst):
         if s != d and (((s.is_uneven or s.is_unequal) and not d.is_replicate)
                        or ((d.is_uneven or d.is_unequal) and s.is_shard)):
@@ -188,7 +194,12 @@ def conversion(shape: Sequence[int], src: Sequence[Placement], dst: Sequence[Pla
                mesh_shape: Sequence[int], grad_axes: Sequence[int] = ()) -> Conversion:
     """The steps of ``src -> dst`` for a tensor of ``shape``, blocked splits included (``Rg`` is
     ``R`` here: whether its gradient is partial is the caller's business)."""
-    src, dst = plain(src), plain(dst)
+    return _conversion(tuple(shape), tuple(plain(src)), tuple(plain(dst)), tuple(mesh_shape), tuple(grad_axes))
+
+
+@lru_cache(maxsize=1 << 14)  # the program asks once per read of every layer, and the layers read alike
+def _conversion(shape: tuple[int, ...], src: tuple[Placement, ...], dst: tuple[Placement, ...],
+                mesh_shape: tuple[int, ...], grad_axes: tuple[int, ...]) -> Conversion:
     viewed = unblocked(src, dst)
     if viewed is None or not is_convertible(src, dst):
         raise ValueError(f"cannot redistribute {''.join(map(str, src))} -> {''.join(map(str, dst))}: "
