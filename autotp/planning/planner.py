@@ -31,6 +31,7 @@ from autotp.tracing.dynamic import requirements
 from autotp.tracing.export import capture
 from autotp.tracing.loss import WithLoss
 from autotp.tracing.graph import BUFFER, INPUT, OpGraph
+from autotp.tracing.heap import old_objects_frozen
 
 __all__ = ["plan", "plan_graph", "resolve_hardware", "parse_bytes"]
 
@@ -163,6 +164,7 @@ def predicted_time(graph: OpGraph, chosen: Mapping[str, Strategy], spec: MeshSpe
     return PredictedTime(compute_s, sum(comm) + sum(copy), again_s)
 
 
+@old_objects_frozen()  # the collector's full passes walk the plan's objects, not the graph's and torch's
 def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "train",
                memory_budget: Any = None, time_limit_s: float = 60.0, capture_s: float = 0.0,
                pin: Optional[Mapping[str, str]] = None, optimizer: Any = "adamw",

@@ -15,4 +15,5 @@ It imports nothing from the later stages.
 - ``aliasing``   views and writes in place: which tensors must share one storage
 - ``repeats``    stacks of alike layers traced at three layers and unrolled (for planning)
 - ``loss``       ``WithLoss``: the model and its loss traced as one module, under the model's names
+- ``heap``       the garbage collector kept off the objects alive before a trace or a plan starts
 """

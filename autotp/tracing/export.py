@@ -32,6 +32,7 @@ from autotp import ops
 from autotp.tracing.arguments import _node_outputs, map_tensor_arguments, op_args, tensor_arguments
 from autotp.tracing.dynamic import DynamicDim, export_spec, size_expression, size_hint
 from autotp.tracing.graph import BUFFER, CONSTANT, INPUT, OP, PARAMETER, OpGraph, OpNode, ParameterInfo, TensorInfo
+from autotp.tracing.heap import old_objects_frozen
 from autotp.tracing.inputs import (buffers_on_meta, cache_off, check_devices, distinct, in_mode, meta_parameters,
                                    normalize_inputs, on_fake_device)
 from autotp.tracing.refusals import (CaptureError, check_data_dependent_sizes, check_higher_order_ops, check_operand_dtypes,
@@ -148,6 +149,7 @@ def _flops(node: torch.fx.Node) -> float:
 _EXPORT_LOCK = threading.RLock()
 
 
+@old_objects_frozen()  # the collector's full passes walk the trace's objects, not torch's
 def capture(model: torch.nn.Module, example_inputs: Any, dynamic_dims: Any = False,
             training: bool | None = None, device: Any = None, unroll: bool = False) -> OpGraph:
     """Trace ``model`` on ``example_inputs`` and return its :class:`OpGraph`.
