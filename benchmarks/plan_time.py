@@ -14,6 +14,7 @@ a wall-clock limit (``--limit-s``) and the solver under ``--solver-limit-s``.
 
     .venv/bin/python -m benchmarks.plan_time
     .venv/bin/python -m benchmarks.plan_time --only 8b --variants unrolled
+    .venv/bin/python -m benchmarks.plan_time --variants unrolled --repeat 5   # medians of 5 runs each
 """
 
 from __future__ import annotations
@@ -93,6 +94,8 @@ def main() -> None:
     ap.add_argument("--variants", default="whole,unrolled", help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--limit-s", type=float, default=900.0, help="wall-clock limit per configuration")
     ap.add_argument("--solver-limit-s", type=float, default=600.0, help="the ILP solver's own time limit")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of each configuration (fresh processes, in rounds); the table shows the median run")
     ap.add_argument("--one", nargs=2, metavar=("NAME", "VARIANT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -102,30 +105,41 @@ def main() -> None:
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         ap.error(f"--variants {', '.join(unknown)}: expected some of {', '.join(VARIANTS)}")
-    rows = []
-    for name in args.only or list(CONFIGS):
-        for variant in variants:
-            start = time.perf_counter()
-            cmd = [sys.executable, "-m", "benchmarks.plan_time", "--one", name, variant,
-                   "--solver-limit-s", str(args.solver_limit_s)]
-            try:
-                proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.limit_s)
-                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-                if lines:
-                    row = json.loads(lines[-1][len("RESULT "):])
-                else:
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for _ in range(args.repeat):  # rounds of every configuration, so a slow spell of the machine hits them alike
+        for name in args.only or list(CONFIGS):
+            for variant in variants:
+                start = time.perf_counter()
+                cmd = [sys.executable, "-m", "benchmarks.plan_time", "--one", name, variant,
+                       "--solver-limit-s", str(args.solver_limit_s)]
+                try:
+                    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.limit_s)
+                    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+                    if lines:
+                        row = json.loads(lines[-1][len("RESULT "):])
+                    else:
+                        row = dict(name=name, variant=variant, mesh=list(CONFIGS[name][1]),
+                                   status=f"failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}")
+                except subprocess.TimeoutExpired:
                     row = dict(name=name, variant=variant, mesh=list(CONFIGS[name][1]),
-                               status=f"failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}")
-            except subprocess.TimeoutExpired:
-                row = dict(name=name, variant=variant, mesh=list(CONFIGS[name][1]),
-                           status=f"did not finish within {args.limit_s:.0f} s wall clock")
-            row["wall_s"] = time.perf_counter() - start
-            rows.append(row)
-            print(f"  done: {name} {variant} in {row['wall_s']:.0f} s", file=sys.stderr, flush=True)
-    _table(rows)
+                               status=f"did not finish within {args.limit_s:.0f} s wall clock")
+                row["wall_s"] = time.perf_counter() - start
+                runs.setdefault((name, variant), []).append(row)
+                print(f"  done: {name} {variant} in {row['wall_s']:.0f} s", file=sys.stderr, flush=True)
+    _table([_median(rows) for rows in runs.values()], args.repeat)
 
 
-def _table(rows: list[dict]) -> None:
+def _median(rows: list[dict]) -> dict:
+    """The run of median end-to-end time (the last one where a run failed), with every run's total."""
+    timed = sorted((r for r in rows if "total_s" in r), key=lambda r: r["total_s"])
+    if len(timed) < len(rows):
+        return rows[-1]
+    row = dict(timed[(len(timed) - 1) // 2])
+    row["totals_s"] = [r["total_s"] for r in rows]
+    return row
+
+
+def _table(rows: list[dict], repeat: int = 1) -> None:
     def f(row, key, fmt):
         return format(row[key], fmt) if key in row else "-"
 
@@ -143,7 +157,8 @@ def _table(rows: list[dict]) -> None:
               f"(wall {r['wall_s']:.0f} s)")
     print("capture: whole = torch.export over every layer; unrolled = each stack of alike layers traced at three "
           "layers and unrolled (autotp.plan); old = unrolled, recompute left out of the ILP; untied = every node "
-          "its own variables. total = capture to the finished plan, in one process")
+          "its own variables. total = capture to the finished plan, in one process"
+          + (f"; each row is the median of {repeat} runs" if repeat > 1 else ""))
     by = {(r["name"], r["variant"]): r for r in rows}
     for name in dict.fromkeys(r["name"] for r in rows):
         whole, unrolled = by.get((name, "whole")), by.get((name, "unrolled"))
@@ -156,6 +171,9 @@ def _table(rows: list[dict]) -> None:
         if deep and shallow and "total_s" in deep and "total_s" in shallow:
             print(f"70B, {variant}: 80 layers / 8 layers end to end = {deep['total_s'] / shallow['total_s']:.2f} "
                   f"({deep['total_s']:.2f} s / {shallow['total_s']:.2f} s)")
+            if "totals_s" in deep and "totals_s" in shallow:
+                print("  every run, 80 layers: " + ", ".join(f"{t:.2f}" for t in deep["totals_s"])
+                      + " s; 8 layers: " + ", ".join(f"{t:.2f}" for t in shallow["totals_s"]) + " s")
 
 
 if __name__ == "__main__":
