@@ -23,7 +23,8 @@ recompute choice, and keeps the layout of least predicted step that fits the mem
    one micro-batch's forward or backward compute of the stage hides is not counted, the rest is.
 4. **The step**: the schedule's orders replayed with each stage's forward and backward seconds and
    the sends between stages on the pipeline axis's link (:func:`autotp.planning.schedules.simulate`),
-   plus each rank's once-per-step reductions. Memory per rank: its stages' state and the most
+   plus each rank's once-per-step reductions, and the all-reduce over the pipeline axis of each
+   weight that stages on two ranks hold (an embedding tied to the head). Memory per rank: its stages' state and the most
    activations its schedule holds at once (1F1B's first rank ``pp`` micro-batches'), or, at the
    optimizer's step, state and gradients.
 
@@ -229,6 +230,7 @@ def _prepare(layout: Layout, plan_units: _Units, profile: HardwareProfile) -> _P
     cut = balanced_cut(weights, n_stages, ranks=pp if v > 1 else 0, micro_batches=m)
     fwd, bwd, comp, comm, acts, sends, state, opt_step, transient, end_s = ([] for _ in range(10))
     stages = []
+    holders: dict[str, set[int]] = {}  # parameter -> the pipeline ranks whose stages hold it
     for k, (a, e) in enumerate(cut):
         idx = list(range(1 + a, 1 + e)) + ([0] if k == 0 else []) + ([n_layers + 1] if k == n_stages - 1 else [])
         us = [units[i] for i in idx]
@@ -237,6 +239,8 @@ def _prepare(layout: Layout, plan_units: _Units, profile: HardwareProfile) -> _P
         b_comp = sum(u.backward_compute_s for u in us) + sum(again[i] for i in idx)
         b_comm = sum(u.backward_comm_s for u in us)
         names = set().union(*(u.parameters for u in us))
+        for n in names:
+            holders.setdefault(n, set()).add(k % pp)
         p, g, o, t = (sum(plan_units.parameters[n][j] for n in names) for j in range(4))
         buffers = sum(u.buffers_bytes for u in us)
         step_end = 0.0  # what the data axis adds once per step, past the last backward it overlaps
@@ -271,7 +275,12 @@ def _prepare(layout: Layout, plan_units: _Units, profile: HardwareProfile) -> _P
     held = held_bytes(schedule, pp, m, v, acts)
     peak = max(max(sum(state[k] for k in ks) + held[r] + sum(transient[k] for k in ks),
                    sum(state[k] + opt_step[k] for k in ks)) for r, ks in enumerate(mine))
-    ends = tuple(sum(end_s[k] for k in ks) for ks in mine)
+    # a weight stages on several ranks hold (an embedding tied to the head): after the backward, its
+    # gradient summed over the pipeline axis, every rank of it taking part (autotp.runtime.pipeline)
+    shard = dp if dp > 1 and layout.zero else 1  # ZeRO 1 and 3 hold a replica's piece of the gradient
+    tied_s = sum(collective_time_s(pp_link, "all_reduce", plan_units.parameters[n][1] / shard, pp)
+                 for n, ranks in holders.items() if len(ranks) > 1)
+    ends = tuple(sum(end_s[k] for k in ks) + tied_s for ks in mine)
     bound = max(m * sum(fwd[k] + bwd[k] for k in ks) for ks in mine) + max(ends)
     return _Prepared(layout, tuple(stages), peak, bound, tuple(fwd), tuple(bwd),
                      tuple(send_time_s(pp_link, x) for x in sends[:-1]), tuple(comp), tuple(comm), ends)

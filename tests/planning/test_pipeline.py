@@ -38,6 +38,33 @@ def test_the_balanced_cut_is_the_least_slowest_stage():
         balanced_cut([1, 1, 1], 4)
 
 
+def test_a_weight_two_pipeline_ranks_hold_is_priced_as_its_gradient_all_reduce():
+    """GPT-2's embedding is tied to its head: the first and the last stage both hold it. The step
+    costs, past the same layout with the head's copy untied, one all-reduce of its gradient over
+    the pipeline axis (a replica's piece of it under ZeRO 1 and 3); on one rank, nothing."""
+    model, (ids,) = M.hf_gpt2(n_layer=4)
+    graph = autotp.capture(model.train(), {"input_ids": ids, "labels": ids})
+    plan = plan_graph(graph, (2,), "h100-sxm", "train", 1e18, recompute=False, explainable=False)
+    stack = find_stacks(model)[0]
+    pu = units_of_plan(plan, graph, [stack.layer(i) for i in range(stack.count)])
+    tied = [n for n in pu.parameters if n in pu.units[0].parameters and n in pu.units[-1].parameters]
+    assert len(tied) == 1  # the embedding, read by the first unit and the head
+    untied = dataclasses.replace(pu, units=pu.units[:-1] + (dataclasses.replace(
+        pu.units[-1], parameters=tuple(n for n in pu.units[-1].parameters if n != tied[0])),))
+    prof = plan.hardware
+    for layout, shard in ((Layout(2, 1, 2, "1f1b", 1, 4, 1, 0, False), 1),
+                          (Layout(2, 2, 2, "1f1b", 1, 2, 1, 1, False), 2)):
+        with_tie, _ = price_layout(layout, pu, prof, 1e18)
+        without, _ = price_layout(layout, untied, prof, 1e18)
+        link = prof.links["intra_node"]  # 8 devices in a node: every axis inside it
+        expected = collective_time_s(link, "all_reduce", pu.parameters[tied[0]][1] / shard, 2)
+        assert with_tie.step_s - without.step_s == pytest.approx(expected, rel=1e-9)
+        assert with_tie.communication_s - without.communication_s == pytest.approx(expected, rel=1e-9)
+    one, _ = price_layout(Layout(1, 2, 2, "none", 1, 2, 1, 0, False), pu, prof, 1e18)
+    one_untied, _ = price_layout(Layout(1, 2, 2, "none", 1, 2, 1, 0, False), untied, prof, 1e18)
+    assert one.step_s == one_untied.step_s
+
+
 @pytest.fixture(scope="module")
 def llama_units():
     """A tiny Llama with a loss, planned on (2,): its plan, graph and units."""
