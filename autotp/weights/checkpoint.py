@@ -130,12 +130,42 @@ def full_state_dict(module: nn.Module, rank: Optional[int] = 0) -> dict[str, tor
 
     Every rank must call it (gathering is collective); the result is returned on ``rank`` (and an
     empty dict elsewhere), or on every rank when ``rank`` is None.
+
+    A pipeline module (:class:`autotp.runtime.pipeline.PipelineModule`) holds its stages' part of the
+    model only: each stage's tensors are gathered whole over its own mesh, then sent over the
+    pipeline axis to ``rank`` (to every rank when None). The whole model then arrives on the CPU,
+    every stage's tensors, under the model's names (a weight two stages hold, once).
     """
     out: dict[str, torch.Tensor] = {}
     me = dist.get_rank() if dist.is_initialized() else 0
     own = _placements(module)
+    pp_group = getattr(module, "pp_group", None)
     for name, value in module.state_dict().items():
         full = full_tensor(value, own.get(name))
-        if rank is None or me == rank:
+        if pp_group is not None:
+            out[name] = full.detach().cpu()
+        elif rank is None or me == rank:
             out[name] = full.detach().clone()
+    if pp_group is None:
+        return out
+    return _over_the_stages(out, pp_group, rank, me)
+
+
+def _over_the_stages(mine: dict[str, torch.Tensor], pp_group, rank: Optional[int], me: int) -> dict[str, torch.Tensor]:
+    """Each pipeline rank's whole tensors put together on ``rank`` (every rank when None), the
+    pipeline ranks' in turn."""
+    ranks = dist.get_process_group_ranks(pp_group)
+    parts: list = [None] * len(ranks)
+    if rank is None:
+        dist.all_gather_object(parts, mine, group=pp_group)
+    elif rank in ranks:  # only the pipeline group that holds ``rank`` sends
+        dist.gather_object(mine, parts if me == rank else None, dst=rank, group=pp_group)
+        if me != rank:
+            return {}
+    else:
+        return {}
+    out: dict[str, torch.Tensor] = {}
+    for part in parts:
+        for name, value in part.items():
+            out.setdefault(name, value)
     return out

@@ -131,7 +131,9 @@ def _rank(rank, world, cases):
             mine, theirs = pm.state_dict(), again.state_dict()
             restored = sorted(mine) == sorted(theirs) and all(
                 torch.equal(_local(mine[k]), _local(theirs[k])) for k in mine)
-        out.append({"loss": None if loss is None else loss.item(), "grads": grads,
+        full = autotp.checkpoint.full_state_dict(pm, rank=None)  # every stage's tensors, whole, on every rank
+        on_zero = autotp.checkpoint.full_state_dict(pm)  # ... on rank 0 alone
+        out.append({"loss": None if loss is None else loss.item(), "grads": grads, "full": full, "on_zero": on_zero,
                     "logits": None if logits is None else logits.logits,
                     "stages": pm.stage_indices, "state": sorted(pm.state_dict()), "sends": step_sends,
                     "restored": restored, "collectives": [(c.kind, c.mesh_axis, c.bytes) for c in log.seen],
@@ -181,6 +183,14 @@ def _check(name: str, results: list[dict], plan, pp: int) -> None:  # noqa: C901
         want = model(**inputs).logits
     for r in last:
         torch.testing.assert_close(r["logits"], want, rtol=1e-4, atol=1e-5)
+    # autotp.checkpoint.full_state_dict: the whole model on every rank (rank=None), or on rank 0
+    # alone, equal to the model's own (the step computed gradients only: the weights are as built)
+    whole = model.state_dict()
+    for i, r in enumerate(results):
+        assert set(r["full"]) <= set(whole) and set(r["full"]) >= {n for n, _ in model.named_parameters()}
+        for k, v in r["full"].items():
+            assert torch.equal(v, whole[k]), k
+        assert r["on_zero"].keys() == (r["full"].keys() if i == 0 else set()), i
 
 
 def test_stages_run_one_after_the_other_compute_the_whole_graph():
