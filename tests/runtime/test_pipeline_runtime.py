@@ -262,22 +262,24 @@ def test_two_stage_pipelines_equal_one_process(tmp_path):
 
 
 @pytest.mark.slow  # 4 processes
-@pytest.mark.parametrize("pp,dp,tp,zero", [(2, 2, 1, 0), (1, 2, 2, 3), (2, 2, 1, 1)])
-def test_data_parallel_replicas_equal_one_process(pp, dp, tp, zero):
+@pytest.mark.parametrize("name,pp,dp,tp,zero", [("llama", 2, 2, 1, 0), ("llama", 1, 2, 2, 3), ("llama", 2, 2, 1, 1),
+                                                ("gpt2", 2, 2, 1, 0), ("gpt2", 1, 2, 2, 3)])
+def test_data_parallel_replicas_equal_one_process(name, pp, dp, tp, zero):
     """A data axis beside the stages or the tensor axis: each replica runs its rows of the batch, the
     gradients averaged over the replicas (ZeRO 0), or the stages under FSDP2 over the tensor-parallel
     shards, parameters sharded on the data axis (ZeRO 1: kept gathered through the step; ZeRO 3:
     gathered for each pass)."""
-    plan = _plan("llama", pp, tp, "1f1b" if pp > 1 else "none", 2, dp=dp, zero=zero)
-    results = run_ranks(_rank, pp * dp * tp, [("llama", plan.to_json(), (pp, dp, tp), None, None)])
-    _check("llama", [r[0] for r in results], plan, pp=pp)
+    plan = _plan(name, pp, tp, "1f1b" if pp > 1 else "none", 2, dp=dp, zero=zero)
+    results = run_ranks(_rank, pp * dp * tp, [(name, plan.to_json(), (pp, dp, tp), None, None)])
+    _check(name, [r[0] for r in results], plan, pp=pp)
     if zero:  # FSDP2 holds each parameter sharded over the data axis
         assert all("Shard" in str(p) for p in results[0][0]["placements"].values()), results[0][0]["placements"]
 
 
 @pytest.mark.slow  # 4 processes; the 2-rank pipeline and the stages' cut are in the default suite
 @pytest.mark.parametrize("name,pp,tp,schedule,micro", [("llama", 2, 2, "1f1b", 2), ("gpt2", 2, 2, "gpipe", 2),
-                                                       ("llama", 4, 1, "1f1b", 4), ("llama", 2, 1, "interleaved_1f1b", 2)])
+                                                       ("llama", 4, 1, "1f1b", 4), ("gpt2", 4, 1, "1f1b", 4),
+                                                       ("llama", 2, 1, "interleaved_1f1b", 2)])
 def test_four_rank_pipelines_equal_one_process(name, pp, tp, schedule, micro):
     plan = _plan(name, pp, tp, schedule, micro)
     if tp > 1:
