@@ -23,6 +23,7 @@ The unrolled graph has no exported program (``OpGraph.exported`` is None): it is
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Optional
@@ -111,6 +112,8 @@ def _same(a: Any, b: Any) -> bool:
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (int, float, str, bool, complex, bytes, torch.dtype, torch.device)) or a is None:
         return a == b
+    if isinstance(a, functools.partial):  # an activation bound per layer (Gemma's GELU, approximate="tanh")
+        return a.func is b.func and _same(a.args, b.args) and _same(a.keywords, b.keywords)
     return False  # an object of its own per layer: not known to be alike
 
 

@@ -2,6 +2,8 @@
 equals a whole trace's, node for node; where it cannot, the model is traced whole; the model is
 left as it was."""
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -30,6 +32,10 @@ def _hf(name: str, layers: int):
     if name == "gpt2":
         return T.GPT2LMHeadModel(T.GPT2Config(n_layer=layers, n_embd=32, n_head=4, vocab_size=128, n_positions=64,
                                               bos_token_id=0, eos_token_id=0)), {"input_ids": ids}
+    if name == "gemma":  # its MLP's activation is a functools.partial of its own in every layer
+        return T.GemmaForCausalLM(T.GemmaConfig(num_hidden_layers=layers, hidden_size=32, intermediate_size=64,
+                                                num_attention_heads=4, num_key_value_heads=1, head_dim=8,
+                                                vocab_size=128)), {"input_ids": ids}
     if name == "qwen2":
         return T.Qwen2ForCausalLM(T.Qwen2Config(num_hidden_layers=layers, hidden_size=32, intermediate_size=64,
                                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=128)), \
@@ -38,7 +44,7 @@ def _hf(name: str, layers: int):
                                           num_attention_heads=4, vocab_size=128)), {"input_ids": ids}
 
 
-@pytest.mark.parametrize("name,training", [("gpt2", True), ("qwen2", False), ("bert", True)])
+@pytest.mark.parametrize("name,training", [("gpt2", True), ("qwen2", False), ("bert", True), ("gemma", True)])
 def test_unrolled_graph_is_the_whole_trace(name, training):
     model, inputs = _hf(name, 5)
     model.train(training)
@@ -98,6 +104,13 @@ def test_layers_that_are_not_alike_are_traced_whole():
     assert unrolled.unrolled == ("layers (5 layers)",)
     same_graph(unrolled, autotp.capture(plain, (x,)))
     assert find_stacks(Stacked(scales=(1.0, 1.0, 0.5, 1.0, 1.0))) == []  # an attribute of its own
+    # an activation bound per layer (functools.partial): alike where it binds the same function alike
+    bound = Stacked()
+    for layer in bound.layers:
+        layer.act = functools.partial(torch.nn.functional.gelu, approximate="tanh")
+    assert find_stacks(bound) == [Stack("layers", 5)]
+    bound.layers[3].act = functools.partial(torch.nn.functional.gelu, approximate="none")
+    assert find_stacks(bound) == []
     # alike modules, but the first layer's ops differ (it branches on its index): traced whole
     model = Stacked(first_differs=True)
     assert find_stacks(model) == [Stack("layers", 5)]
