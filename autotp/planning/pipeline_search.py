@@ -49,7 +49,8 @@ from autotp.planning.stages import UnitCost, balanced_cut, unit_costs
 from autotp.tracing.graph import PARAMETER
 from autotp.units import format_bytes
 
-__all__ = ["Layout", "StageChoice", "PipelineChoice", "price_layout", "layouts", "search_layouts", "units_of_plan"]
+__all__ = ["Layout", "StageChoice", "PipelineChoice", "price_layout", "layouts", "layout_mesh", "search_layouts",
+           "units_of_plan"]
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 SCHEDULE_OPTIONS = (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4))
@@ -175,13 +176,24 @@ def layouts(devices: int, devices_per_node: int, layers: int, batch: int) -> lis
             for b in sorted({b for b in MICRO_BATCH_SIZES if per_replica % b == 0} | ({per_replica} if per_replica
                                                                                       <= max(MICRO_BATCH_SIZES) else set())):
                 m = per_replica // b
+                # as torch.distributed.pipelining runs them: 1F1B needs a micro-batch per stage at least,
+                # interleaved 1F1B a whole number of rounds of pp micro-batches
                 schedules = [("none", 1)] if pp == 1 else [
-                    (s, v) for s, v in SCHEDULE_OPTIONS if pp * v <= layers and (v == 1 or m % pp == 0)]
+                    (s, v) for s, v in SCHEDULE_OPTIONS if pp * v <= layers and (v == 1 or m % pp == 0)
+                    and (s != "1f1b" or m >= pp)]
                 for s, v in schedules:
                     for zero in ((0, 1, 3) if dp > 1 else (0,)):
                         for recompute in (False, True):
                             out.append(Layout(pp, dp, tp, s, v, m, b, zero, recompute))
     return out
+
+
+def layout_mesh(layout: Layout) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The shape and axis names of the mesh ``autotp.parallelize`` runs ``layout`` on: ``("pp", "tp")``,
+    or ``("pp", "dp", "tp")`` with a data axis."""
+    if layout.dp > 1:
+        return (layout.pp, layout.dp, layout.tp), ("pp", "dp", "tp")
+    return (layout.pp, layout.tp), ("pp", "tp")
 
 
 def _divisors(n: int) -> list[int]:

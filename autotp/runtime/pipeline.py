@@ -39,6 +39,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from autotp.planning.pipeline_search import layout_mesh
 from autotp.runtime.state import put
 
 __all__ = ["PipelineModule", "build_pipeline_module", "mesh_problem", "split_stages", "stage_of_units", "SCHEDULES"]
@@ -563,7 +564,7 @@ def mesh_problem(c: Any, mesh: Any) -> str:
     ``tp`` (``pp``, ``dp``, ``tp`` with a data axis) of the layout's sizes."""
     names = tuple(mesh.mesh_dim_names or ())
     shape = tuple(int(x) for x in mesh.mesh.shape)
-    want_names, want = (("pp", "dp", "tp"), (c.pp, c.dp, c.tp)) if c.dp > 1 else (("pp", "tp"), (c.pp, c.tp))
+    want, want_names = layout_mesh(c)
     if names == want_names and shape == want:
         return ""
     return (f"the plan's layout is {c.describe()}: its stages run on a mesh of shape {want} with axes named "

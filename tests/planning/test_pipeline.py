@@ -2,10 +2,12 @@
 a plan read by layer, the stack cut into balanced stages, each layout priced, the fastest that fits
 chosen and reported, and a profile's links moving the choice."""
 
+import ast
 import dataclasses
 import itertools
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from cost_models import LinkSpec, collective_time_s, load_profile
 
 import autotp
 from autotp.planning.errors import PlanError
-from autotp.planning.pipeline_search import Layout, price_layout, units_of_plan
+from autotp.planning.pipeline_search import Layout, layouts, price_layout, units_of_plan
 from autotp.planning.planner import plan_graph
 from autotp.planning.stages import balanced_cut
 from autotp.tracing.repeats import find_stacks
@@ -36,6 +38,16 @@ def test_the_balanced_cut_is_the_least_slowest_stage():
             assert max(sum(seconds[a:b]) for a, b in cut) == pytest.approx(best, rel=1e-9)
     with pytest.raises(ValueError, match="3 units cannot make 4 stages"):
         balanced_cut([1, 1, 1], 4)
+
+
+def test_every_layout_offered_is_one_torch_pipelining_runs():
+    """1F1B runs at least one micro-batch per stage (torch's Schedule1F1B refuses fewer: a batch of 4
+    on 2 stages had been offered, and chosen, as one micro-batch of 4); interleaved 1F1B whole rounds."""
+    every = layouts(devices=8, devices_per_node=8, layers=8, batch=4)
+    assert {x.schedule for x in every} == {"none", "gpipe", "1f1b", "interleaved_1f1b"}
+    assert all(x.micro_batches >= x.pp for x in every if x.schedule == "1f1b")
+    assert all(x.micro_batches % x.pp == 0 for x in every if x.schedule == "interleaved_1f1b")
+    assert any(x.micro_batches < x.pp for x in every if x.schedule == "gpipe")  # GPipe runs any number
 
 
 def test_a_weight_two_pipeline_ranks_hold_is_priced_as_its_gradient_all_reduce():
@@ -186,9 +198,17 @@ def test_the_report_and_the_file_keep_the_layout(searched, tmp_path):
     text = plan.report()
     c = plan.pipeline.chosen
     assert "Layout search:" in text and f"Chosen: {c.describe()}" in text
-    sizes = [(n, a) for n, a in (("pipeline", c.pp), ("data", c.dp), ("tensor", c.tp)) if a > 1]
-    assert (f"init_device_mesh(..., {tuple(a for _, a in sizes)}, mesh_dim_names={tuple(n for n, _ in sizes)})"
-            in text) and "before model.layers" in text
+    # the mesh the report names is the one autotp.parallelize takes for the layout
+    from types import SimpleNamespace
+
+    from autotp.runtime.pipeline import mesh_problem
+
+    found = re.search(r"init_device_mesh\(\.\.\., (\([0-9, ]+\)), mesh_dim_names=(\([a-z', ]+\))\) for autotp\.parallelize",
+                      text)
+    assert found and "before model.layers" in text, text
+    shape, names = ast.literal_eval(found.group(1)), ast.literal_eval(found.group(2))
+    assert mesh_problem(c, SimpleNamespace(mesh_dim_names=names, mesh=torch.empty(shape))) == ""
+    assert mesh_problem(c, SimpleNamespace(mesh_dim_names=("pipeline",), mesh=torch.empty(c.pp))) != ""
     path = tmp_path / "plan.json"
     plan.save(path)
     loaded = autotp.load_plan(path)
