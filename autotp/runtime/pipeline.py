@@ -230,7 +230,7 @@ class PipelineModule(nn.Module):
                  plan: Any, out_spec: Any, in_spec: Any, examples: Mapping[str, torch.Tensor],
                  shared: Sequence[tuple[str, tuple[int, ...], torch.dtype]] = (),
                  persistent: frozenset[str] = frozenset(), dp_group: Any = None, dp_rank: int = 0,
-                 tp_mesh: Any = None) -> None:
+                 tp_mesh: Any = None, aliases: Optional[Mapping[str, Sequence[str]]] = None) -> None:
         super().__init__()
         from torch.distributed.pipelining import PipelineStage
 
@@ -255,6 +255,12 @@ class PipelineModule(nn.Module):
                 put(self, name, p, "parameter")
             for name, b in stages[k].module.named_buffers():
                 put(self, name, b, "buffer", persistent=name in persistent)
+        # a parameter's other names in the model (a head tied to the embedding): the same parameter,
+        # so the state dict has the model's keys, as a ParallelModule's does
+        held = dict(self.named_parameters())
+        for name, others in (aliases or {}).items():
+            for other in others if name in held else ():
+                put(self, other, held[name], "parameter")
         # what the other stages hold: a checkpoint's keys that this rank does not read (autotp.load_weights)
         self.autotp_other_stages_keys = frozenset(persistent) - set(self.state_dict())
         self._pipeline_stages = []
@@ -468,7 +474,8 @@ def build_pipeline_module(graph: Any, plan: Any, mesh: Any, model: nn.Module, ex
                             info.out_spec if info is not None else None, info.in_spec if info is not None else None,
                             examples, shared, frozenset(model.state_dict().keys()),
                             dp_mesh.get_group() if dp_mesh is not None else None,
-                            dp_mesh.get_local_rank() if dp_mesh is not None else 0, tp_mesh)
+                            dp_mesh.get_local_rank() if dp_mesh is not None else 0, tp_mesh,
+                            {p.fqn: p.aliases for p in graph.parameters if p.aliases})
     # whether the rank allocated its stages' shards only and ran nothing to build (else: every
     # stage's shards, and the whole graph run once to see a crossing value the plan does not describe)
     module.built_from_plan = attempt == "stages"
