@@ -15,12 +15,14 @@ recompute choice, and keeps the layout of least predicted step that fits the mem
 2. **Stages.** The stack is cut into ``pp * v`` stages balanced by predicted time
    (:func:`autotp.planning.stages.balanced_cut`), the embedding in the first, the head and loss in
    the last; stage ``s`` runs on pipeline rank ``s % pp``.
-3. **Data parallelism, priced per stage on its link**: ZeRO 0 (gradients all-reduced once per
-   step), 1 (optimizer state split over the data axis: gradients reduce-scattered, parameters
-   all-gathered once per step) or 3 (FSDP's layout: parameters and gradients split too, gathered
-   for every micro-batch's forward and backward, gradients reduce-scattered per micro-batch).
-   These collectives run beside the compute, as DDP's buckets and FSDP2's prefetch run them: what
-   one micro-batch's forward or backward compute of the stage hides is not counted, the rest is.
+3. **Data parallelism, priced per stage on its link, as the runtime runs it**: ZeRO 0 (gradients
+   all-reduced once per step), 1 (optimizer state split over the data axis: gradients
+   reduce-scattered, parameters all-gathered once per step) or 3 (FSDP2 with the stage as one
+   unit: parameters split at rest, gathered whole for every micro-batch's forward and backward;
+   gradients whole over the step, as torch.distributed.pipelining drives FSDP, reduce-scattered
+   once). These collectives run beside the compute, as DDP's buckets and FSDP2's prefetch run
+   them: what one micro-batch's forward or backward compute of the stage hides is not counted,
+   the rest is.
 4. **The step**: the schedule's orders replayed with each stage's forward and backward seconds and
    the sends between stages on the pipeline axis's link (:func:`autotp.planning.schedules.simulate`),
    plus each rank's once-per-step reductions, and the all-reduce over the pipeline axis of each
@@ -256,19 +258,24 @@ def _prepare(layout: Layout, plan_units: _Units, profile: HardwareProfile) -> _P
         p, g, o, t = (sum(plan_units.parameters[n][j] for n in names) for j in range(4))
         buffers = sum(u.buffers_bytes for u in us)
         step_end = 0.0  # what the data axis adds once per step, past the last backward it overlaps
+        at_rest = p  # the parameters' bytes at the optimizer's step (ZeRO 3: sharded again by then)
         if dp > 1 and layout.zero == 0:
             step_end = max(collective_time_s(dp_link, "all_reduce", g, dp) - b_comp, 0.0)
         elif dp > 1 and layout.zero == 1:
             step_end = max(collective_time_s(dp_link, "reduce_scatter", g, dp)
                            + collective_time_s(dp_link, "all_gather", p, dp) - b_comp, 0.0)
             o, t = o / dp, t / dp
-        elif dp > 1:  # zero 3: gathered for each micro-batch's forward and backward, reduce-scattered after it,
-            # prefetched alongside the compute: only what the compute cannot hide adds
+        elif dp > 1:  # zero 3, as the runtime runs it (autotp/runtime/pipeline.py): the stage is one FSDP2
+            # unit, its parameters gathered at once for each micro-batch's forward and backward (only
+            # what the compute cannot hide adds), its gradients kept whole over the step's
+            # micro-batches (torch.distributed.pipelining turns FSDP's gradient sync off until the
+            # last backward) and reduce-scattered once; parameters and gradients are sharded again
+            # by the optimizer's step
             gather = collective_time_s(dp_link, "all_gather", p, dp)
             f_comm += max(gather - f_comp, 0.0)
-            b_comm += max(gather + collective_time_s(dp_link, "reduce_scatter", g, dp) - b_comp, 0.0)
-            largest = max((sum(plan_units.parameters[n][0] for n in u.parameters) for u in us), default=0.0)
-            p, g, o, t = p / dp + largest, g / dp, o / dp, t / dp
+            b_comm += max(gather - b_comp, 0.0)
+            step_end = max(collective_time_s(dp_link, "reduce_scatter", g, dp) - b_comp, 0.0)
+            at_rest, g, o, t = p / dp, g / dp, o / dp, t / dp
         fwd.append(f_comp + f_comm)
         bwd.append(b_comp + b_comm)
         comp.append(f_comp + b_comp)
@@ -278,7 +285,7 @@ def _prepare(layout: Layout, plan_units: _Units, profile: HardwareProfile) -> _P
         send = units[e].send_bytes if k < n_stages - 1 else 0.0
         sends.append(send)
         state.append(p + o + buffers)
-        opt_step.append(g + t)
+        opt_step.append(at_rest - p + g + t)  # added to the state: what the optimizer's step holds
         transient.append(sum(u.transient_bytes for u in us))
         end_s.append(step_end)
         stages.append(StageChoice(k, k % pp, a, e, k == 0, k == n_stages - 1, fwd[-1], bwd[-1], send, p + o + buffers))
