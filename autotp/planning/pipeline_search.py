@@ -16,13 +16,13 @@ recompute choice, and keeps the layout of least predicted step that fits the mem
    (:func:`autotp.planning.stages.balanced_cut`), the embedding in the first, the head and loss in
    the last; stage ``s`` runs on pipeline rank ``s % pp``.
 3. **Data parallelism, priced per stage on its link, as the runtime runs it**: ZeRO 0 (gradients
-   all-reduced once per step), 1 (optimizer state split over the data axis: gradients
-   reduce-scattered, parameters all-gathered once per step) or 3 (FSDP2 with the stage as one
-   unit: parameters split at rest, gathered whole for every micro-batch's forward and backward;
-   gradients whole over the step, as torch.distributed.pipelining drives FSDP, reduce-scattered
-   once). These collectives run beside the compute, as DDP's buckets and FSDP2's prefetch run
-   them: what one micro-batch's forward or backward compute of the stage hides is not counted,
-   the rest is.
+   all-reduced once per step), or FSDP2 with the stage as one unit, its parameters, gradients and
+   optimizer state split over the data axis at the optimizer's step and the parameters gathered
+   whole while the stage runs: ZeRO 1 gathers them once per step and reduce-scatters the
+   gradients once, ZeRO 3 gathers them for every micro-batch's forward and backward and
+   reduce-scatters after each backward. These collectives run beside the compute, as DDP's
+   buckets and FSDP2's prefetch run them: what one micro-batch's forward or backward compute of
+   the stage hides is not counted, the rest is.
 4. **The step**: the schedule's orders replayed with each stage's forward and backward seconds and
    the sends between stages on the pipeline axis's link (:func:`autotp.planning.schedules.simulate`),
    plus each rank's once-per-step reductions, and the all-reduce over the pipeline axis of each
@@ -258,24 +258,21 @@ def _prepare(layout: Layout, plan_units: _Units, profile: HardwareProfile) -> _P
         p, g, o, t = (sum(plan_units.parameters[n][j] for n in names) for j in range(4))
         buffers = sum(u.buffers_bytes for u in us)
         step_end = 0.0  # what the data axis adds once per step, past the last backward it overlaps
-        at_rest = p  # the parameters' bytes at the optimizer's step (ZeRO 3: sharded again by then)
+        during, at_step = p, p + g  # parameters (and gradients) held through the step, at the optimizer's step
         if dp > 1 and layout.zero == 0:
             step_end = max(collective_time_s(dp_link, "all_reduce", g, dp) - b_comp, 0.0)
-        elif dp > 1 and layout.zero == 1:
-            step_end = max(collective_time_s(dp_link, "reduce_scatter", g, dp)
-                           + collective_time_s(dp_link, "all_gather", p, dp) - b_comp, 0.0)
-            o, t = o / dp, t / dp
-        elif dp > 1:  # zero 3, as the runtime runs it (autotp/runtime/pipeline.py): the stage is one FSDP2
-            # unit, its parameters gathered at once for each micro-batch's forward and backward (only
-            # what the compute cannot hide adds), its gradients kept whole over the step's
-            # micro-batches (torch.distributed.pipelining turns FSDP's gradient sync off until the
-            # last backward) and reduce-scattered once; parameters and gradients are sharded again
-            # by the optimizer's step
+        elif dp > 1:  # FSDP2 over the whole stage as one unit, as the runtime runs it (autotp/runtime/pipeline.py):
+            # while gathered, the stage's parameters whole beside their shards; at the optimizer's step
+            # every state sharded
+            during, at_step, o, t = p + p / dp, (p + g) / dp, o / dp, t / dp
             gather = collective_time_s(dp_link, "all_gather", p, dp)
-            f_comm += max(gather - f_comp, 0.0)
-            b_comm += max(gather - b_comp, 0.0)
-            step_end = max(collective_time_s(dp_link, "reduce_scatter", g, dp) - b_comp, 0.0)
-            at_rest, g, o, t = p / dp, g / dp, o / dp, t / dp
+            reduce = collective_time_s(dp_link, "reduce_scatter", g, dp)
+            if layout.zero == 1:  # gathered once, kept to the last backward; gradients reduce-scattered once
+                step_end = max(reduce + gather - b_comp, 0.0)
+            else:  # zero 3: gathered for each micro-batch's forward and backward, reduce-scattered after it;
+                # prefetched alongside the compute: only what the compute cannot hide adds
+                f_comm += max(gather - f_comp, 0.0)
+                b_comm += max(gather + reduce - b_comp, 0.0)
         fwd.append(f_comp + f_comm)
         bwd.append(b_comp + b_comm)
         comp.append(f_comp + b_comp)
@@ -284,11 +281,11 @@ def _prepare(layout: Layout, plan_units: _Units, profile: HardwareProfile) -> _P
                         for i, u in zip(idx, us)))
         send = units[e].send_bytes if k < n_stages - 1 else 0.0
         sends.append(send)
-        state.append(p + o + buffers)
-        opt_step.append(at_rest - p + g + t)  # added to the state: what the optimizer's step holds
+        state.append(during + o + buffers)
+        opt_step.append(at_step - during + t)  # added to the state: what the optimizer's step holds
         transient.append(sum(u.transient_bytes for u in us))
         end_s.append(step_end)
-        stages.append(StageChoice(k, k % pp, a, e, k == 0, k == n_stages - 1, fwd[-1], bwd[-1], send, p + o + buffers))
+        stages.append(StageChoice(k, k % pp, a, e, k == 0, k == n_stages - 1, fwd[-1], bwd[-1], send, state[-1]))
     schedule = layout.schedule if pp > 1 else "1f1b"  # one stage: accumulation, each backward after its forward
     mine = [[k for k in range(n_stages) if k % pp == r] for r in range(pp)]
     held = held_bytes(schedule, pp, m, v, acts)

@@ -174,6 +174,37 @@ def _attribute(module: nn.Module, target: str) -> Any:
     return module
 
 
+def _sharded_over_replicas(stage: nn.Module, graph_module: nn.Module, mesh: Any, zero: int) -> nn.Module:
+    """The stage under PyTorch's FSDP2 over the data axis (``mesh``), over its tensor-parallel
+    shards, as the schedule is to run it. The stage is one FSDP unit (one fx graph).
+
+    - ZeRO 1: the parameters gathered at the step's first forward and kept to its last backward, the
+      gradients kept whole over the micro-batches and reduce-scattered once: the schedule is
+      given the FSDP module itself, so ``torch.distributed.pipelining`` turns FSDP's gradient sync
+      and resharding off until the last backward.
+    - ZeRO 3: gathered for each micro-batch's forward and again for its backward, the gradients
+      reduce-scattered after each backward (held sharded): FSDP's own hooks run every micro-batch,
+      since the schedule is given a plain module around it.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    if zero >= 3:
+        fully_shard(graph_module, mesh=mesh, reshard_after_forward=True)
+        return stage if stage is not graph_module else _Around(stage)
+    return fully_shard(stage, mesh=mesh, reshard_after_forward=False)
+
+
+class _Around(nn.Module):
+    """A stage's module seen through a plain module: the schedule drives it as it drives any other."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner(*args, **kwargs)
+
+
 class _LastStage(nn.Module):
     """The last stage's graph returning the tensors among the model's outputs, flat (what a schedule
     passes to the loss); :meth:`rebuild` puts them back in the model's output structure."""
@@ -230,7 +261,8 @@ class PipelineModule(nn.Module):
                  plan: Any, out_spec: Any, in_spec: Any, examples: Mapping[str, torch.Tensor],
                  shared: Sequence[tuple[str, tuple[int, ...], torch.dtype]] = (),
                  persistent: frozenset[str] = frozenset(), dp_group: Any = None, dp_rank: int = 0,
-                 tp_mesh: Any = None, aliases: Optional[Mapping[str, Sequence[str]]] = None) -> None:
+                 tp_mesh: Any = None, aliases: Optional[Mapping[str, Sequence[str]]] = None,
+                 fsdp_mesh: Any = None) -> None:
         super().__init__()
         from torch.distributed.pipelining import PipelineStage
 
@@ -245,6 +277,8 @@ class PipelineModule(nn.Module):
         modules = []
         for k in mine:
             m = _LastStage(stages[k].module, out_spec) if k == last else stages[k].module
+            if fsdp_mesh is not None:
+                m = _sharded_over_replicas(m, stages[k].module, fsdp_mesh, plan.pipeline.chosen.zero)
             modules.append(m)
         # the stages are not submodules: this module holds their parameters and buffers under the
         # model's own names (a stage's graph reads them under those names), so state_dict, the
@@ -451,14 +485,6 @@ def build_pipeline_module(graph: Any, plan: Any, mesh: Any, model: nn.Module, ex
                 if 1 <= u <= choice.layers and n.op in ("call_function", "call_module") and not _reads_state(n):
                     layer_of[n] = layer_paths[u - 1]
             apply_recompute(sg, layer_of, prefix="pipeline_")
-    if dp_mesh is not None and c.zero > 0:
-        # ZeRO over the data axis runs on PyTorch's FSDP2, over the tensor-parallel shards: parameters
-        # sharded on the data axis, gathered before each stage's forward and backward (prefetched),
-        # gradients reduce-scattered once a step; ZeRO 3 frees them again after the forward
-        from torch.distributed.fsdp import fully_shard
-
-        for k in mine:
-            fully_shard(stages[k].module, mesh=dp_mesh, reshard_after_forward=c.zero >= 3)
     unlifted = graph.exported.module()
     info = unlifted.graph._codegen.pytree_info if hasattr(unlifted.graph._codegen, "pytree_info") else None
     if examples is None:  # a value crossing a cut that the plan does not describe: one run to see it
@@ -475,7 +501,8 @@ def build_pipeline_module(graph: Any, plan: Any, mesh: Any, model: nn.Module, ex
                             examples, shared, frozenset(model.state_dict().keys()),
                             dp_mesh.get_group() if dp_mesh is not None else None,
                             dp_mesh.get_local_rank() if dp_mesh is not None else 0, tp_mesh,
-                            {p.fqn: p.aliases for p in graph.parameters if p.aliases})
+                            {p.fqn: p.aliases for p in graph.parameters if p.aliases},
+                            dp_mesh if c.zero > 0 else None)
     # whether the rank allocated its stages' shards only and ran nothing to build (else: every
     # stage's shards, and the whole graph run once to see a crossing value the plan does not describe)
     module.built_from_plan = attempt == "stages"

@@ -131,21 +131,24 @@ def test_a_layout_priced_by_hand(llama_units):
     assert slow_reduce > backward_compute  # a link slow enough that the reduction shows
     assert slow_one.step_s - one.step_s == pytest.approx(slow_reduce - backward_compute - max(reduce - backward_compute, 0))
     assert one.bubble_s == pytest.approx(0.0, abs=1e-12)
-    # the memory of one stage on two replicas: ZeRO 0 holds everything whole; ZeRO 3 as the runtime
-    # runs it (the stage one FSDP2 unit, gradients whole until the step's last backward) holds the
-    # parameters whole through the step and, at the optimizer's step, its shards of everything
+    # the memory of one stage on two replicas: ZeRO 0 holds everything whole; ZeRO 1 and 3, as the
+    # runtime runs them (FSDP2, the stage one unit), hold the parameters whole beside their shards
+    # while the stage runs and, at the optimizer's step, shards of everything
     p, g, o, t = (sum(v[j] for v in pu.parameters.values()) for j in range(4))
     buffers = sum(u.buffers_bytes for u in units)
     acts, transient = sum(u.activation_bytes for u in units), sum(u.transient_bytes for u in units)
     assert one.peak_bytes == pytest.approx(max(p + o + buffers + acts + transient, p + o + buffers + g + t))
+    z1, _ = price_layout(Layout(1, 2, 2, "none", 1, 3, 1, 1, False), pu, prof, 1e18)
     z3, _ = price_layout(Layout(1, 2, 2, "none", 1, 3, 1, 3, False), pu, prof, 1e18)
-    assert z3.peak_bytes == pytest.approx(max(p + o / 2 + buffers + acts + transient, (p + o + g + t) / 2 + buffers))
-    # ... and its gradients reduce-scattered once a step, past the last backward's compute
-    gather = collective_time_s(link, "all_gather", p, 2)
+    for z in (z1, z3):
+        assert z.peak_bytes == pytest.approx(max(p + p / 2 + o / 2 + buffers + acts + transient,
+                                                 (p + g + o + t) / 2 + buffers))
+    # ... ZeRO 1 gathers once a step and reduce-scatters once; ZeRO 3 both for every micro-batch
+    gather, scatter = collective_time_s(link, "all_gather", p, 2), collective_time_s(link, "reduce_scatter", grads, 2)
     forward_compute = sum(u.forward_compute_s for u in units)
-    per_mb3 = per_mb + max(gather - forward_compute, 0.0) + max(gather - backward_compute, 0.0)
-    assert z3.step_s == pytest.approx(3 * per_mb3 + max(collective_time_s(link, "reduce_scatter", grads, 2)
-                                                        - backward_compute, 0.0))
+    assert z1.step_s == pytest.approx(3 * per_mb + max(gather + scatter - backward_compute, 0.0))
+    assert z3.step_s == pytest.approx(3 * (per_mb + max(gather - forward_compute, 0.0)
+                                           + max(gather + scatter - backward_compute, 0.0)))
     two, stages = price_layout(Layout(2, 1, 2, "1f1b", 1, 4, 1, 0, False), pu, prof, 1e18)
     peaks = []
     for s, held in zip(stages, (2, 1)):  # 1F1B: rank r holds pp - r micro-batches

@@ -10,6 +10,9 @@ pp 4.
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
+
 import pytest
 import torch
 
@@ -117,7 +120,7 @@ def _rank(rank, world, cases):
         from tests.helpers.observed import CollectiveLog
 
         given = dict(target=inputs["input_ids"], loss_fn=_shifted_cross_entropy) if name.endswith("_loss") else {}
-        with CollectiveLog(pm.tp_mesh) as log:  # the stage's collectives on its tensor axis
+        with CollectiveLog(pm.tp_mesh) as log, _fsdp_calls() as fsdp:  # the tensor axis's; FSDP2's
             loss = pm.step(**inputs, **given)
         step_sends = [b for kind, b in sent if kind == "isend"]
         grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
@@ -134,6 +137,7 @@ def _rank(rank, world, cases):
         full = autotp.checkpoint.full_state_dict(pm, rank=None)  # every stage's tensors, whole, on every rank
         on_zero = autotp.checkpoint.full_state_dict(pm)  # ... on rank 0 alone
         out.append({"loss": None if loss is None else loss.item(), "grads": grads, "full": full, "on_zero": on_zero,
+                    "fsdp": dict(fsdp),
                     "logits": None if logits is None else logits.logits,
                     "stages": pm.stage_indices, "state": sorted(pm.state_dict()), "sends": step_sends,
                     "restored": restored, "collectives": [(c.kind, c.mesh_axis, c.bytes) for c in log.seen],
@@ -142,6 +146,30 @@ def _rank(rank, world, cases):
                     "recomputed": sorted(m.path for st in pm.stages for m in st.modules() if type(m).__name__ == "Recompute"),
                     "placements": {n: getattr(p, "placements", None) for n, p in pm.named_parameters()}})
     return out
+
+
+@contextlib.contextmanager
+def _fsdp_calls():
+    """Counts of the gathers and reduce-scatters FSDP2 runs in the block (its collectives go through
+    ``dist.all_gather_single`` and ``dist.reduce_scatter_single``)."""
+    import torch.distributed as dist
+
+    counts: Counter = Counter()
+    saved = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single")}
+
+    def counted(name):
+        def call(*a, **kw):
+            counts[name] += 1
+            return saved[name](*a, **kw)
+        return call
+
+    for name in saved:
+        setattr(dist, name, counted(name))
+    try:
+        yield counts
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
 
 
 def _local(t):
@@ -263,7 +291,7 @@ def test_two_stage_pipelines_equal_one_process(tmp_path):
 
 @pytest.mark.slow  # 4 processes
 @pytest.mark.parametrize("name,pp,dp,tp,zero", [("llama", 2, 2, 1, 0), ("llama", 1, 2, 2, 3), ("llama", 2, 2, 1, 1),
-                                                ("gpt2", 2, 2, 1, 0), ("gpt2", 1, 2, 2, 3)])
+                                                ("llama", 2, 2, 1, 3), ("gpt2", 2, 2, 1, 0), ("gpt2", 1, 2, 2, 3)])
 def test_data_parallel_replicas_equal_one_process(name, pp, dp, tp, zero):
     """A data axis beside the stages or the tensor axis: each replica runs its rows of the batch, the
     gradients averaged over the replicas (ZeRO 0), or the stages under FSDP2 over the tensor-parallel
@@ -274,6 +302,13 @@ def test_data_parallel_replicas_equal_one_process(name, pp, dp, tp, zero):
     _check(name, [r[0] for r in results], plan, pp=pp)
     if zero:  # FSDP2 holds each parameter sharded over the data axis
         assert all("Shard" in str(p) for p in results[0][0]["placements"].values()), results[0][0]["placements"]
+        # ... one unit per stage, run as the search prices it (autotp/planning/pipeline_search.py): ZeRO 1
+        # gathers once a step and reduce-scatters once; ZeRO 3 gathers for each micro-batch's forward
+        # and backward and reduce-scatters after each backward
+        m = plan.pipeline.chosen.micro_batches
+        want = {"all_gather_single": 1, "reduce_scatter_single": 1} if zero == 1 else {
+            "all_gather_single": 2 * m, "reduce_scatter_single": m}
+        assert [r[0]["fsdp"] for r in results] == [want] * len(results)
 
 
 @pytest.mark.slow  # 4 processes; the 2-rank pipeline and the stages' cut are in the default suite
