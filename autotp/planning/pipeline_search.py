@@ -16,13 +16,14 @@ recompute choice, and keeps the layout of least predicted step that fits the mem
    (:func:`autotp.planning.stages.balanced_cut`), the embedding in the first, the head and loss in
    the last; stage ``s`` runs on pipeline rank ``s % pp``.
 3. **Data parallelism, priced per stage on its link, as the runtime runs it**: ZeRO 0 (gradients
-   all-reduced once per step), or FSDP2 with the stage as one unit, its parameters, gradients and
-   optimizer state split over the data axis at the optimizer's step and the parameters gathered
-   whole while the stage runs: ZeRO 1 gathers them once per step and reduce-scatters the
-   gradients once, ZeRO 3 gathers them for every micro-batch's forward and backward and
-   reduce-scatters after each backward. These collectives run beside the compute, as DDP's
-   buckets and FSDP2's prefetch run them: what one micro-batch's forward or backward compute of
-   the stage hides is not counted, the rest is.
+   all-reduced once per step), or FSDP2 with each layer one unit and the rest of the stage
+   another, parameters, gradients and optimizer state split over the data axis at the
+   optimizer's step. ZeRO 1 gathers every unit once per step and keeps it to the last backward,
+   then reduce-scatters the gradients once; ZeRO 3 gathers each unit for every micro-batch's
+   forward and backward and reduce-scatters after each backward, holding one layer (and the next,
+   prefetched) gathered at a time. These collectives run beside the compute, as DDP's buckets and
+   FSDP2's prefetch run them: what one micro-batch's forward or backward compute of the stage
+   hides is not counted, the rest is; ZeRO 1's reduce-scatter after the last backward is exposed.
 4. **The step**: the schedule's orders replayed with each stage's forward and backward seconds and
    the sends between stages on the pipeline axis's link (:func:`autotp.planning.schedules.simulate`),
    plus each rank's once-per-step reductions, and the all-reduce over the pipeline axis of each
@@ -261,16 +262,24 @@ def _prepare(layout: Layout, plan_units: _Units, profile: HardwareProfile) -> _P
         during, at_step = p, p + g  # parameters (and gradients) held through the step, at the optimizer's step
         if dp > 1 and layout.zero == 0:
             step_end = max(collective_time_s(dp_link, "all_reduce", g, dp) - b_comp, 0.0)
-        elif dp > 1:  # FSDP2 over the whole stage as one unit, as the runtime runs it (autotp/runtime/pipeline.py):
-            # while gathered, the stage's parameters whole beside their shards; at the optimizer's step
-            # every state sharded
-            during, at_step, o, t = p + p / dp, (p + g) / dp, o / dp, t / dp
+        elif dp > 1:  # FSDP2 as the runtime runs it (autotp/runtime/pipeline.py): each layer of the stage one
+            # unit, the rest of the stage (what comes before or after the stack) another; at the
+            # optimizer's step every state sharded over the data axis
+            at_step, o, t = (p + g) / dp, o / dp, t / dp
             gather = collective_time_s(dp_link, "all_gather", p, dp)
             reduce = collective_time_s(dp_link, "reduce_scatter", g, dp)
-            if layout.zero == 1:  # gathered once, kept to the last backward; gradients reduce-scattered once
-                step_end = max(reduce + gather - b_comp, 0.0)
-            else:  # zero 3: gathered for each micro-batch's forward and backward, reduce-scattered after it;
-                # prefetched alongside the compute: only what the compute cannot hide adds
+            if layout.zero == 1:  # every unit gathered at the step's first forward (prefetched beside its
+                # compute) and kept to the last backward; the gradients reduce-scattered after it, exposed
+                during = p + p / dp
+                step_end = reduce + max(gather - f_comp, 0.0)
+            else:  # zero 3: each unit gathered for each micro-batch's forward and backward, reduce-scattered
+                # after its backward, beside the compute: only what the compute cannot hide adds. Held at
+                # once: the shards, the rest of the stage's unit (whole through the forward) and a layer
+                # gathered with the next one prefetched
+                root = set().union(*(units[i].parameters for i in idx if not 0 < i <= n_layers))
+                layer_bytes = [sum(plan_units.parameters[n][0] for n in set(units[i].parameters) - root)
+                               for i in idx if 0 < i <= n_layers]
+                during = p / dp + sum(plan_units.parameters[n][0] for n in root) + 2 * max(layer_bytes, default=0.0)
                 f_comm += max(gather - f_comp, 0.0)
                 b_comm += max(gather + reduce - b_comp, 0.0)
         fwd.append(f_comp + f_comm)

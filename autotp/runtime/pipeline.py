@@ -21,13 +21,14 @@ them, and each stage reads those it uses (the last stage the labels of a loss co
 graph).
 
 A data axis: each replica runs its rows of the batch; its gradients are averaged over the axis
-(ZeRO 0), or each stage runs under FSDP2 over the tensor-parallel shards (ZeRO 1 and 3). The
+(ZeRO 0), or each stage runs under FSDP2 over the tensor-parallel shards (ZeRO 1 and 3), each
+layer of the stack one unit (moved into a submodule with the state only it reads). The
 layout's recompute runs each layer of a stage under ``torch.utils.checkpoint``
 (:mod:`autotp.runtime.recompute`). A rank allocates its stages' shards only (the others' stay on meta)
 and runs nothing to build: the shapes each stage sends and receives are the plan's. What it leaves
 out is in docs/limits.md; a weight read by two stages (an embedding tied to the head) is held by
-both and its gradients summed over the pipeline axis after the step (an all-reduce the plan does
-not price).
+both and its gradients summed over the pipeline axis after the step (an all-reduce the search
+prices).
 """
 
 from __future__ import annotations
@@ -160,6 +161,33 @@ def split_stages(gm: torch.fx.GraphModule, origin: Mapping[str, str], unit: Mapp
     return out
 
 
+def _own_parameters(unit: nn.Module):
+    """The parameters an FSDP unit manages: its module's, less those of the units inside it."""
+    inner = {id(p) for m in unit.modules() if m is not unit and hasattr(m, "unshard") for p in m.parameters()}
+    return (p for p in unit.parameters() if id(p) not in inner)
+
+
+def _model_name(name: str) -> str:
+    """A stage's parameter or buffer under its name in the model: without the layer's submodule
+    (``autotp_pipeline_layer_3.body.``) that holds it when the stage runs its layers as units."""
+    head, _, rest = name.partition(".")
+    if head.startswith(("autotp_pipeline_layer_", "autotp_pipeline_recompute_")) and rest.startswith("body."):
+        return rest[len("body."):]
+    return name
+
+
+def _state_of_one_layer(gm: torch.fx.GraphModule, layer_of: Mapping[torch.fx.Node, str]) -> dict[torch.fx.Node, str]:
+    """The reads of parameters and buffers (and their local shards) that only one layer's nodes use,
+    with that layer."""
+    mine: dict[torch.fx.Node, str] = {}
+    for n in reversed(list(gm.graph.nodes)):
+        if _reads_state(n) and n.users:
+            layers = {layer_of.get(u) or mine.get(u) for u in n.users}
+            if len(layers) == 1 and None not in layers:
+                mine[n] = layers.pop()
+    return mine
+
+
 def _reads_state(n: torch.fx.Node) -> bool:
     """A parameter's or buffer's read, or the local shard of one (nothing computed, nothing sent)."""
     from autotp.runtime.collectives import to_local
@@ -176,7 +204,8 @@ def _attribute(module: nn.Module, target: str) -> Any:
 
 def _sharded_over_replicas(stage: nn.Module, graph_module: nn.Module, mesh: Any, zero: int) -> nn.Module:
     """The stage under PyTorch's FSDP2 over the data axis (``mesh``), over its tensor-parallel
-    shards, as the schedule is to run it. The stage is one FSDP unit (one fx graph).
+    shards, as the schedule is to run it: each of its layers one unit (``build_pipeline_module``
+    made each a submodule holding the state only it reads), the rest of the stage another.
 
     - ZeRO 1: the parameters gathered at the step's first forward and kept to its last backward, the
       gradients kept whole over the micro-batches and reduce-scattered once: the schedule is
@@ -188,6 +217,11 @@ def _sharded_over_replicas(stage: nn.Module, graph_module: nn.Module, mesh: Any,
     """
     from torch.distributed.fsdp import fully_shard
 
+    from autotp.runtime.recompute import Layer, Recompute
+
+    layers = [m for m in graph_module.modules() if isinstance(m, (Layer, Recompute))]
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=zero >= 3)
     if zero >= 3:
         fully_shard(graph_module, mesh=mesh, reshard_after_forward=True)
         return stage if stage is not graph_module else _Around(stage)
@@ -280,15 +314,19 @@ class PipelineModule(nn.Module):
             if fsdp_mesh is not None:
                 m = _sharded_over_replicas(m, stages[k].module, fsdp_mesh, plan.pipeline.chosen.zero)
             modules.append(m)
+        # FSDP2's units on this rank that hold parameters (each gathers and reduce-scatters its own)
+        self.fsdp_units = 0 if fsdp_mesh is None else sum(
+            1 for st in modules for u in st.modules() if hasattr(u, "unshard")
+            and any(True for _ in _own_parameters(u)))
         # the stages are not submodules: this module holds their parameters and buffers under the
         # model's own names (a stage's graph reads them under those names), so state_dict, the
         # optimizer and autotp.checkpoint see this rank's part of the model as the model names it
         self.stages = list(modules)
         for k in mine:
             for name, p in stages[k].module.named_parameters():
-                put(self, name, p, "parameter")
+                put(self, _model_name(name), p, "parameter")
             for name, b in stages[k].module.named_buffers():
-                put(self, name, b, "buffer", persistent=name in persistent)
+                put(self, _model_name(name), b, "buffer", persistent=_model_name(name) in persistent)
         # a parameter's other names in the model (a head tied to the embedding): the same parameter,
         # so the state dict has the model's keys, as a ParallelModule's does
         held = dict(self.named_parameters())
@@ -474,8 +512,12 @@ def build_pipeline_module(graph: Any, plan: Any, mesh: Any, model: nn.Module, ex
         examples = _planned_values(graph, plan, tp_mesh, rewrite, stages) if attempt == "stages" else None
         if examples is not None:
             break
-    if c.recompute:  # the layout's recompute: each layer of a stage runs its forward again in the backward
-        from autotp.runtime.recompute import apply_recompute
+    fsdp = dp_mesh is not None and c.zero > 0
+    if c.recompute or fsdp:
+        # each layer of a stage as a submodule: the layout's recompute runs its forward again in the
+        # backward; FSDP2 (ZeRO 1 and 3) shards and gathers it as one unit, with the parameters and
+        # buffers only it reads, as torchtitan wraps each block
+        from autotp.runtime.recompute import Layer, Recompute, group_layers
 
         for k in mine:
             sg = stages[k].module
@@ -484,7 +526,10 @@ def build_pipeline_module(graph: Any, plan: Any, mesh: Any, model: nn.Module, ex
                 u = unit.get(rewrite.origin.get(n.name, ""), 0)
                 if 1 <= u <= choice.layers and n.op in ("call_function", "call_module") and not _reads_state(n):
                     layer_of[n] = layer_paths[u - 1]
-            apply_recompute(sg, layer_of, prefix="pipeline_")
+            if fsdp:
+                layer_of.update(_state_of_one_layer(sg, layer_of))
+            group_layers(sg, layer_of, "autotp_pipeline_recompute_" if c.recompute else "autotp_pipeline_layer_",
+                         Recompute if c.recompute else Layer)
     unlifted = graph.exported.module()
     info = unlifted.graph._codegen.pytree_info if hasattr(unlifted.graph._codegen, "pytree_info") else None
     if examples is None:  # a value crossing a cut that the plan does not describe: one run to see it

@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from autotp.runtime.dropout import SeededAttention, SharedRandom, ShardedDropout
 
-__all__ = ["Recompute", "RecomputeContext", "apply_recompute"]
+__all__ = ["Layer", "Recompute", "RecomputeContext", "apply_recompute", "group_layers"]
 
 
 class RecomputeContext:
@@ -73,11 +73,37 @@ class Recompute(nn.Module):
             return checkpoint(self.body, *args, use_reentrant=False, context_fn=self._context)
 
 
+class Layer(nn.Module):
+    """One layer of the rewritten graph run as it is: a unit a wrapper can hold (FSDP2's, in a
+    pipeline stage whose data axis shards its parameters layer by layer)."""
+
+    def __init__(self, body: torch.fx.GraphModule, path: str, dropouts: Sequence[nn.Module] = ()) -> None:
+        super().__init__()
+        self.body = body
+        self.path = path
+
+    def extra_repr(self) -> str:
+        return f"layer={self.path!r}"
+
+    def forward(self, *args):
+        return self.body(*args)
+
+
 def apply_recompute(gm: torch.fx.GraphModule, layer_of: dict[torch.fx.Node, str],
                     prefix: str = "") -> torch.fx.GraphModule:
     """Move the nodes of each layer (``layer_of``: fx node → layer path) into a :class:`Recompute`
     submodule called where the layer's first node was; the rest of the graph reads its outputs.
     ``prefix`` starts the submodules' names (a second graph of the same module names its own)."""
+    return group_layers(gm, layer_of, f"autotp_{prefix}recompute_", Recompute)
+
+
+def group_layers(gm: torch.fx.GraphModule, layer_of: dict[torch.fx.Node, str], name: str,
+                 make=Layer) -> torch.fx.GraphModule:
+    """Move the nodes of each layer (``layer_of``: fx node → layer path) into a submodule
+    ``make(body, path, dropouts)`` named ``name`` and a count, called where the layer's first node
+    was (or after the last thing it reads); the rest of the graph reads its outputs. A parameter or
+    buffer whose reads all moved moves with them: the submodule holds it, under its name in the
+    model, and the graph no longer does."""
     by_layer: dict[str, list[torch.fx.Node]] = {}
     for node in gm.graph.nodes:
         if node in layer_of:
@@ -97,8 +123,8 @@ def apply_recompute(gm: torch.fx.GraphModule, layer_of: dict[torch.fx.Node, str]
         sub.output(tuple(env[n] for n in outputs))
         body = torch.fx.GraphModule(gm, sub, class_name="AutotpLayer")
         dropouts = [m for m in body.modules() if isinstance(m, (ShardedDropout, SharedRandom, SeededAttention))]
-        name = f"autotp_{prefix}recompute_{i}"
-        gm.add_module(name, Recompute(body, path, dropouts))
+        unit = f"{name}{i}"
+        gm.add_module(unit, make(body, path, dropouts))
         order = {n: j for j, n in enumerate(gm.graph.nodes)}
         last_input = max(inputs, key=order.__getitem__, default=None)
         # the call goes where the layer starts, or after the last thing it reads if that comes later
@@ -110,17 +136,22 @@ def apply_recompute(gm: torch.fx.GraphModule, layer_of: dict[torch.fx.Node, str]
         where = (gm.graph.inserting_before(last_input.next) if last_input is not None and order[last_input] > order[nodes[0]]
                  else gm.graph.inserting_before(nodes[0]))
         with where:
-            call = gm.graph.call_module(name, tuple(inputs))
+            call = gm.graph.call_module(unit, tuple(inputs))
             results = [gm.graph.call_function(operator.getitem, (call, j)) for j in range(len(outputs))]
         for n, r in zip(outputs, results):
             n.replace_all_uses_with(r, delete_user_cb=lambda user: user not in inside)
         moved = {n.target for n in nodes if n.op == "call_module"}
+        moved_state = {n.target for n in nodes if n.op == "get_attr"}
         for n in reversed(nodes):
             gm.graph.erase_node(n)
         # each module lives once in the tree: in the layer's body now (tools that name modules by
         # their path, as CommDebugMode does, see one path each)
         for target in moved - {n.target for n in gm.graph.nodes if n.op == "call_module"}:
             delattr(gm, target)
+        # ... and each parameter and buffer whose reads all moved
+        for target in moved_state - {n.target for n in gm.graph.nodes if n.op == "get_attr"}:
+            owner, _, attr = target.rpartition(".")
+            delattr(gm.get_submodule(owner) if owner else gm, attr)
     gm.graph.lint()
     gm.recompile()
     return gm

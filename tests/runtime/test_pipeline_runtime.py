@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import autotp
+from autotp.runtime.recompute import Recompute
 from examples.ranks import run_ranks
 
 
@@ -137,13 +138,13 @@ def _rank(rank, world, cases):
         full = autotp.checkpoint.full_state_dict(pm, rank=None)  # every stage's tensors, whole, on every rank
         on_zero = autotp.checkpoint.full_state_dict(pm)  # ... on rank 0 alone
         out.append({"loss": None if loss is None else loss.item(), "grads": grads, "full": full, "on_zero": on_zero,
-                    "fsdp": dict(fsdp),
+                    "fsdp": dict(fsdp), "fsdp_units": pm.fsdp_units,
                     "logits": None if logits is None else logits.logits,
                     "stages": pm.stage_indices, "state": sorted(pm.state_dict()), "sends": step_sends,
                     "restored": restored, "collectives": [(c.kind, c.mesh_axis, c.bytes) for c in log.seen],
                     "from_plan": pm.built_from_plan,
                     "on_meta": [n for n, p in pm.named_parameters() if _local(p).is_meta],
-                    "recomputed": sorted(m.path for st in pm.stages for m in st.modules() if type(m).__name__ == "Recompute"),
+                    "recomputed": sorted(m.path for st in pm.stages for m in st.modules() if isinstance(m, Recompute)),
                     "placements": {n: getattr(p, "placements", None) for n, p in pm.named_parameters()}})
     return out
 
@@ -290,25 +291,33 @@ def test_two_stage_pipelines_equal_one_process(tmp_path):
 
 
 @pytest.mark.slow  # 4 processes
-@pytest.mark.parametrize("name,pp,dp,tp,zero", [("llama", 2, 2, 1, 0), ("llama", 1, 2, 2, 3), ("llama", 2, 2, 1, 1),
-                                                ("llama", 2, 2, 1, 3), ("gpt2", 2, 2, 1, 0), ("gpt2", 1, 2, 2, 3)])
-def test_data_parallel_replicas_equal_one_process(name, pp, dp, tp, zero):
+@pytest.mark.parametrize("name,pp,dp,tp,zero,recompute", [
+    ("llama", 2, 2, 1, 0, False), ("llama", 1, 2, 2, 3, False), ("llama", 2, 2, 1, 1, False),
+    ("llama", 2, 2, 1, 3, False), ("gpt2", 2, 2, 1, 0, False), ("gpt2", 1, 2, 2, 3, True)])
+def test_data_parallel_replicas_equal_one_process(name, pp, dp, tp, zero, recompute):
     """A data axis beside the stages or the tensor axis: each replica runs its rows of the batch, the
     gradients averaged over the replicas (ZeRO 0), or the stages under FSDP2 over the tensor-parallel
     shards, parameters sharded on the data axis (ZeRO 1: kept gathered through the step; ZeRO 3:
     gathered for each pass)."""
-    plan = _plan(name, pp, tp, "1f1b" if pp > 1 else "none", 2, dp=dp, zero=zero)
+    plan = _plan(name, pp, tp, "1f1b" if pp > 1 else "none", 2, dp=dp, zero=zero, recompute=recompute)
     results = run_ranks(_rank, pp * dp * tp, [(name, plan.to_json(), (pp, dp, tp), None, None)])
+    if recompute:  # each layer a unit FSDP2 shards, run again in the backward
+        assert all(len(r[0]["recomputed"]) == 4 for r in results), [r[0]["recomputed"] for r in results]
     _check(name, [r[0] for r in results], plan, pp=pp)
     if zero:  # FSDP2 holds each parameter sharded over the data axis
         assert all("Shard" in str(p) for p in results[0][0]["placements"].values()), results[0][0]["placements"]
-        # ... one unit per stage, run as the search prices it (autotp/planning/pipeline_search.py): ZeRO 1
-        # gathers once a step and reduce-scatters once; ZeRO 3 gathers for each micro-batch's forward
-        # and backward and reduce-scatters after each backward
+        # ... each layer one unit, the rest of its stage another, run as the search prices it
+        # (autotp/planning/pipeline_search.py): under ZeRO 1 each unit gathers once a step and
+        # reduce-scatters once; under ZeRO 3 it gathers for each micro-batch's forward and backward and
+        # reduce-scatters after each backward
         m = plan.pipeline.chosen.micro_batches
-        want = {"all_gather_single": 1, "reduce_scatter_single": 1} if zero == 1 else {
-            "all_gather_single": 2 * m, "reduce_scatter_single": m}
-        assert [r[0]["fsdp"] for r in results] == [want] * len(results)
+        for r in results:
+            units = r[0]["fsdp_units"]
+            assert units == sum(s.end_layer - s.first_layer + (s.before or s.after) for s in plan.pipeline.stages
+                                if s.index in r[0]["stages"]), units
+            want = {"all_gather_single": units, "reduce_scatter_single": units} if zero == 1 else {
+                "all_gather_single": 2 * m * units, "reduce_scatter_single": m * units}
+            assert r[0]["fsdp"] == want, (r[0]["fsdp"], want)
 
 
 @pytest.mark.slow  # 4 processes; the 2-rank pipeline and the stages' cut are in the default suite
