@@ -167,6 +167,26 @@ def _own_parameters(unit: nn.Module):
     return (p for p in unit.parameters() if id(p) not in inner)
 
 
+def group_stage_layers(sg: torch.fx.GraphModule, origin: Mapping[str, str], unit: Mapping[str, int],
+                       layer_paths: Sequence[str], recompute: bool, with_state: bool) -> None:
+    """Each layer of the stack in the stage's graph ``sg`` moved into a submodule its graph calls
+    (``origin``, ``unit``: as for :func:`split_stages`): a ``Recompute`` where the layout recomputes,
+    else a ``Layer``. ``with_state``: the parameters and buffers only that layer reads move with it
+    (FSDP2 then shards each layer as a unit); they are named ``autotp_pipeline_..._i.body.<name in the
+    model>`` (:func:`_model_name` reads the model's name back)."""
+    from autotp.runtime.recompute import Layer, Recompute, group_layers
+
+    layer_of = {}
+    for n in sg.graph.nodes:
+        u = unit.get(origin.get(n.name, ""), 0)
+        if 1 <= u <= len(layer_paths) and n.op in ("call_function", "call_module") and not _reads_state(n):
+            layer_of[n] = layer_paths[u - 1]
+    if with_state:
+        layer_of.update(_state_of_one_layer(sg, layer_of))
+    group_layers(sg, layer_of, "autotp_pipeline_recompute_" if recompute else "autotp_pipeline_layer_",
+                 Recompute if recompute else Layer)
+
+
 def _model_name(name: str) -> str:
     """A stage's parameter or buffer under its name in the model: without the layer's submodule
     (``autotp_pipeline_layer_3.body.``) that holds it when the stage runs its layers as units."""
@@ -517,19 +537,8 @@ def build_pipeline_module(graph: Any, plan: Any, mesh: Any, model: nn.Module, ex
         # each layer of a stage as a submodule: the layout's recompute runs its forward again in the
         # backward; FSDP2 (ZeRO 1 and 3) shards and gathers it as one unit, with the parameters and
         # buffers only it reads, as torchtitan wraps each block
-        from autotp.runtime.recompute import Layer, Recompute, group_layers
-
         for k in mine:
-            sg = stages[k].module
-            layer_of = {}
-            for n in sg.graph.nodes:
-                u = unit.get(rewrite.origin.get(n.name, ""), 0)
-                if 1 <= u <= choice.layers and n.op in ("call_function", "call_module") and not _reads_state(n):
-                    layer_of[n] = layer_paths[u - 1]
-            if fsdp:
-                layer_of.update(_state_of_one_layer(sg, layer_of))
-            group_layers(sg, layer_of, "autotp_pipeline_recompute_" if c.recompute else "autotp_pipeline_layer_",
-                         Recompute if c.recompute else Layer)
+            group_stage_layers(stages[k].module, rewrite.origin, unit, layer_paths, c.recompute, with_state=fsdp)
     unlifted = graph.exported.module()
     info = unlifted.graph._codegen.pytree_info if hasattr(unlifted.graph._codegen, "pytree_info") else None
     if examples is None:  # a value crossing a cut that the plan does not describe: one run to see it

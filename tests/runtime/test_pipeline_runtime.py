@@ -259,12 +259,28 @@ def test_stages_run_one_after_the_other_compute_the_whole_graph():
         for s in stages:
             for n, _ in s.module.named_parameters():
                 owners.setdefault(n, []).append(s.index)
-        return out, gm(micro["input_ids"], micro["labels"]), owners, [s.outputs for s in stages]
+        # each layer as a unit FSDP2 can hold (what a data axis under ZeRO 1 or 3 runs): the layer's nodes
+        # and the parameters only it reads moved into a submodule; the stages compute the same
+        from autotp.runtime.pipeline import _model_name, group_stage_layers
 
-    ((out, whole, owners, crossing),) = run_threads(rank, 1)
+        layers = [f"model.layers.{i}" for i in range(4)]
+        for s in stages:
+            group_stage_layers(s.module, rewrite.origin, unit, layers, recompute=False, with_state=True)
+        values = {}
+        for s in stages[:-1]:
+            values.update(zip(s.outputs, s.module(*(values[n] for n in s.inputs), **given)))
+        grouped = stages[-1].module(*(values[n] for n in stages[-1].inputs), **given)
+        units = {n: _model_name(n) for s in stages for n, _ in s.module.named_parameters()}
+        return out, gm(micro["input_ids"], micro["labels"]), owners, [s.outputs for s in stages], grouped, units
+
+    ((out, whole, owners, crossing, grouped, units),) = run_threads(rank, 1)
     torch.testing.assert_close(out[0], whole[0])  # the loss
     torch.testing.assert_close(out[1], whole[1])  # the logits
     assert all(len(v) == 1 for v in owners.values()) and len(owners) == 39, owners
+    assert torch.equal(grouped[0], out[0]) and torch.equal(grouped[1], out[1])
+    assert sorted(units.values()) == sorted(owners)  # the model's names read back
+    for inside, name in units.items():  # a layer's own weights in its unit; the embedding, norm and head outside
+        assert inside.startswith("autotp_pipeline_layer_") == name.startswith("model.layers."), (inside, name)
     assert not crossing[-1] and all(crossing[:-1]), crossing
     assert not {"input_ids", "labels"} & {n for names in crossing for n in names}, "inputs are given, never sent"
 
