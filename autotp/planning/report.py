@@ -137,8 +137,10 @@ def header_lines(plan: "Plan") -> list[str]:
              "by default)" if not plan.dynamic_dims else
              f"{len(plan.dynamic_dims)} dynamic dims (below), the others static")
     inputs = ", ".join(f"{i.name} {list(i.shape)} {i.dtype}" for i in plan.inputs)
+    where = (f"{plan.pipeline.devices} devices in pipeline stages ({plan.pipeline.chosen.describe()}), each "
+             f"stage's plan on mesh {plan.mesh}" if plan.pipeline is not None else f"mesh {plan.mesh}")
     return [
-        f"autotp plan: {plan.model_type} on mesh {plan.mesh}, {plan.mode} mode",
+        f"autotp plan: {plan.model_type} on {where}, {plan.mode} mode",
         f"Hardware: {plan.hardware.name}, {plan.hardware_source}",
         f"Traced: the model {traced}, {sizes}" + (f"; inputs {inputs}" if inputs else ""),
     ]

@@ -222,6 +222,8 @@ def test_the_report_and_the_file_keep_the_layout(searched, tmp_path):
     text = plan.report()
     c = plan.pipeline.chosen
     assert "Layout search:" in text and f"Chosen: {c.describe()}" in text
+    assert text.splitlines()[0].startswith(f"autotp plan: LlamaForCausalLM on {plan.pipeline.devices} devices in "
+                                           f"pipeline stages ({c.describe()}), each stage's plan on mesh ")
     # the mesh the report names is the one autotp.parallelize takes for the layout
     from types import SimpleNamespace
 
