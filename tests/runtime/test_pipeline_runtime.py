@@ -131,6 +131,9 @@ def _rank(rank, world, cases):
         if checkpoint is not None:  # each rank writes and reads its stage's shards
             autotp.checkpoint.save(pm, checkpoint)
             again, _ = _built(name, plan_json, shape, weights)
+            with torch.no_grad():  # built alike: wiped, so only the load can make it equal
+                for p in again.parameters():
+                    _local(p).zero_()
             autotp.checkpoint.load(again, checkpoint)
             mine, theirs = pm.state_dict(), again.state_dict()
             restored = sorted(mine) == sorted(theirs) and all(
@@ -310,13 +313,16 @@ def test_two_stage_pipelines_equal_one_process(tmp_path):
 @pytest.mark.parametrize("name,pp,dp,tp,zero,recompute", [
     ("llama", 2, 2, 1, 0, False), ("llama", 1, 2, 2, 3, False), ("llama", 2, 2, 1, 1, False),
     ("llama", 2, 2, 1, 3, False), ("gpt2", 2, 2, 1, 0, False), ("gpt2", 1, 2, 2, 3, True)])
-def test_data_parallel_replicas_equal_one_process(name, pp, dp, tp, zero, recompute):
+def test_data_parallel_replicas_equal_one_process(name, pp, dp, tp, zero, recompute, tmp_path):
     """A data axis beside the stages or the tensor axis: each replica runs its rows of the batch, the
     gradients averaged over the replicas (ZeRO 0), or the stages under FSDP2 over the tensor-parallel
     shards, parameters sharded on the data axis (ZeRO 1: kept gathered through the step; ZeRO 3:
-    gathered for each pass)."""
+    gathered for each pass). Under FSDP2 each rank checkpoints its shards and restores them."""
     plan = _plan(name, pp, tp, "1f1b" if pp > 1 else "none", 2, dp=dp, zero=zero, recompute=recompute)
-    results = run_ranks(_rank, pp * dp * tp, [(name, plan.to_json(), (pp, dp, tp), None, None)])
+    checkpoint = str(tmp_path / "checkpoint") if zero else None
+    results = run_ranks(_rank, pp * dp * tp, [(name, plan.to_json(), (pp, dp, tp), None, checkpoint)])
+    if checkpoint:
+        assert [r[0]["restored"] for r in results] == [True] * len(results)
     if recompute:  # each layer a unit FSDP2 shards, run again in the backward
         assert all(len(r[0]["recomputed"]) == 4 for r in results), [r[0]["recomputed"] for r in results]
     _check(name, [r[0] for r in results], plan, pp=pp)
