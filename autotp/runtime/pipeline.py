@@ -471,6 +471,12 @@ class PipelineModule(nn.Module):
                 p.grad = torch.zeros_like(p)
             grad = None if p is None else p.grad
             local = grad.to_local() if hasattr(grad, "to_local") else grad
+            if local is None and self.dp_group is not None and self._zero > 0:
+                # the holders' gradient is FSDP2's piece of the tensor-parallel shard: dim 0 cut in
+                # chunks of ceil(rows / dp) over the data axis (the last ones shorter, or empty)
+                rows, dp = shape[0], dist.get_world_size(self.dp_group)
+                per = -(-rows // dp)
+                shape = (max(0, min(per, rows - self.dp_rank * per)), *shape[1:])
             buffer = local if local is not None else torch.zeros(shape, dtype=dtype, device=self.device)
             dist.all_reduce(buffer, group=self.pp_group)
 

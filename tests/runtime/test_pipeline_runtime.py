@@ -312,13 +312,15 @@ def test_two_stage_pipelines_equal_one_process(tmp_path):
 @pytest.mark.slow  # 4 processes
 @pytest.mark.parametrize("name,pp,dp,tp,zero,recompute", [
     ("llama", 2, 2, 1, 0, False), ("llama", 1, 2, 2, 3, False), ("llama", 2, 2, 1, 1, False),
-    ("llama", 2, 2, 1, 3, False), ("gpt2", 2, 2, 1, 0, False), ("gpt2", 1, 2, 2, 3, True)])
+    ("llama", 2, 2, 1, 3, False), ("gpt2", 2, 2, 1, 0, False), ("gpt2", 1, 2, 2, 3, True),
+    ("gpt2", 3, 2, 1, 1, False)])  # a middle stage's ranks hold no piece of the tied embedding
 def test_data_parallel_replicas_equal_one_process(name, pp, dp, tp, zero, recompute, tmp_path):
     """A data axis beside the stages or the tensor axis: each replica runs its rows of the batch, the
     gradients averaged over the replicas (ZeRO 0), or the stages under FSDP2 over the tensor-parallel
     shards, parameters sharded on the data axis (ZeRO 1: kept gathered through the step; ZeRO 3:
     gathered for each pass). Under FSDP2 each rank checkpoints its shards and restores them."""
-    plan = _plan(name, pp, tp, "1f1b" if pp > 1 else "none", 2, dp=dp, zero=zero, recompute=recompute)
+    schedule = "none" if pp == 1 else "1f1b" if pp == 2 else "gpipe"  # 1F1B needs a micro-batch per stage
+    plan = _plan(name, pp, tp, schedule, 2, dp=dp, zero=zero, recompute=recompute)
     checkpoint = str(tmp_path / "checkpoint") if zero else None
     results = run_ranks(_rank, pp * dp * tp, [(name, plan.to_json(), (pp, dp, tp), None, checkpoint)])
     if checkpoint:
