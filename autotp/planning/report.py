@@ -137,8 +137,8 @@ def header_lines(plan: "Plan") -> list[str]:
              "by default)" if not plan.dynamic_dims else
              f"{len(plan.dynamic_dims)} dynamic dims (below), the others static")
     inputs = ", ".join(f"{i.name} {list(i.shape)} {i.dtype}" for i in plan.inputs)
-    where = (f"{plan.pipeline.devices} devices in pipeline stages ({plan.pipeline.chosen.describe()}), each "
-             f"stage's plan on mesh {plan.mesh}" if plan.pipeline is not None else f"mesh {plan.mesh}")
+    where = (f"{plan.pipeline.devices} devices laid out as {plan.pipeline.chosen.describe()}, each stage's plan "
+             f"on mesh {plan.mesh}" if plan.pipeline is not None else f"mesh {plan.mesh}")
     return [
         f"autotp plan: {plan.model_type} on {where}, {plan.mode} mode",
         f"Hardware: {plan.hardware.name}, {plan.hardware_source}",
@@ -204,7 +204,8 @@ def pipeline_lines(plan: "Plan") -> list[str]:
     sizes = {"pipeline": c.pp, "data": c.dp, "tensor": c.tp}
     axes = [a for a in sizes if sizes[a] > 1] or ["tensor"]  # the axes of more than one rank
     links = ", ".join(f"{axis} {link.replace('_node', '')}" for axis, link in pc.links if axis in axes)
-    shape, names = layout_mesh(c)
+    # pp 1 x dp 1: a plain tensor-parallel plan, run on the plan's own mesh
+    shape, names = layout_mesh(c) if c.pp > 1 or c.dp > 1 else (tuple(plan.mesh.shape), tuple(plan.mesh.axis_names))
     lines = ["", f"Layout search: {pc.priced} layouts of {pc.devices} devices ({pc.devices_per_node} per node) "
              f"priced, {pc.global_batch} samples per step" + (f", in {pc.search_s:.1f} s" if pc.search_s else ""),
              f"Chosen: {c.describe()}: step {_t(c.step_s)} (compute {_t(c.compute_s)}, communication "

@@ -222,8 +222,8 @@ def test_the_report_and_the_file_keep_the_layout(searched, tmp_path):
     text = plan.report()
     c = plan.pipeline.chosen
     assert "Layout search:" in text and f"Chosen: {c.describe()}" in text
-    assert text.splitlines()[0].startswith(f"autotp plan: LlamaForCausalLM on {plan.pipeline.devices} devices in "
-                                           f"pipeline stages ({c.describe()}), each stage's plan on mesh ")
+    assert text.splitlines()[0].startswith(f"autotp plan: LlamaForCausalLM on {plan.pipeline.devices} devices laid "
+                                           f"out as {c.describe()}, each stage's plan on mesh ")
     # the mesh the report names is the one autotp.parallelize takes for the layout
     from types import SimpleNamespace
 
@@ -235,6 +235,10 @@ def test_the_report_and_the_file_keep_the_layout(searched, tmp_path):
     shape, names = ast.literal_eval(found.group(1)), ast.literal_eval(found.group(2))
     assert mesh_problem(c, SimpleNamespace(mesh_dim_names=names, mesh=torch.empty(shape))) == ""
     assert mesh_problem(c, SimpleNamespace(mesh_dim_names=("pipeline",), mesh=torch.empty(c.pp))) != ""
+    # pp 1 x dp 1 is a plain tensor-parallel plan: autotp.parallelize runs it on the plan's own mesh
+    model, (ids,) = M.hf_llama(n_layer=4)
+    flat = autotp.plan(model, 2, (ids,), hardware="h100-sxm", pipeline={"pp": 1, "dp": 1, "tp": 2})
+    assert "init_device_mesh(..., (2,), mesh_dim_names=('tp',)) for autotp.parallelize" in flat.report()
     path = tmp_path / "plan.json"
     plan.save(path)
     loaded = autotp.load_plan(path)
