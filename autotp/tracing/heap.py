@@ -9,7 +9,11 @@ makes, and still collect its cycles. They are unfrozen at its end, as they were.
 
 A process that froze objects itself (``gc.get_freeze_count()`` above 0) is left as it is: the block
 then freezes and unfreezes nothing, so it never thaws what its caller froze. Nested blocks, and
-blocks on other threads at the same time, freeze nothing more than the outermost one did.
+blocks on other threads at the same time, freeze nothing more than the outermost one did. At its
+end the block collects the cycles it made (a full pass, over its own objects only, since the old
+ones are still frozen), so a loop of plans (the mesh and pipeline searches) does not freeze the
+garbage of one plan into the next. One case it cannot tell apart: a ``gc.freeze()`` another thread
+makes while a block runs is thawed with the block's own at its end.
 """
 
 from __future__ import annotations
@@ -42,4 +46,7 @@ def old_objects_frozen() -> Iterator[None]:
             with _lock:
                 _holders -= 1
                 if _holders == 0:
+                    # the block's cycles collected while the old objects are still out of reach (a pass
+                    # over the block's objects alone): left for later, the next block would freeze them
+                    gc.collect()
                     gc.unfreeze()

@@ -48,3 +48,17 @@ def test_cycles_made_in_the_block_are_still_collected():
         del node
         gc.collect()
         assert gone() is None
+
+
+def test_the_cycles_a_block_leaves_are_collected_at_its_end():
+    """A loop of plans must not freeze one plan's garbage into the next: the block collects its own."""
+    gc.disable()  # no automatic pass: only the block's own can free the cycle
+    try:
+        with old_objects_frozen():
+            node = _Node()
+            node.self = node
+            gone = weakref.ref(node)
+            del node
+        assert gone() is None
+    finally:
+        gc.enable()
