@@ -27,9 +27,11 @@ recompute choice, and keeps the layout of least predicted step that fits the mem
 4. **The step**: the schedule's orders replayed with each stage's forward and backward seconds and
    the sends between stages on the pipeline axis's link (:func:`autotp.planning.schedules.simulate`),
    plus each rank's once-per-step reductions, and the all-reduce over the pipeline axis of each
-   weight that stages on two ranks hold (an embedding tied to the head). Memory per rank: its stages' state and the most
-   activations its schedule holds at once (1F1B's first rank ``pp`` micro-batches'), or, at the
-   optimizer's step, state and gradients.
+   weight that stages on two ranks hold (an embedding tied to the head). Memory per rank: its
+   stages' state, the gradients they accumulate over the step's micro-batches (whole under ZeRO 0
+   and 1, a replica's piece under ZeRO 3) and the most activations its schedule holds at once
+   (1F1B's first rank ``pp`` micro-batches'; counted beside the gradients, an upper bound where the
+   schedule frees them before the first backward); or, at the optimizer's step, state and gradients.
 
 Each candidate carries why it lost to the chosen one: memory, the bubble, communication or compute.
 ``autotp.parallelize`` runs the chosen layout (:mod:`autotp.runtime.pipeline`; docs/limits.md says what it leaves out).
@@ -243,7 +245,7 @@ def _prepare(layout: Layout, plan_units: _Units, profile: HardwareProfile) -> _P
     weights[0] += seconds[0]
     weights[-1] += seconds[-1]
     cut = balanced_cut(weights, n_stages, ranks=pp if v > 1 else 0, micro_batches=m)
-    fwd, bwd, comp, comm, acts, sends, state, opt_step, transient, end_s = ([] for _ in range(10))
+    fwd, bwd, comp, comm, acts, sends, state, opt_step, transient, end_s, grads = ([] for _ in range(11))
     stages = []
     holders: dict[str, set[int]] = {}  # parameter -> the pipeline ranks whose stages hold it
     for k, (a, e) in enumerate(cut):
@@ -292,13 +294,14 @@ def _prepare(layout: Layout, plan_units: _Units, profile: HardwareProfile) -> _P
         sends.append(send)
         state.append(during + o + buffers)
         opt_step.append(at_step - during + t)  # added to the state: what the optimizer's step holds
+        grads.append(g / dp if dp > 1 and layout.zero >= 3 else g)  # accumulated over the micro-batches
         transient.append(sum(u.transient_bytes for u in us))
         end_s.append(step_end)
         stages.append(StageChoice(k, k % pp, a, e, k == 0, k == n_stages - 1, fwd[-1], bwd[-1], send, state[-1]))
     schedule = layout.schedule if pp > 1 else "1f1b"  # one stage: accumulation, each backward after its forward
     mine = [[k for k in range(n_stages) if k % pp == r] for r in range(pp)]
     held = held_bytes(schedule, pp, m, v, acts)
-    peak = max(max(sum(state[k] for k in ks) + held[r] + sum(transient[k] for k in ks),
+    peak = max(max(sum(state[k] + grads[k] for k in ks) + held[r] + sum(transient[k] for k in ks),
                    sum(state[k] + opt_step[k] for k in ks)) for r, ks in enumerate(mine))
     # a weight stages on several ranks hold (an embedding tied to the head): after the backward, its
     # gradient summed over the pipeline axis, every rank of it taking part (autotp.runtime.pipeline)
