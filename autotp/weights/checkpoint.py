@@ -22,6 +22,7 @@ __all__ = ["save", "load", "full_state_dict", "full_tensor"]
 
 def save(module: nn.Module, path: str | os.PathLike) -> None:
     """Write the module's state dict (DTensor shards) with ``torch.distributed.checkpoint``."""
+    _check_sizable(module)
     state, _ = _for_dcp(module.state_dict(), _placements(module))
     dcp.save(state, checkpoint_id=os.fspath(path))
 
@@ -29,6 +30,7 @@ def save(module: nn.Module, path: str | os.PathLike) -> None:
 def load(module: nn.Module, path: str | os.PathLike) -> None:
     """Load a checkpoint written by :func:`save` into ``module`` (same plan and mesh, or any plan:
     DCP reshards by the placements of the module's own DTensors)."""
+    _check_sizable(module)
     own = _placements(module)
     state, changed = _for_dcp(module.state_dict(), own)
     dcp.load(state, checkpoint_id=os.fspath(path))
@@ -75,6 +77,24 @@ def full_tensor(value: torch.Tensor, placements=None) -> torch.Tensor:
             else:
                 local = _gather_uneven(local, p.dim, mesh.get_group(axis), sizes)
     return local
+
+
+def _check_sizable(module: nn.Module) -> None:
+    """Refuse a pipeline module under FSDP2 (ZeRO 1 or 3) whose plan splits a weight in a way
+    DTensor cannot size (whole heads the axis does not divide, unequal blocks): FSDP2 made its
+    parameters anew, without autotp's placements, so their pieces would be gathered and cut wrong."""
+    if not getattr(module, "fsdp_units", 0):
+        return
+    from autotp.placement import parse_placements
+
+    odd = sorted(name for name, text in module.plan.parameter_placements.items()
+                 if any(_dtensor_cannot_size(p) for p in parse_placements(text) or ()))
+    if odd:
+        raise NotImplementedError(
+            f"this pipeline module runs under FSDP2 (ZeRO {module.plan.pipeline.chosen.zero}) and its plan splits "
+            f"{', '.join(odd[:3])}{' and more' if len(odd) > 3 else ''} unevenly (whole heads the tensor axis does not "
+            f"divide, or unequal blocks), which a checkpoint cannot size yet: plan with pipeline={{'zero': 0}}, or a "
+            f"tensor axis that divides the heads (docs/limits.md)")
 
 
 def _dtensor_cannot_size(p) -> bool:
@@ -136,6 +156,7 @@ def full_state_dict(module: nn.Module, rank: Optional[int] = 0) -> dict[str, tor
     pipeline axis to ``rank`` (to every rank when None). The whole model then arrives on the CPU,
     every stage's tensors, under the model's names (a weight two stages hold, once).
     """
+    _check_sizable(module)
     out: dict[str, torch.Tensor] = {}
     me = dist.get_rank() if dist.is_initialized() else 0
     own = _placements(module)

@@ -42,3 +42,21 @@ def test_checkpoint_round_trip_and_full_state_dict(tmp_path):
         assert r["after"] == 0.0
         assert r["gathered_equal"]
         assert r["rank0_only"]
+
+
+def test_a_pipeline_module_under_fsdp_with_splits_dtensor_cannot_size_is_refused_not_gathered_wrong():
+    """FSDP2 makes a stage's parameters anew, without autotp's placements: a split of whole heads the
+    axis does not divide would be sized by elements. save, load and full_state_dict refuse it."""
+    from types import SimpleNamespace
+
+    from autotp.weights.checkpoint import _check_sizable
+
+    def module(placements: dict, units: int) -> SimpleNamespace:
+        chosen = SimpleNamespace(zero=3)
+        return SimpleNamespace(fsdp_units=units, plan=SimpleNamespace(parameter_placements=placements,
+                                                                       pipeline=SimpleNamespace(chosen=chosen)))
+
+    with pytest.raises(NotImplementedError, match=r"q_proj.weight unevenly .*pipeline=\{'zero': 0\}"):
+        _check_sizable(module({"q_proj.weight": "S(0)~64", "o_proj.weight": "S(1)"}, 4))
+    _check_sizable(module({"q_proj.weight": "S(0)", "o_proj.weight": "S(1)"}, 4))  # even splits: fine
+    _check_sizable(module({"q_proj.weight": "S(0)~64"}, 0))  # no FSDP2: autotp's placements are kept
