@@ -145,16 +145,12 @@ class Formulation:
             self.add_cost(r, lambda st, node=node, m=m: m * self.cost.node_compute_s(node, st))
         # ... but not how often their outputs are read: the last block's output feeds the final norm
         # alone, the others' the next block's norm and residual too; each adds its own gradients
-        sums: Counter = Counter()  # (representative, reads): members alike, priced once times their count
-        first: dict[tuple[str, int], Any] = {}
+        sums: dict[tuple[str, int], list] = {}  # (representative, reads) -> [members, one of them]: priced once
         for n in self.graph.nodes:
-            reads = self.graph.gradient_reads(n.name)
-            if reads > 1:
-                sums[(self.rep[n.name], reads)] += 1
-                first.setdefault((self.rep[n.name], reads), n)
-        for (r, reads), count in sums.items():
-            self.add_cost(r, lambda st, n=first[(r, reads)], reads=reads, count=count:
-                          count * self.cost.gradient_sums_s(n, st, reads))
+            if (reads := self.graph.gradient_reads(n.name)) > 1:
+                sums.setdefault((self.rep[n.name], reads), [0, n])[0] += 1
+        for (r, reads), (count, n) in sums.items():
+            self.add_cost(r, lambda st, n=n, reads=reads, count=count: count * self.cost.gradient_sums_s(n, st, reads))
         # graph outputs are returned replicated (plain tensors, as the original model returns them)
         for o in self.graph.outputs:
             node = self.graph[o]

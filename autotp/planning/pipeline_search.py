@@ -195,7 +195,10 @@ def layouts(devices: int, devices_per_node: int, layers: int, batch: int) -> lis
 
 def layout_mesh(layout: Layout) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """The shape and axis names of the mesh ``autotp.parallelize`` runs ``layout`` on: ``("pp", "tp")``,
-    or ``("pp", "dp", "tp")`` with a data axis."""
+    or ``("pp", "dp", "tp")`` with a data axis; ``("tp",)`` for pp 1 x dp 1, a plain tensor-parallel
+    plan."""
+    if layout.pp == layout.dp == 1:
+        return (layout.tp,), ("tp",)
     if layout.dp > 1:
         return (layout.pp, layout.dp, layout.tp), ("pp", "dp", "tp")
     return (layout.pp, layout.tp), ("pp", "tp")
@@ -264,7 +267,7 @@ def _prepare(layout: Layout, plan_units: _Units, profile: HardwareProfile) -> _P
         during, at_step = p, p + g  # parameters (and gradients) held through the step, at the optimizer's step
         if dp > 1 and layout.zero == 0:
             step_end = max(collective_time_s(dp_link, "all_reduce", g, dp) - b_comp, 0.0)
-        elif dp > 1:  # FSDP2 as the runtime runs it (autotp/runtime/pipeline.py): each layer of the stage one
+        elif dp > 1:  # FSDP2 as the runtime runs it (autotp/runtime/stage_units.py): each layer of the stage one
             # unit, the rest of the stage (what comes before or after the stack) another; at the
             # optimizer's step every state sharded over the data axis
             at_step, o, t = (p + g) / dp, o / dp, t / dp

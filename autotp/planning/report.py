@@ -204,8 +204,7 @@ def pipeline_lines(plan: "Plan") -> list[str]:
     sizes = {"pipeline": c.pp, "data": c.dp, "tensor": c.tp}
     axes = [a for a in sizes if sizes[a] > 1] or ["tensor"]  # the axes of more than one rank
     links = ", ".join(f"{axis} {link.replace('_node', '')}" for axis, link in pc.links if axis in axes)
-    # pp 1 x dp 1: a plain tensor-parallel plan, run on the plan's own mesh
-    shape, names = layout_mesh(c) if c.pp > 1 or c.dp > 1 else (tuple(plan.mesh.shape), tuple(plan.mesh.axis_names))
+    shape, names = layout_mesh(c)
     lines = ["", f"Layout search: {pc.priced} layouts of {pc.devices} devices ({pc.devices_per_node} per node) "
              f"priced, {pc.global_batch} samples per step" + (f", in {pc.search_s:.1f} s" if pc.search_s else ""),
              f"Chosen: {c.describe()}: step {_t(c.step_s)} (compute {_t(c.compute_s)}, communication "
@@ -233,7 +232,7 @@ def pipeline_lines(plan: "Plan") -> list[str]:
 
 
 def _text(plan: "Plan") -> str:
-    mem, t, st = plan.memory, plan.time, plan.stats
+    t, st = plan.time, plan.stats
     lines = header_lines(plan) + mesh_search_lines(plan) + pipeline_lines(plan) + ["", "Modules"]
     lines += _table(_MODULE_HEADERS, _module_rows(plan))
     lines += ["", "Collectives per step"]

@@ -18,6 +18,8 @@ which it asks the planner for, with every weight kept where it is).
 - ``recompute``     recomputed layers as checkpointed submodules
 - ``pipeline``      a three-dimensional plan's stages of this rank under a pipelining schedule, with
                     a data axis (gradient all-reduce, or FSDP2 for ZeRO): ``PipelineModule.step``
+- ``stage_graphs``  the rewritten graph cut into stage graphs, and the values crossing the cuts
+- ``stage_units``   a stage's layers as submodules, for recompute and FSDP2's per-layer units
 - ``generation``    ``generate()``: its graphs (prompt and token; encoder, first and later decoder step),
                     planned with the caches split like the attention, and the decoding loop
 - ``static_cache``  copies of a Hugging Face model whose KV cache is a set of buffers, to trace

@@ -33,7 +33,6 @@ prices).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
@@ -41,222 +40,16 @@ import torch.fx
 from torch import nn
 
 from autotp.planning.pipeline_search import layout_mesh
+from autotp.runtime.stage_graphs import (StageGraph, attribute, example_values, mesh_device, planned_values,
+                                         split_stages, stage_of_units)
+from autotp.runtime.stage_units import fsdp_units, group_stage_layers, model_name, shard_over_replicas
 from autotp.runtime.state import put
 
-__all__ = ["PipelineModule", "build_pipeline_module", "mesh_problem", "split_stages", "stage_of_units", "SCHEDULES"]
+__all__ = ["PipelineModule", "build_pipeline_module", "mesh_problem", "SCHEDULES"]
 
 # the plan's schedule names -> torch.distributed.pipelining's classes (looked up when built)
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
              "none": "Schedule1F1B"}  # one stage: the micro-batches accumulated, each backward after its forward
-
-
-@dataclass(frozen=True)
-class StageGraph:
-    """One stage's graph: the names of the values it receives (positional, in order) and returns (in
-    order); every stage also takes the model's inputs by keyword (``keywords``), reading those it uses."""
-
-    index: int
-    module: torch.fx.GraphModule
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    keywords: tuple[str, ...]
-    shared: Mapping[str, tuple[int, ...]]  # a parameter this stage holds with others -> the stages holding it
-
-
-def stage_of_units(stages: Sequence[Any], n_layers: int) -> list[int]:
-    """The stage of each unit (0 before the stack, ``1 + i`` layer ``i``, ``n_layers + 1`` after),
-    from the plan's :class:`autotp.planning.pipeline_search.StageChoice` list."""
-    of = [-1] * (n_layers + 2)
-    for s in stages:
-        for i in range(s.first_layer, s.end_layer):
-            of[1 + i] = s.index
-        if s.before:
-            of[0] = s.index
-        if s.after:
-            of[n_layers + 1] = s.index
-    if -1 in of:
-        raise ValueError(f"the plan's stages do not cover every unit: {[(s.first_layer, s.end_layer) for s in stages]}")
-    return of
-
-
-def _node_stages(gm: torch.fx.GraphModule, origin: Mapping[str, str], unit: Mapping[str, int],
-                 unit_stage: Sequence[int]) -> dict[torch.fx.Node, int]:
-    """Each fx node's stage: that of the graph op it was emitted for; a node emitted for none (a
-    parameter's read, a size, the outputs' redistribution) with its first reader, or where nothing
-    reads it, with its last input."""
-    nodes = list(gm.graph.nodes)
-    stage: dict[torch.fx.Node, int] = {}
-    last = max(unit_stage)
-    for n in nodes:
-        if n.op == "placeholder":
-            stage[n] = 0  # the model's inputs: every stage is given them (by keyword), none sends them
-        elif n.name in origin and origin[n.name] in unit:
-            stage[n] = unit_stage[unit[origin[n.name]]]
-    for n in reversed(nodes):  # by readers, from the end
-        if n in stage or n.op == "placeholder":
-            continue
-        readers = [stage[u] for u in n.users if u in stage]
-        if n.op == "output":
-            stage[n] = last
-        elif readers:
-            stage[n] = min(readers)
-    for n in nodes:  # nothing reads it: with its inputs
-        if n not in stage:
-            inputs = [stage[a] for a in n.all_input_nodes if a in stage]
-            stage[n] = max(inputs) if inputs else 0
-    return stage
-
-
-def split_stages(gm: torch.fx.GraphModule, origin: Mapping[str, str], unit: Mapping[str, int],
-                 unit_stage: Sequence[int]) -> list[StageGraph]:
-    """The rewritten graph ``gm`` cut into one graph per stage (module docstring). ``origin``: fx node
-    name -> graph op (:attr:`autotp.runtime.rewrite.GraphRewrite.origin`); ``unit``: graph op ->
-    unit; ``unit_stage``: unit -> stage."""
-    stage = _node_stages(gm, origin, unit, unit_stage)
-    n_stages = max(unit_stage) + 1
-    nodes = [n for n in gm.graph.nodes]
-    # a read of a parameter or buffer (and its local shard) goes into every stage that uses it: a
-    # weight two stages read (an embedding tied to the head) is held by both, never sent
-    needed: dict[torch.fx.Node, set[int]] = {}
-    for n in reversed(nodes):
-        if _reads_state(n):
-            needed[n] = set().union(*(needed[u] if u in needed else {stage[u]} for u in n.users)) or {stage[n]}
-    for n in nodes:
-        for a in n.all_input_nodes:
-            if stage[a] > stage[n] and a.op != "placeholder" and a not in needed:
-                raise NotImplementedError(f"{n.name} (stage {stage[n]}) reads {a.name}, made in the later stage "
-                                          f"{stage[a]}: the graph cannot be cut into stages in this order")
-    crossing: list[list[torch.fx.Node]] = [[] for _ in range(n_stages)]  # crossing[k]: made <= k, read > k
-    placeholders = [n for n in nodes if n.op == "placeholder"]
-    for n in nodes:
-        if n.op in ("output", "placeholder") or n in needed:
-            continue
-        later = [stage[u] for u in n.users if stage[u] > stage[n]]
-        for k in range(stage[n], max(later, default=stage[n])):
-            crossing[k].append(n)
-    shared = {n.target: tuple(sorted(needed[n])) for n in needed
-              if n.op == "get_attr" and len(needed[n]) > 1 and isinstance(_attribute(gm, n.target), nn.Parameter)}
-    out = []
-    for k in range(n_stages):
-        g = torch.fx.Graph()
-        env: dict[torch.fx.Node, torch.fx.Node] = {}
-        inputs = [] if k == 0 else crossing[k - 1]
-        for n in inputs + placeholders:
-            env[n] = g.placeholder(n.name)
-        for n in nodes:
-            here = k in needed[n] if n in needed else stage[n] == k
-            if not here or n.op in ("placeholder", "output") or n in env:
-                continue
-            env[n] = g.node_copy(n, lambda a: env[a])
-        if k == n_stages - 1:
-            (result,) = [n for n in nodes if n.op == "output"]
-            g.output(torch.fx.node.map_arg(result.args[0], lambda a: env[a]))
-            outputs: tuple[str, ...] = ()
-        else:
-            g.output(tuple(env[n] for n in crossing[k]))
-            outputs = tuple(n.name for n in crossing[k])
-        out.append(StageGraph(k, torch.fx.GraphModule(gm, g, class_name=f"AutotpStage{k}"),
-                              tuple(n.name for n in inputs), outputs, tuple(n.name for n in placeholders),
-                              {t: where for t, where in shared.items() if k in where}))
-    return out
-
-
-def _own_parameters(unit: nn.Module):
-    """The parameters an FSDP unit manages: its module's, less those of the units inside it."""
-    inner = {id(p) for m in unit.modules() if m is not unit and hasattr(m, "unshard") for p in m.parameters()}
-    return (p for p in unit.parameters() if id(p) not in inner)
-
-
-def group_stage_layers(sg: torch.fx.GraphModule, origin: Mapping[str, str], unit: Mapping[str, int],
-                       layer_paths: Sequence[str], recompute: bool, with_state: bool) -> None:
-    """Each layer of the stack in the stage's graph ``sg`` moved into a submodule its graph calls
-    (``origin``, ``unit``: as for :func:`split_stages`): a ``Recompute`` where the layout recomputes,
-    else a ``Layer``. ``with_state``: the parameters and buffers only that layer reads move with it
-    (FSDP2 then shards each layer as a unit); they are named ``autotp_pipeline_..._i.body.<name in the
-    model>`` (:func:`_model_name` reads the model's name back)."""
-    from autotp.runtime.recompute import Layer, Recompute, group_layers
-
-    layer_of = {}
-    for n in sg.graph.nodes:
-        u = unit.get(origin.get(n.name, ""), 0)
-        if 1 <= u <= len(layer_paths) and n.op in ("call_function", "call_module") and not _reads_state(n):
-            layer_of[n] = layer_paths[u - 1]
-    if with_state:
-        layer_of.update(_state_of_one_layer(sg, layer_of))
-    group_layers(sg, layer_of, "autotp_pipeline_recompute_" if recompute else "autotp_pipeline_layer_",
-                 Recompute if recompute else Layer)
-
-
-def _model_name(name: str) -> str:
-    """A stage's parameter or buffer under its name in the model: without the layer's submodule
-    (``autotp_pipeline_layer_3.body.``) that holds it when the stage runs its layers as units."""
-    head, _, rest = name.partition(".")
-    if head.startswith(("autotp_pipeline_layer_", "autotp_pipeline_recompute_")) and rest.startswith("body."):
-        return rest[len("body."):]
-    return name
-
-
-def _state_of_one_layer(gm: torch.fx.GraphModule, layer_of: Mapping[torch.fx.Node, str]) -> dict[torch.fx.Node, str]:
-    """The reads of parameters and buffers (and their local shards) that only one layer's nodes use,
-    with that layer."""
-    mine: dict[torch.fx.Node, str] = {}
-    for n in reversed(list(gm.graph.nodes)):
-        if _reads_state(n) and n.users:
-            layers = {layer_of.get(u) or mine.get(u) for u in n.users}
-            if len(layers) == 1 and None not in layers:
-                mine[n] = layers.pop()
-    return mine
-
-
-def _reads_state(n: torch.fx.Node) -> bool:
-    """A parameter's or buffer's read, or the local shard of one (nothing computed, nothing sent)."""
-    from autotp.runtime.collectives import to_local
-
-    return n.op == "get_attr" or (n.op == "call_function" and n.target is to_local
-                                  and len(n.all_input_nodes) == 1 and n.all_input_nodes[0].op == "get_attr")
-
-
-def _attribute(module: nn.Module, target: str) -> Any:
-    for part in target.split("."):
-        module = getattr(module, part)
-    return module
-
-
-def _sharded_over_replicas(stage: nn.Module, graph_module: nn.Module, mesh: Any, zero: int) -> nn.Module:
-    """The stage under PyTorch's FSDP2 over the data axis (``mesh``), over its tensor-parallel
-    shards, as the schedule is to run it: each of its layers one unit (``build_pipeline_module``
-    made each a submodule holding the state only it reads), the rest of the stage another.
-
-    - ZeRO 1: the parameters gathered at the step's first forward and kept to its last backward, the
-      gradients kept whole over the micro-batches and reduce-scattered once: the schedule is
-      given the FSDP module itself, so ``torch.distributed.pipelining`` turns FSDP's gradient sync
-      and resharding off until the last backward.
-    - ZeRO 3: gathered for each micro-batch's forward and again for its backward, the gradients
-      reduce-scattered after each backward (held sharded): FSDP's own hooks run every micro-batch,
-      since the schedule is given a plain module around it.
-    """
-    from torch.distributed.fsdp import fully_shard
-
-    from autotp.runtime.recompute import Layer, Recompute
-
-    layers = [m for m in graph_module.modules() if isinstance(m, (Layer, Recompute))]
-    for layer in layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=zero >= 3)
-    if zero >= 3:
-        fully_shard(graph_module, mesh=mesh, reshard_after_forward=True)
-        return stage if stage is not graph_module else _Around(stage)
-    return fully_shard(stage, mesh=mesh, reshard_after_forward=False)
-
-
-class _Around(nn.Module):
-    """A stage's module seen through a plain module: the schedule drives it as it drives any other."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.inner(*args, **kwargs)
 
 
 class _LastStage(nn.Module):
@@ -332,21 +125,19 @@ class PipelineModule(nn.Module):
         for k in mine:
             m = _LastStage(stages[k].module, out_spec) if k == last else stages[k].module
             if fsdp_mesh is not None:
-                m = _sharded_over_replicas(m, stages[k].module, fsdp_mesh, plan.pipeline.chosen.zero)
+                m = shard_over_replicas(m, stages[k].module, fsdp_mesh, plan.pipeline.chosen.zero)
             modules.append(m)
         # FSDP2's units on this rank that hold parameters (each gathers and reduce-scatters its own)
-        self.fsdp_units = 0 if fsdp_mesh is None else sum(
-            1 for st in modules for u in st.modules() if hasattr(u, "unshard")
-            and any(True for _ in _own_parameters(u)))
+        self.fsdp_units = 0 if fsdp_mesh is None else fsdp_units(modules)
         # the stages are not submodules: this module holds their parameters and buffers under the
         # model's own names (a stage's graph reads them under those names), so state_dict, the
         # optimizer and autotp.checkpoint see this rank's part of the model as the model names it
         self.stages = list(modules)
         for k in mine:
             for name, p in stages[k].module.named_parameters():
-                put(self, _model_name(name), p, "parameter")
+                put(self, model_name(name), p, "parameter")
             for name, b in stages[k].module.named_buffers():
-                put(self, _model_name(name), b, "buffer", persistent=_model_name(name) in persistent)
+                put(self, model_name(name), b, "buffer", persistent=model_name(name) in persistent)
         # a parameter's other names in the model (a head tied to the embedding): the same parameter,
         # so the state dict has the model's keys, as a ParallelModule's does
         held = dict(self.named_parameters())
@@ -535,7 +326,7 @@ def build_pipeline_module(graph: Any, plan: Any, mesh: Any, model: nn.Module, ex
         rewrite.emit()
         gm = torch.fx.GraphModule(root, rewrite.fx, class_name="AutotpPipelineGraph")
         stages = split_stages(gm, rewrite.origin, unit, unit_stage)
-        examples = _planned_values(graph, plan, tp_mesh, rewrite, stages) if attempt == "stages" else None
+        examples = planned_values(graph, plan, tp_mesh, rewrite, stages) if attempt == "stages" else None
         if examples is not None:
             break
     fsdp = dp_mesh is not None and c.zero > 0
@@ -548,12 +339,11 @@ def build_pipeline_module(graph: Any, plan: Any, mesh: Any, model: nn.Module, ex
     unlifted = graph.exported.module()
     info = unlifted.graph._codegen.pytree_info if hasattr(unlifted.graph._codegen, "pytree_info") else None
     if examples is None:  # a value crossing a cut that the plan does not describe: one run to see it
-        examples = _example_values(gm, stages, example_flat, info.out_spec if info is not None else None)
-    device = torch.device(mesh.device_type) if mesh.device_type == "cpu" else torch.device(
-        mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+        examples = example_values(gm, stages, example_flat, info.out_spec if info is not None else None)
+    device = mesh_device(mesh)
     shared = []
     for name in sorted({t for st in stages for t in st.shared}):
-        local = _attribute(gm, name)
+        local = attribute(gm, name)
         local = local.to_local() if hasattr(local, "to_local") else local
         shared.append((name, tuple(local.shape), local.dtype))
     module = PipelineModule(stages, mine, pp_mesh.get_group(), device, plan,
@@ -567,77 +357,6 @@ def build_pipeline_module(graph: Any, plan: Any, mesh: Any, model: nn.Module, ex
     # stage's shards, and the whole graph run once to see a crossing value the plan does not describe)
     module.built_from_plan = attempt == "stages"
     return module
-
-
-def _example_values(gm: torch.fx.GraphModule, stages: Sequence[StageGraph], example_flat: Sequence[Any],
-                    out_spec: Any) -> dict[str, Any]:
-    """Each value that crosses a cut, as one micro-batch makes it on this rank (its shape and dtype
-    are what the stages exchange), and the model's output tensors under ``"<output>"``: the whole
-    graph run once over this rank's tensor-parallel group (every rank of the
-    mesh runs it, each with its group), with the random streams it drew from set back."""
-    wanted = {n for s in stages for n in (*s.inputs, *s.outputs)}
-    seen: dict[str, Any] = {}
-
-    class Recorder(torch.fx.Interpreter):
-        def run_node(self, n: torch.fx.Node) -> Any:
-            value = super().run_node(n)
-            if n.name in wanted:
-                seen[n.name] = _detached(value)
-            return value
-
-    with torch.enable_grad():  # whether each value needs a gradient is part of what the stages exchange
-        flat = Recorder(gm).run(*example_flat)
-    for m in gm.modules():  # dropout and random streams count their calls: this run is not one
-        if hasattr(m, "calls"):
-            m.calls = 0
-    bad = sorted(n for n in wanted if not isinstance(seen.get(n), torch.Tensor))
-    if bad:
-        raise NotImplementedError(f"values that are not tensors cross a cut between stages: {bad}; autotp's "
-                                  f"pipeline runtime sends tensors only")
-    flat = list(flat) if isinstance(flat, (tuple, list)) else [flat]
-    tensors = tuple(_detached(x) for x in flat if isinstance(x, torch.Tensor))
-    seen["<output>"] = tensors[0] if len(tensors) == 1 else tensors
-    return seen
-
-
-def _planned_values(graph: Any, plan: Any, tp_mesh: Any, rewrite: Any, stages: Sequence[StageGraph]
-                    ) -> Optional[dict[str, Any]]:
-    """What :func:`_example_values` finds by a run, from the plan alone: each value crossing a cut is
-    an op's local output (its shape this rank's piece of the op's output as the plan places it, its
-    dtype the op's, a gradient where the op carries one), and the model's outputs are whole. None
-    where a crossing value is something else (a redistribution made for a reader)."""
-    from autotp.placement import local_shape
-
-    of_node = {fx.name: op for op, fx in rewrite.local.items()}
-    mesh_shape, coordinate = tuple(int(x) for x in tp_mesh.mesh.shape), tp_mesh.get_coordinate()
-    device = torch.device(tp_mesh.device_type) if tp_mesh.device_type == "cpu" else torch.device(
-        tp_mesh.device_type, torch.get_device_module(tp_mesh.device_type).current_device())
-
-    def empty(info: Any, placements: Any, requires_grad: bool) -> torch.Tensor:
-        shape = local_shape(info.shape, placements, mesh_shape, coordinate) if placements else info.shape
-        t = torch.empty(shape, dtype=getattr(torch, info.dtype), device=device)
-        return t.requires_grad_(requires_grad and t.is_floating_point())
-
-    seen: dict[str, Any] = {}
-    for s in stages:
-        for name in (*s.inputs, *s.outputs):
-            op = of_node.get(name)
-            if op is None or op not in graph or len(graph[op].outputs) != 1:
-                return None
-            node = graph[op]
-            seen[name] = empty(node.outputs[0], plan.strategy(op).output, bool(node.requires_grad) and plan.mode == "train")
-    outs = [graph[o] for o in graph.outputs]
-    if any(len(n.outputs) != 1 for n in outs):
-        return None
-    tensors = tuple(empty(n.outputs[0], None, bool(n.requires_grad)) for n in outs)
-    seen["<output>"] = tensors[0] if len(tensors) == 1 else tensors
-    return seen
-
-
-def _detached(value: Any) -> Any:
-    if not isinstance(value, torch.Tensor):
-        return value
-    return value.detach().requires_grad_(value.requires_grad)
 
 
 def _merge_spec(output: Any, micro_batch_size: int, micro_batches: int) -> Any:

@@ -238,7 +238,7 @@ def test_stages_run_one_after_the_other_compute_the_whole_graph():
         from torch.distributed.device_mesh import init_device_mesh
 
         from autotp.planning.stages import unit_of_nodes
-        from autotp.runtime.pipeline import split_stages, stage_of_units
+        from autotp.runtime.stage_graphs import split_stages, stage_of_units
         from autotp.runtime.rewrite import GraphRewrite
         from autotp.runtime.state import register_state
 
@@ -264,7 +264,7 @@ def test_stages_run_one_after_the_other_compute_the_whole_graph():
                 owners.setdefault(n, []).append(s.index)
         # each layer as a unit FSDP2 can hold (what a data axis under ZeRO 1 or 3 runs): the layer's nodes
         # and the parameters only it reads moved into a submodule; the stages compute the same
-        from autotp.runtime.pipeline import _model_name, group_stage_layers
+        from autotp.runtime.stage_units import group_stage_layers, model_name
 
         layers = [f"model.layers.{i}" for i in range(4)]
         for s in stages:
@@ -273,7 +273,7 @@ def test_stages_run_one_after_the_other_compute_the_whole_graph():
         for s in stages[:-1]:
             values.update(zip(s.outputs, s.module(*(values[n] for n in s.inputs), **given)))
         grouped = stages[-1].module(*(values[n] for n in stages[-1].inputs), **given)
-        units = {n: _model_name(n) for s in stages for n, _ in s.module.named_parameters()}
+        units = {n: model_name(n) for s in stages for n, _ in s.module.named_parameters()}
         return out, gm(micro["input_ids"], micro["labels"]), owners, [s.outputs for s in stages], grouped, units
 
     ((out, whole, owners, crossing, grouped, units),) = run_threads(rank, 1)
