@@ -154,6 +154,11 @@ class PipelineModule(nn.Module):
             self._pipeline_stages.append(PipelineStage(m, k, self.n_stages, device, input_args=ins, output_args=outs,
                                                        group=pp_group))
         self._schedules: dict[tuple, Any] = {}
+        # the random draws in the stages' graphs, traced in train mode (dropout): inference would make them
+        from autotp.runtime.dropout import SeededAttention, ShardedDropout, SharedRandom
+
+        self._draws = sorted({type(m).__name__ for st in modules for m in st.modules()
+                              if isinstance(m, (SharedRandom, SeededAttention)) or (isinstance(m, ShardedDropout) and m.p > 0)})
         self._shared = tuple(shared)  # weights several stages hold: their gradients summed over the stages
         self.dp_group, self.dp_rank = dp_group, dp_rank
         self.tp_mesh = tp_mesh
@@ -273,6 +278,12 @@ class PipelineModule(nn.Module):
 
     @torch.no_grad()
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._draws:  # refused rather than run with the training graph's dropout, whatever eval() says
+            raise NotImplementedError(
+                f"this pipeline module's stages were planned in train mode and draw random masks "
+                f"({', '.join(self._draws)}: dropout); its forward would apply them to inference. Run inference on "
+                f"a module from autotp.parallelize(model, mesh, inputs, mode='inference') (no pipeline stages), or "
+                f"plan the model with its dropout probabilities at 0 (docs/limits.md)")
         inputs = self._inputs(args, kwargs)
         out = self._schedule(None, False).step(**inputs)
         if not self.holds_last_stage:

@@ -382,3 +382,14 @@ def test_a_mesh_that_is_not_the_layout_s_is_refused_before_anything_runs():
     from examples.ranks import run_threads
 
     assert run_threads(rank, 2) == [True, True]
+
+
+def test_inference_through_stages_that_draw_dropout_masks_is_refused():
+    """A layout is planned in train mode: its stages' graphs hold the model's dropout. Their forward
+    would apply it to inference whatever eval() says, so it refuses, before any rank runs anything."""
+    from types import SimpleNamespace
+
+    from autotp.runtime.pipeline import PipelineModule
+
+    with pytest.raises(NotImplementedError, match=r"ShardedDropout: dropout.*mode='inference'"):
+        PipelineModule.forward(SimpleNamespace(_draws=["ShardedDropout"]), input_ids=torch.zeros(2, 4))
