@@ -155,10 +155,13 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
         # trace as the plan was traced: a plan made with static sizes fits the static graph (a symbolic
         # trace may keep ops, such as full-range slices, that a static one drops)
         dynamic_dims = None if plan.dynamic_dims else False
-    # the mode the module starts in: eval for inference, else the model's own
+    # the mode the module starts in: eval for inference, else the model's own, each module's flag as the
+    # user left it (a frozen backbone in eval mode inside a model in train mode reads its statistics)
     training = False if mode == "inference" else bool(model.training)
-    # the mode traced now: the plan's, where a plan says (it was made for that graph)
-    traced = plan.training if plan is not None and plan.training is not None else training
+    traced = False if mode == "inference" else None
+    # the mode traced now: the plan's, where a plan says another (it was made for that graph)
+    if plan is not None and plan.training is not None and plan.training != training:
+        traced = plan.training
     t0 = time.perf_counter()
     graph = capture(model, example_inputs, dynamic_dims, training=traced,  # a CaptureError says what failed
                     device=getattr(mesh, "device_type", None))
@@ -174,7 +177,7 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
     seed = dropout_seed(mesh, graph)
     switch = ModeSwitch(meta_copy(model), example_inputs, dynamic_dims, mesh, memory_budget, recompute)
     module = build_parallel_module(graph, plan, mesh, model, seed, switch, check_inputs)
-    return module.train(training)
+    return module if traced is None else module.train(training)
 
 
 def _parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, plan: Plan) -> Any:
@@ -192,7 +195,9 @@ def _parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, plan
         raise ValueError(f"the plan was made for a batch of {plan.pipeline.global_batch} ({c.micro_batches} "
                          f"micro-batches of {c.micro_batch_size}); the example inputs' batch is {batch}")
     micro = _first_rows(example_inputs, batch, c.micro_batch_size)
-    graph = capture(model, micro, False, training=True, device=getattr(mesh, "device_type", None))
+    # in train mode, each module's own flag kept (a frozen submodule in eval mode stays so)
+    graph = capture(model, micro, False, training=None if model.training else True,
+                    device=getattr(mesh, "device_type", None))
     plan.check_matches(graph, plan.mesh)
     args, kwargs = (micro, {}) if not isinstance(micro, dict) else ((), micro)
     args = args if isinstance(args, tuple) else (args,)

@@ -37,9 +37,10 @@ from autotp.runtime.guard import SizeNotTraced
 from autotp.runtime.rewrite import GraphRewrite
 from autotp.runtime.state import build_graph, put, register_state
 from autotp.tracing.graph import OpGraph
+from autotp.tracing.inputs import Modes, describe_modes
 
 __all__ = ["ParallelModule", "ModeSwitch", "build_parallel_module", "meta_copy",
-           "op_signature"]
+           "op_signature", "refuse_cast"]
 
 
 def meta_copy(model: nn.Module) -> Optional[nn.Module]:
@@ -83,21 +84,22 @@ class ModeSwitch:
         names = list(inspect.signature(self.skeleton.forward).parameters)
         return {**dict(zip(names, args)), **kwargs}
 
-    def graph_for(self, module: "ParallelModule", training: bool, example_inputs: Any = None,
+    def graph_for(self, module: "ParallelModule", modes: Modes, example_inputs: Any = None,
                   prefix: Optional[str] = None) -> tuple[torch.fx.Graph, Any, tuple]:
         """The graph (on ``module``'s state), the plan and the ops (:func:`op_signature`) of ``module``'s
-        model in mode ``training``, traced on the example inputs (``example_inputs``: others, such as a
-        call's inputs at a size the first trace specialized)."""
+        model in ``modes`` (True: train, False: eval, or the mix it was built in), traced on the example
+        inputs (``example_inputs``: others, such as a call's inputs at a size the first trace
+        specialized)."""
         from autotp.tracing.export import capture
         from autotp.mesh import MeshSpec
 
         if self.skeleton is None:
-            raise RuntimeError(f"this parallel module runs the model in {_mode(module.graph_training)} mode only: "
-                               f"autotp could not copy the model to trace it in {_mode(training)} mode; put the "
-                               f"model in {_mode(training)} mode before autotp.parallelize")
+            raise RuntimeError(f"this parallel module runs the model in {_mode(module.graph_modes)} mode only: "
+                               f"autotp could not copy the model to trace it in {_mode(modes)} mode; put the "
+                               f"model in {_mode(modes)} mode before autotp.parallelize")
         first = module.plan
         inputs = self.example_inputs if example_inputs is None else _on_meta(example_inputs)
-        graph = capture(self.skeleton, inputs, self.dynamic_dims, training=training, device=self.mesh.device_type)
+        graph = capture(self.skeleton, inputs, self.dynamic_dims, training=modes, device=self.mesh.device_type)
         spec = MeshSpec.of(self.mesh)
         ops = op_signature(graph)
         if ops == module.autotp_ops and example_inputs is None:
@@ -110,7 +112,7 @@ class ModeSwitch:
                                 first.optimizer, self.recompute, keep=pins, hardware_source=first.hardware_source)
         plan.check_matches(graph, spec)
         fx_graph = build_graph(graph, plan, self.mesh, module, dropout_seed(self.mesh, graph),
-                               prefix=prefix if prefix is not None else _mode(training) + "_")
+                               prefix=prefix if prefix is not None else _prefix(modes))
         return fx_graph, plan, ops
 
 
@@ -125,8 +127,13 @@ def _shape_key(args: tuple, kwargs: dict) -> tuple:
     return tuple(one(a) for a in args) + tuple((k, one(v)) for k, v in sorted(kwargs.items()))
 
 
-def _mode(training: bool) -> str:
-    return "train" if training else "eval"
+def _mode(modes: Modes) -> str:
+    return describe_modes(modes)
+
+
+def _prefix(modes: Modes) -> str:
+    """The graph's node-name prefix of a mode: ``train_``, ``eval_``, ``mixed_``."""
+    return ("train" if modes else "eval") + "_" if isinstance(modes, bool) else "mixed_"
 
 
 def op_signature(graph: Any) -> tuple:
@@ -156,7 +163,8 @@ _DEVICE = re.compile(r"device\(type='[^']*'(, index=\d+)?\)")
 class ParallelModule(torch.fx.GraphModule):
     """What ``autotp.parallelize`` returns (module docstring). Besides the ``GraphModule``, it has
     ``plan`` (the plan of the graph that runs now), ``plans`` (per mode, ``True`` for train, the plans
-    made so far), ``graph_training`` (the mode of the graph that runs now) and ``autotp_placements``;
+    made so far), ``graph_training`` (the mode of the graph that runs now: the top module's),
+    ``graph_modes`` (every module's: :data:`autotp.tracing.inputs.Modes`) and ``autotp_placements``;
     and what users read from the model: its ``config``, ``generation_config`` and ``name_or_path``
     where it has them. A keyword argument the trace did not see is a ``TypeError`` that says how to
     give it to ``autotp.parallelize``."""
@@ -165,8 +173,11 @@ class ParallelModule(torch.fx.GraphModule):
         """Called once when built: the graph just built is the one of the traced mode. Per mode: the fx
         graph, its plan and its ops (:func:`op_signature`)."""
         self.autotp_check_inputs = check_inputs
+        # the model's modes as given (a frozen submodule in eval mode keeps its own), until train() or
+        # eval() sets every module
+        self.graph_modes = graph.modes
         self.graph_training = bool(graph.training)
-        self._autotp_modes = {self.graph_training: (self.graph, plan, op_signature(graph))}
+        self._autotp_modes = {self.graph_modes: (self.graph, plan, op_signature(graph))}
         self._autotp_switch = switch
         # graphs for sizes the first trace specialized (a batch of one, one new token), by mode and
         # the call's shapes: the graph and its plan, made on the first such call
@@ -195,7 +206,7 @@ class ParallelModule(torch.fx.GraphModule):
                             f"with all of them; {', '.join(missing)} not given. Give {it}{hint}, or parallelize "
                             f"with example inputs without {it}")
         if self._autotp_variants:  # the call's shapes read only once a graph for other sizes exists
-            variant = self._autotp_variants.get((self.graph_training, _shape_key(args, kwargs)))
+            variant = self._autotp_variants.get((self.graph_modes, _shape_key(args, kwargs)))
             if variant is not None:
                 return variant[0](*args, **kwargs)
         try:
@@ -203,11 +214,11 @@ class ParallelModule(torch.fx.GraphModule):
         except SizeNotTraced:  # raised by the input check, before anything ran
             if self._autotp_switch is None:
                 raise
-        key = (self.graph_training, _shape_key(args, kwargs))
+        key = (self.graph_modes, _shape_key(args, kwargs))
         # every rank is given the same inputs, so every rank comes here at the same call
-        prefix = f"{_mode(self.graph_training)}_{len(self._autotp_variants) + 1}_"
+        prefix = f"{_prefix(self.graph_modes)}{len(self._autotp_variants) + 1}_"
         example = self._autotp_switch.example_of(args, kwargs)
-        fx_graph, plan, _ = self._autotp_switch.graph_for(self, self.graph_training, example, prefix)
+        fx_graph, plan, _ = self._autotp_switch.graph_for(self, self.graph_modes, example, prefix)
         module = torch.fx.GraphModule(self, fx_graph, class_name="AutotpParallelGraph")
         self._autotp_variants[key] = (module, plan)
         log.info("autotp: traced and planned again for inputs of shapes %s (a size the first trace specialized); "
@@ -259,30 +270,62 @@ class ParallelModule(torch.fx.GraphModule):
 
     @property
     def plan(self) -> Any:
-        return self._autotp_modes[self.graph_training][1]
+        return self._autotp_modes[self.graph_modes][1]
 
     @property
     def autotp_ops(self) -> tuple:
-        return self._autotp_modes[self.graph_training][2]
+        return self._autotp_modes[self.graph_modes][2]
 
     @property
-    def plans(self) -> dict[bool, Any]:
+    def plans(self) -> dict[Any, Any]:
         return {mode: entry[1] for mode, entry in self._autotp_modes.items()}
 
+    def _apply(self, fn: Any, recurse: bool = True) -> "ParallelModule":
+        """``.to()``, ``.half()``, ``.bfloat16()``, ``.float()``, ``.double()`` and ``.cuda()`` come here:
+        a change of the floating dtype is refused before anything is cast (the graph was traced and
+        planned for the model's dtype: its casts, masks and costs depend on it); anything else, as
+        ``nn.Module`` does."""
+        if getattr(self, "_autotp_modes", None) is not None:
+            refuse_cast(self, fn)
+        return super()._apply(fn, recurse)
+
     def train(self, mode: bool = True) -> "ParallelModule":
+        """Every module of the model in train (``mode=True``) or eval mode, as ``nn.Module.train`` sets
+        them: a module built with a submodule in the other mode (a frozen backbone) runs it in ``mode``
+        too from here on, as the model would after ``model.train(mode)``."""
         if not isinstance(mode, bool):
             raise ValueError(f"training mode is expected to be boolean, got {mode!r}")
         modes = getattr(self, "_autotp_modes", None)
-        if modes is not None and mode != self.graph_training:
+        if modes is not None and mode != self.graph_modes:
             if mode not in modes:
                 if self._autotp_switch is None:
                     raise RuntimeError(f"this parallel module was built from a plan and graph alone and runs the "
-                                       f"model in {_mode(self.graph_training)} mode only; build it with "
+                                       f"model in {_mode(self.graph_modes)} mode only; build it with "
                                        f"autotp.parallelize to switch it to {_mode(mode)} mode")
                 modes[mode] = self._autotp_switch.graph_for(self, mode)
             self.graph = modes[mode][0]  # recompiles forward
+            self.graph_modes = mode
             self.graph_training = mode
         return nn.Module.train(self, mode)
+
+
+def refuse_cast(module: nn.Module, fn: Any) -> None:
+    """Raise before ``module._apply(fn)`` casts a parallel module's floating weights to another dtype
+    (``ParallelModule._apply``): ``fn`` is tried on an empty meta tensor of their dtype."""
+    current = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+    if current is None:
+        return
+    try:
+        probe = fn(torch.empty(0, dtype=current, device="meta"))
+    except Exception:  # noqa: BLE001 - a move to a device (meta cannot be copied out): no cast
+        return
+    if isinstance(probe, torch.Tensor) and probe.dtype != current:
+        raise TypeError(
+            f"this parallel module was traced and planned with {str(current).removeprefix('torch.')} weights "
+            f"and cannot be cast to {str(probe.dtype).removeprefix('torch.')} afterwards (its graph's casts, "
+            f"masks and costs are the traced dtype's); cast the model before parallelizing it "
+            f"(model.to({probe.dtype}), then autotp.parallelize), or run it under torch.autocast. Nothing was "
+            f"changed")
 
 
 # -- building ----------------------------------------------------------------------------------------

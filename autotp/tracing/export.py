@@ -33,7 +33,7 @@ from autotp.tracing.arguments import _node_outputs, map_tensor_arguments, op_arg
 from autotp.tracing.dynamic import DynamicDim, export_spec, size_expression, size_hint
 from autotp.tracing.graph import BUFFER, CONSTANT, INPUT, OP, PARAMETER, OpGraph, OpNode, ParameterInfo, TensorInfo
 from autotp.tracing.heap import old_objects_frozen
-from autotp.tracing.inputs import (buffers_on_meta, cache_off, check_devices, distinct, in_mode, meta_parameters,
+from autotp.tracing.inputs import (buffers_on_meta, cache_off, check_devices, distinct, in_modes, meta_parameters, modes_of,
                                    normalize_inputs, on_fake_device)
 from autotp.tracing.refusals import (CaptureError, check_data_dependent_sizes, check_higher_order_ops, check_operand_dtypes,
                              check_parameter_writes, check_written_arguments, module_info)
@@ -160,8 +160,11 @@ def capture(model: torch.nn.Module, example_inputs: Any, dynamic_dims: Any = Fal
     moved there for the trace alone. ``dynamic_dims`` (:func:`autotp.tracing.dynamic.export_spec`): False
     traces every size as the example's; None traces the batch and sequence dims as symbols, which
     the graph then records (``OpGraph.dynamic``, ``OpGraph.symbolic``); a dict names the dims.
-    ``training``: trace the model in train (True) or eval (False) mode, every submodule's flag put
-    back afterwards; None (default) traces it in the mode it is in. ``OpGraph.training`` records it.
+    ``training``: trace the model in train (True) or eval (False) mode, or in a mix of the two
+    (:data:`autotp.tracing.inputs.Modes`), every submodule's flag put back afterwards; None (default)
+    traces it in the modes its modules are in, each its own (a frozen batch norm in eval mode inside a
+    model in train mode reads its running statistics). ``OpGraph.training`` and
+    ``OpGraph.other_mode`` record them.
     ``device``: for a model on meta, the device it will run on (``"cpu"``, ``"cuda"``): it is traced
     with fake tensors that say that device, so code that branches on its tensors' device takes the
     branch the run will take (on meta, it would take another: ``torch.histc`` on integers off CPU).
@@ -171,6 +174,9 @@ def capture(model: torch.nn.Module, example_inputs: Any, dynamic_dims: Any = Fal
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model is a {type(model).__name__}; expected a torch.nn.Module")
+    if training is not None and modes_of(model) != training:
+        with in_modes(model, training):
+            return capture(model, example_inputs, dynamic_dims, device=device, unroll=unroll)
     if unroll and dynamic_dims is False:
         with _EXPORT_LOCK:
             stacks = find_stacks(model)
@@ -178,9 +184,6 @@ def capture(model: torch.nn.Module, example_inputs: Any, dynamic_dims: Any = Fal
                 model, lambda: capture(model, example_inputs, dynamic_dims, training, device), stacks)
         if graph:
             return graph
-    if training is not None and any(m.training != training for m in model.modules()):
-        with in_mode(model, training):
-            return capture(model, example_inputs, dynamic_dims, device=device)
     args, kwargs = distinct(*normalize_inputs(example_inputs))
     spec = export_spec(model, args, kwargs, dynamic_dims)
     with _EXPORT_LOCK, cache_off(model, kwargs):
@@ -368,6 +371,7 @@ def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.
         nodes=tuple(nodes), outputs=tuple(outputs), parameters=tuple(parameters),
         model_type=type(model).__name__, exported=exported, alias_placeholders=rename,
         dynamic=tuple(dynamic), symbolic=symbolic, training=bool(model.training),
+        other_mode=() if isinstance(modes_of(model), bool) else modes_of(model)[1],
     )
     check_parameter_writes(graph)
     return graph

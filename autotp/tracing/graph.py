@@ -223,6 +223,13 @@ class OpGraph:
     # "path (n layers)"; empty for a whole trace
     unrolled: tuple[str, ...] = field(default=(), compare=False)
     training: bool = True  # the model's mode when traced (train: dropout drops, batch norm updates its statistics)
+    # the modules traced in the other mode than the model's own (a frozen backbone in eval mode)
+    other_mode: tuple[str, ...] = field(default=(), compare=False)
+    @property
+    def modes(self) -> Any:
+        """The modes the model was traced in (:data:`autotp.tracing.inputs.Modes`)."""
+        return (self.training, self.other_mode) if self.other_mode else self.training
+
     _index: Mapping[str, int] = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
     _consumers: Mapping[str, tuple[str, ...]] = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
     _ops: tuple[OpNode, ...] = field(default=None, repr=False, compare=False)  # type: ignore[assignment]

@@ -2,7 +2,7 @@
 
 :func:`normalize_inputs` reads example inputs (a tuple, one tensor, a dict of keywords);
 :func:`distinct` gives a tensor passed twice a copy (export would trace it as one input);
-:func:`check_devices` refuses a model and inputs on different devices; :func:`in_mode` puts the
+:func:`check_devices` refuses a model and inputs on different devices; :func:`in_modes` puts the
 model in train or eval mode for the trace; :func:`cache_off` turns a Hugging Face model's KV cache
 off; a model on meta (:func:`meta_parameters`) is traced on meta (:func:`buffers_on_meta`) or, for
 the device it will run on, on fake tensors that say that device (:func:`on_fake_device`). Every
@@ -12,13 +12,13 @@ one puts the model back as it was.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Union
 
 import torch
 
 from autotp.tracing.refusals import CaptureError
 
-__all__ = ["normalize_inputs", "distinct", "check_devices", "in_mode", "cache_off", "meta_parameters",
+__all__ = ["normalize_inputs", "distinct", "check_devices", "in_modes", "modes_of", "describe_modes", "Modes", "cache_off", "meta_parameters",
            "on_fake_device", "buffers_on_meta"]
 
 
@@ -98,13 +98,41 @@ def cache_off(model: torch.nn.Module, kwargs: dict) -> Iterator[None]:
             config.use_cache = True
 
 
+Modes = Union[bool, tuple[bool, tuple[str, ...]]]
+"""The modes a model's modules are in, as one value: ``True`` / ``False`` where every module is in
+train / eval mode, else ``(top, others)``: the top module's flag and the names of the modules whose
+flag differs from it (a frozen backbone in eval mode inside a model in train mode)."""
+
+
+def modes_of(model: torch.nn.Module) -> Modes:
+    """``model``'s :data:`Modes`."""
+    others = tuple(name for name, m in model.named_modules() if m.training != model.training)
+    return (bool(model.training), others) if others else bool(model.training)
+
+
+def describe_modes(modes: Modes) -> str:
+    """``"train"``, ``"eval"``, or ``"train (backbone in eval)"``."""
+    if isinstance(modes, bool):
+        return "train" if modes else "eval"
+    top, others = modes
+    shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+    return f"{'train' if top else 'eval'} ({shown} in {'eval' if top else 'train'})"
+
+
 @contextlib.contextmanager
-def in_mode(model: torch.nn.Module, training: bool) -> Iterator[None]:
-    """``model`` in train or eval mode for the block; every submodule's own flag restored after (a
-    model the user left half in eval, a frozen norm, stays as it was)."""
+def in_modes(model: torch.nn.Module, modes: Modes) -> Iterator[None]:
+    """``model``'s modules set to ``modes`` (:func:`modes_of` of a model of the same structure) for
+    the block; every module's own flag restored after."""
     flags = [(m, m.training) for m in model.modules()]
-    model.train(training)
+    top, others = (modes, ()) if isinstance(modes, bool) else modes
+    model.train(top)
+    named = dict(model.named_modules())
+    missing = [name for name in others if name not in named]
     try:
+        if missing:
+            raise ValueError(f"the modes name modules the model does not have: {', '.join(missing)}")
+        for name in others:
+            named[name].training = not top
         yield
     finally:
         for m, flag in flags:

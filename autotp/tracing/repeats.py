@@ -76,8 +76,8 @@ def _alike(first: nn.Module, i0: int, other: nn.Module, i: int) -> bool:
     """Same class, parameters, buffers and submodules, no hooks, and the same attributes but ints
     that hold each layer's own index (``layer_idx``)."""
     mods_a, mods_b = list(first.named_modules()), list(other.named_modules())
-    if [(p, type(m)) for p, m in mods_a] != [(p, type(m)) for p, m in mods_b]:
-        return False
+    if [(p, type(m), m.training) for p, m in mods_a] != [(p, type(m), m.training) for p, m in mods_b]:
+        return False  # another class, or a layer in another mode (a frozen first layer): traced whole
 
     def tensors(m: nn.Module) -> list:
         return ([(n, t.shape, t.dtype, t.requires_grad) for n, t in m.named_parameters()]
@@ -168,7 +168,7 @@ def unroll(graph: OpGraph, stacks: list[Stack]) -> Optional[OpGraph]:
     params = [replace(p, node=rn(p.node)) for p in params]
     return OpGraph(nodes=tuple(nodes), outputs=tuple(rn(o) for o in outputs), parameters=tuple(params),
                    model_type=graph.model_type, alias_placeholders=dict(graph.alias_placeholders),
-                   training=graph.training, unrolled=tuple(f"{s.path or 'the model'} ({s.count} layers)" for s in stacks))
+                   training=graph.training, other_mode=graph.other_mode, unrolled=tuple(f"{s.path or 'the model'} ({s.count} layers)" for s in stacks))
 
 
 def _with(node: OpNode, **changes: Any) -> OpNode:

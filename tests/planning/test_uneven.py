@@ -118,8 +118,7 @@ def _round_trip(rank, world, graph, plan, model, directory, safetensors_dir):
             p.to_local().zero_()
     autotp.load_weights(pm, safetensors_dir)
     from_file = checkpoint.full_state_dict(pm, rank=None)
-    pm.double()  # new parameters: the placements the module keeps by name still size the pieces
-    return from_dcp, from_file, checkpoint.full_state_dict(pm, rank=None)
+    return from_dcp, from_file
 
 
 @pytest.mark.parametrize("world,heads", [(2, 3), (3, 5)])
@@ -133,12 +132,11 @@ def test_uneven_shards_survive_a_checkpoint_and_load_from_safetensors(tmp_path, 
     assert any("~16" in v for v in plan.parameter_placements.values())
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "model.safetensors"))
     original = {k: v.clone() for k, v in model.state_dict().items()}  # replicated shards share the model's storage
-    for from_dcp, from_file, converted in run_threads(_round_trip, world, graph, plan, model, str(tmp_path / "dcp"),
+    for from_dcp, from_file in run_threads(_round_trip, world, graph, plan, model, str(tmp_path / "dcp"),
                                                       str(tmp_path)):
         for k, v in original.items():
             torch.testing.assert_close(from_dcp[k], v, rtol=0, atol=0, msg=k)
             torch.testing.assert_close(from_file[k], v, rtol=0, atol=0)
-            torch.testing.assert_close(converted[k], v.double(), rtol=0, atol=0)
 
 
 class Squeezed(nn.Module):

@@ -181,3 +181,57 @@ def test_a_training_step_with_batch_norm_equals_one_process(width, split):
         # the statistics summed across the ranks (batch), or the running statistics put together (channels)
         assert kinds["all_reduce"] >= (2 if split == "batch" else 1) * len(norms), kinds
         torch.testing.assert_close(evaluated, want_eval, rtol=1e-4, atol=1e-5)
+
+
+def _frozen_backbone_rank(rank, world, model, x):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autotp.runtime.shards import placements_of
+    from autotp.weights.checkpoint import full_tensor
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    pm = autotp.parallelize(copy.deepcopy(model), mesh, (x,), hardware="h100-sxm", dynamic_dims=False)
+    out = pm(x)
+    out.pow(2).sum().backward()
+    grads = {n: full_tensor(p.grad, placements_of(p)) for n, p in pm.named_parameters() if p.grad is not None}
+    buffers = {n: b.clone() for n, b in pm.named_buffers() if not n.startswith("_autotp")}
+    pm.train()  # every module in train mode, as nn.Module.train sets them: the backbone's statistics too
+    with torch.no_grad():
+        trained = pm(x)
+    pm.eval()
+    with torch.no_grad():
+        evaluated = pm(x)
+    return out.detach(), grads, buffers, trained, evaluated, sorted(map(str, pm.plans))
+
+
+def test_a_submodule_in_eval_mode_keeps_its_mode():
+    """A model in train mode whose backbone the user put in eval mode (frozen batch norm): the parallel
+    module runs each module in its own mode, as the model does; ``train()`` and ``eval()`` then set every
+    module, as ``nn.Module.train`` does."""
+    torch.manual_seed(0)
+    model = ConvNet(8).train()
+    with torch.no_grad():  # running statistics far from the batch's, so the two modes differ
+        for bn in (model.bn, model.bn2):
+            bn.running_mean.uniform_(-1, 1)
+            bn.running_var.uniform_(0.5, 2.0)
+    model.bn.eval()
+    x = torch.randn(4, 3, 8, 8)
+    ref = copy.deepcopy(model)
+    want = ref(x)
+    want.pow(2).sum().backward()
+    with torch.no_grad():  # the module's calls in turn: train mode updates both norms' statistics
+        after = copy.deepcopy(ref)
+        want_train = after.train()(x)
+        want_eval = after.eval()(x)
+    assert (want - want_train).abs().max() > 1e-2  # the frozen norm changes the output
+    for out, grads, buffers, trained, evaluated, modes in run_threads_tracing_in_turns(_frozen_backbone_rank, 2,
+                                                                                          model, x):
+        torch.testing.assert_close(out, want.detach(), rtol=1e-4, atol=1e-5)
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5 * (1 + p.grad.abs().max().item()),
+                                       msg=lambda m, name=name: f"{name}: {m}")
+        for name, b in ref.named_buffers():  # the frozen norm's statistics untouched, the other's updated
+            torch.testing.assert_close(buffers[name], b, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(trained, want_train, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(evaluated, want_eval, rtol=1e-4, atol=1e-5)
+        assert modes == ["(True, ('bn',))", "False", "True"], modes

@@ -101,6 +101,19 @@ def _ranks(rank, world):
         out["gpt2_inference_vs_model"] = (pmi(ids).logits - reference).abs().max().item()
     out["gpt2_inference_training"] = pmi.training
     out["gpt2_inference_split"] = _split(pmi.plan)
+    # a cast to another dtype after parallelize: refused at the call, nothing cast, the module runs on
+    casts = []
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.bfloat16(), lambda m: m.double()):
+        try:
+            cast(pmi)
+            casts.append("cast")
+        except TypeError as err:
+            casts.append(str(err))
+    pmi.float()  # already float32: nothing to cast
+    out["gpt2_casts"] = casts
+    out["gpt2_dtypes_after_casts"] = {str(p.dtype) for p in pmi.parameters()}
+    with torch.no_grad():
+        out["gpt2_after_casts_vs_model"] = (pmi(ids).logits - reference).abs().max().item()
 
     # -- ranks given different inputs ---------------------------------------------------------------
     other = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(100 + rank))
@@ -169,6 +182,16 @@ def test_inference_mode_runs_the_model_as_in_eval(ranks):
         assert out["gpt2_inference_training"] is False
         assert out["gpt2_inference_split"]
         assert out["gpt2_inference_vs_model"] < 1e-5
+
+
+def test_a_cast_to_another_dtype_is_refused_with_what_to_do_and_changes_nothing(ranks):
+    for out in ranks:
+        assert len(out["gpt2_casts"]) == 4
+        for message in out["gpt2_casts"]:
+            assert message.startswith("this parallel module was traced and planned with float32 weights"), message
+            assert "model.to(" in message and "Nothing was changed" in message
+        assert out["gpt2_dtypes_after_casts"] == {"torch.float32"}
+        assert out["gpt2_after_casts_vs_model"] < 1e-5
 
 
 def test_training_the_parallel_module_leaves_the_model_untouched(ranks):
