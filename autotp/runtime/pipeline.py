@@ -44,6 +44,7 @@ from autotp.runtime.stage_graphs import (StageGraph, attribute, example_values, 
                                          split_stages, stage_of_units)
 from autotp.runtime.stage_units import fsdp_units, group_stage_layers, model_name, shard_over_replicas
 from autotp.runtime.state import put
+from autotp.runtime.token_counts import TokenMean, scale_factors, token_mean
 
 __all__ = ["PipelineModule", "build_pipeline_module", "mesh_problem", "SCHEDULES"]
 
@@ -109,7 +110,7 @@ class PipelineModule(nn.Module):
                  shared: Sequence[tuple[str, tuple[int, ...], torch.dtype]] = (),
                  persistent: frozenset[str] = frozenset(), dp_group: Any = None, dp_rank: int = 0,
                  tp_mesh: Any = None, aliases: Optional[Mapping[str, Sequence[str]]] = None,
-                 fsdp_mesh: Any = None) -> None:
+                 fsdp_mesh: Any = None, token_mean: Optional[TokenMean] = None) -> None:
         super().__init__()
         from torch.distributed.pipelining import PipelineStage
 
@@ -163,8 +164,20 @@ class PipelineModule(nn.Module):
         self.dp_group, self.dp_rank = dp_group, dp_rank
         self.tp_mesh = tp_mesh
         self._zero = plan.pipeline.chosen.zero
+        # the model's own loss, where it is a mean over valid targets: weighed by their counts
+        self._token_mean = token_mean
         self._merge_spec = _merge_spec(examples["<output>"], plan.pipeline.chosen.micro_batch_size,
-                                       plan.pipeline.chosen.micro_batches)
+                                       plan.pipeline.chosen.micro_batches,
+                                       token_mean.output if token_mean is not None else None)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "PipelineModule":
+        """A cast of the stages' weights to another dtype is refused before anything changes
+        (:func:`autotp.runtime.module.refuse_cast`)."""
+        if getattr(self, "_pipeline_stages", None) is not None:
+            from autotp.runtime.module import refuse_cast
+
+            refuse_cast(self, fn)
+        return super()._apply(fn, recurse)
 
     @property
     def holds_last_stage(self) -> bool:
@@ -178,7 +191,7 @@ class PipelineModule(nn.Module):
         import torch.distributed.pipelining as pipelining
 
         chosen = self.plan.pipeline.chosen
-        key = (id(loss_fn), training)
+        key = (loss_fn is None, training)  # the step's loss reads the step's own loss_fn and weights
         if key not in self._schedules:
             multi = len(self._pipeline_stages) > 1  # stages going round the ranks (interleaved)
             # a forward alone: every micro-batch through the stages in order
@@ -193,8 +206,9 @@ class PipelineModule(nn.Module):
                                        output_merge_spec=self._merge_spec, scale_grads=training)
         return self._schedules[key]
 
-    def _inputs(self, args: tuple, kwargs: dict) -> dict[str, Any]:
-        """The call's inputs by the names of the graph's placeholders (every stage is given them)."""
+    def _inputs(self, args: tuple, kwargs: dict, replica: bool = True) -> dict[str, Any]:
+        """The call's inputs by the names of the graph's placeholders (every stage is given them): this
+        replica's rows of the batch (``replica=False``: the whole batch)."""
         from torch.fx._pytree import tree_flatten_spec
 
         try:
@@ -206,27 +220,50 @@ class PipelineModule(nn.Module):
             raise TypeError(f"the pipeline was traced with {len(self.keywords)} inputs ({', '.join(self.keywords)}); "
                             f"this call gives {len(flat)}")
         c, batch = self.plan.pipeline.chosen, self.plan.pipeline.global_batch
-        if c.dp > 1:  # this replica's rows of the batch
+        if c.dp > 1 and replica:  # this replica's rows of the batch
             share = batch // c.dp
             flat = [x[self.dp_rank * share:(self.dp_rank + 1) * share]
                     if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == batch else x for x in flat]
         return dict(zip(self.keywords, flat))
 
+    def _loss_factors(self, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+        """What this replica's micro-batches' mean losses are multiplied by so that their sum over the
+        micro-batches and replicas is one process's loss (:mod:`autotp.runtime.token_counts`), or None
+        where the model's loss is no mean over valid targets. Every rank counts the whole batch it is
+        given (no collective); a loss that cannot be so weighed is refused on every rank alike where
+        its micro-batches hold unequal counts."""
+        tm = self._token_mean
+        if tm is None:
+            return None
+        c = self.plan.pipeline.chosen
+        every = tm.counts(self._inputs(args, kwargs, replica=False), c.dp * c.micro_batches)
+        if not tm.exact:
+            if int(every.min()) != int(every.max()):  # a host read, only for such a loss
+                raise ValueError(
+                    f"the model's loss adds a mean over valid targets (a cross-entropy with ignore_index="
+                    f"{tm.ignore_index}) to other terms, and this batch's micro-batches hold unequal numbers of "
+                    f"valid targets ({every.tolist()}): a pipeline's mean of the micro-batches' losses would not "
+                    f"be the batch's loss. Give step() a loss_fn(output, target) that weighs them, or batches "
+                    f"whose micro-batches hold as many valid targets each")
+            return None
+        mine = every[self.dp_rank * c.micro_batches:(self.dp_rank + 1) * c.micro_batches]
+        return scale_factors(mine, every.sum(), c.micro_batches, c.dp).to(self.device)
+
     def step(self, *args: Any, target: Any = None, loss_fn: Optional[Callable] = None, **kwargs: Any) -> Any:
         """One training step (class docstring). Collective over every rank of the mesh: each calls it
-        with the same global batch (the first stage reads the inputs, the last stage the target)."""
+        with the same global batch (the first stage reads the inputs, the last stage the target).
+        The model's own loss (``labels=``), where it is a mean over valid targets (ignored labels,
+        padding), is weighed by each micro-batch's count of them, so loss and gradients are one
+        process's; a ``loss_fn`` is the user's, and its micro-batches' losses are averaged."""
         inputs = self._inputs(args, kwargs)
-        last = self.stages[-1] if self.holds_last_stage else None
-
-        def loss(output: Any, tgt: Any) -> torch.Tensor:
-            rebuilt = last.rebuild(output)
-            return loss_fn(rebuilt, tgt) if loss_fn is not None else _default_loss(rebuilt)
-
-        schedule = self._schedule(loss, True)
+        factors = self._loss_factors(args, kwargs) if loss_fn is None else None
+        self._step_loss = (loss_fn, factors is not None)
+        schedule = self._schedule(self._loss_of_micro_batch, True)
         losses: list = []
         if self.holds_last_stage:
-            if target is None:  # the loss reads no target: one placeholder per micro-batch
-                target = torch.zeros(self.plan.pipeline.chosen.micro_batches, 1)
+            if target is None:  # the loss reads no target: one placeholder (or weight) per micro-batch
+                target = (factors.view(-1, 1) if factors is not None
+                          else torch.zeros(self.plan.pipeline.chosen.micro_batches, 1, device=self.device))
             schedule.step(target=target, losses=losses, **inputs)
         else:
             schedule.step(**inputs)
@@ -242,6 +279,20 @@ class PipelineModule(nn.Module):
                 loss /= self.plan.pipeline.chosen.dp
             return loss
         return None
+
+    def _loss_of_micro_batch(self, output: Any, target: Any) -> torch.Tensor:
+        """The loss the schedule back-propagates for one micro-batch: the step's ``loss_fn``, or the
+        model's own loss, weighed by the micro-batch's valid targets where ``target`` carries them."""
+        loss_fn, weighed = self._step_loss
+        rebuilt = self.stages[-1].rebuild(output)
+        if loss_fn is not None:
+            return loss_fn(rebuilt, target)
+        value = _default_loss(rebuilt)
+        if not weighed:
+            return value
+        factor = target.reshape(()).to(value.dtype)
+        # a micro-batch with no valid target has a mean of nan and weighs nothing
+        return torch.where(factor > 0, value * factor, torch.zeros_like(value))
 
     def _average_over_replicas(self) -> None:
         """ZeRO 0: each replica's gradients averaged over the data axis (an all-reduce per parameter)."""
@@ -285,16 +336,28 @@ class PipelineModule(nn.Module):
                 f"a module from autotp.parallelize(model, mesh, inputs, mode='inference') (no pipeline stages), or "
                 f"plan the model with its dropout probabilities at 0 (docs/limits.md)")
         inputs = self._inputs(args, kwargs)
+        factors = self._loss_factors(args, kwargs)
         out = self._schedule(None, False).step(**inputs)
         if not self.holds_last_stage:
             return None
+        c = self.plan.pipeline.chosen
+        if self._token_mean is not None:  # the micro-batches' mean losses, weighed by their valid targets
+            flat = list(out) if isinstance(out, tuple) else [out]
+            means = torch.stack([torch.as_tensor(x) for x in flat[self._token_mean.output]])
+            if factors is not None:
+                means = torch.where(factors > 0, means * factors.to(means.dtype), torch.zeros_like(means))
+            flat[self._token_mean.output] = means.sum() / c.micro_batches
+            out = tuple(flat) if isinstance(out, tuple) else flat[0]
         if self.dp_group is not None:  # every replica's rows, in order: the batch's output
             import torch.distributed as dist
 
-            c = self.plan.pipeline.chosen
             share = c.micro_batches * c.micro_batch_size
 
             def whole(t: Any) -> Any:
+                if isinstance(t, torch.Tensor) and not t.ndim and t.is_floating_point():
+                    t = t.clone()  # a loss: the mean over the replicas' shares
+                    dist.all_reduce(t, group=self.dp_group)
+                    return t / c.dp
                 if not isinstance(t, torch.Tensor) or not t.ndim or t.shape[0] != share:
                     return t
                 parts = [torch.empty_like(t) for _ in range(c.dp)]
@@ -363,24 +426,39 @@ def build_pipeline_module(graph: Any, plan: Any, mesh: Any, model: nn.Module, ex
                             dp_mesh.get_group() if dp_mesh is not None else None,
                             dp_mesh.get_local_rank() if dp_mesh is not None else 0, tp_mesh,
                             {p.fqn: p.aliases for p in graph.parameters if p.aliases},
-                            dp_mesh if c.zero > 0 else None)
+                            dp_mesh if c.zero > 0 else None,
+                            _token_mean(graph.exported, info.out_spec if info is not None else None))
     # whether the rank allocated its stages' shards only and ran nothing to build (else: every
     # stage's shards, and the whole graph run once to see a crossing value the plan does not describe)
     module.built_from_plan = attempt == "stages"
     return module
 
 
-def _merge_spec(output: Any, micro_batch_size: int, micro_batches: int) -> Any:
+def _token_mean(exported: Any, out_spec: Any) -> Optional[TokenMean]:
+    """How to weigh the model's own loss (the output :func:`_default_loss` reads), or None."""
+    n = len(list(next(n for n in exported.graph.nodes if n.op == "output").args[0]))
+    try:
+        indexed = torch.utils._pytree.tree_unflatten(list(range(n)), out_spec) if out_spec is not None else 0
+        at = _default_loss(indexed) if not isinstance(indexed, int) else indexed
+    except Exception:  # noqa: BLE001 - an output with no loss: nothing to weigh
+        return None
+    return token_mean(exported, at) if isinstance(at, int) else None
+
+
+def _merge_spec(output: Any, micro_batch_size: int, micro_batches: int, collected: Optional[int] = None) -> Any:
     """How the micro-batches' outputs make the batch's: a tensor with the batch first, joined along
-    it; anything else (a loss, a scalar) the mean over the micro-batches."""
+    it; anything else (a loss, a scalar) the mean over the micro-batches; the output at flat index
+    ``collected`` (a loss weighed by its valid targets) kept per micro-batch, as a tuple."""
     from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomReducer
 
-    def spec(t: torch.Tensor) -> Any:
+    def spec(k: int, t: torch.Tensor) -> Any:
+        if k == collected:
+            return _CustomReducer((), lambda acc, x: acc + (x,))
         if t.ndim and t.shape[0] == micro_batch_size:
             return TensorChunkSpec(0)
         return _CustomReducer(0.0, lambda acc, x: acc + x / micro_batches)
 
-    return tuple(spec(t) for t in output) if isinstance(output, tuple) else spec(output)
+    return tuple(spec(k, t) for k, t in enumerate(output)) if isinstance(output, tuple) else spec(0, output)
 
 
 def mesh_problem(c: Any, mesh: Any) -> str:

@@ -40,7 +40,12 @@ def _model(name: str):
     ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
     if name.endswith("_loss"):  # traced without labels: the loss is step()'s loss_fn, on the last stage
         return model, {"input_ids": ids}
-    return model, {"input_ids": ids, "labels": ids}
+    # a right-padded batch, its padding's labels ignored: the micro-batches (2 rows each, and each
+    # replica's) hold unequal numbers of valid targets, so only a loss weighed by them is one process's
+    labels = ids.clone()
+    for row, length in enumerate((5, 16, 11, 2)):
+        labels[row, length:] = -100
+    return model, {"input_ids": ids, "labels": labels}
 
 
 def _shifted_cross_entropy(output, target):
@@ -76,6 +81,8 @@ def _plan(name: str, pp: int, tp: int, schedule: str, micro_batches: int, dp: in
 
 def _reference(name: str):
     model, inputs = _model(name.removesuffix("_loss"))
+    if name.endswith("_loss"):  # step()'s loss_fn: every position's next token, none ignored
+        inputs = {**inputs, "labels": inputs["input_ids"]}
     loss = model(**inputs).loss
     loss.backward()
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}
@@ -143,6 +150,7 @@ def _rank(rank, world, cases):
         out.append({"loss": None if loss is None else loss.item(), "grads": grads, "full": full, "on_zero": on_zero,
                     "fsdp": dict(fsdp), "fsdp_units": pm.fsdp_units,
                     "logits": None if logits is None else logits.logits,
+                    "eval_loss": None if getattr(logits, "loss", None) is None else logits.loss.item(),
                     "stages": pm.stage_indices, "state": sorted(pm.state_dict()), "sends": step_sends,
                     "restored": restored, "collectives": [(c.kind, c.mesh_axis, c.bytes) for c in log.seen],
                     "from_plan": pm.built_from_plan,
@@ -215,6 +223,7 @@ def _check(name: str, results: list[dict], plan, pp: int) -> None:  # noqa: C901
         want = model(**inputs).logits
     for r in last:
         torch.testing.assert_close(r["logits"], want, rtol=1e-4, atol=1e-5)
+        assert r["eval_loss"] is None or r["eval_loss"] == pytest.approx(ref_loss, rel=1e-5)
     # autotp.checkpoint.full_state_dict: the whole model on every rank (rank=None), or on rank 0
     # alone, equal to the model's own (the step computed gradients only: the weights are as built)
     whole = model.state_dict()
