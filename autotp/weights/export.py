@@ -7,9 +7,10 @@ written tensor by tensor.
 
 What is written is what the model's own ``save_pretrained`` writes: ``model.safetensors``, or, over
 ``max_shard_size``, ``model-00001-of-0000N.safetensors``... and ``model.safetensors.index.json``
-(the same split: Hugging Face's ``split_state_dict_into_shards_factory`` over the tensors in the state
-dict's order, the model's ``autotp_state_keys``), the state dict's persistent tensors under the model's names, a weight tied to another
-(GPT-2's ``lm_head.weight``, the token embedding) once under its first name in the model, and beside
+(the same split: Hugging Face's ``split_state_dict_into_shards_factory`` over the tensors in the
+model's state dict order, ``autotp_state_keys``), the state dict's persistent tensors under the
+model's names, a weight tied to another (GPT-2's ``lm_head.weight`` and token embedding) once under
+its first name in the model, and beside
 them the module's ``config`` (its ``dtype`` the parameters', its ``architectures`` the model's class)
 and ``generation_config`` where it has them.
 
