@@ -158,7 +158,8 @@ class ParallelModule(torch.fx.GraphModule):
     ``plan`` (the plan of the graph that runs now), ``plans`` (per mode, ``True`` for train, the plans
     made so far), ``graph_training`` (the mode of the graph that runs now) and ``autotp_placements``;
     and what users read from the model: its ``config``, ``generation_config`` and ``name_or_path``
-    where it has them; ``save_pretrained`` writes the whole model as Hugging Face does. A keyword
+    where it has them; ``save_pretrained`` writes the whole model as Hugging Face does (a method
+    :mod:`autotp.weights.export` gives the class: the runtime does not import the weights). A keyword
     argument the trace did not see is a ``TypeError`` that says how to give it to ``autotp.parallelize``."""
 
     def _autotp_init(self, graph: Any, plan: Any, switch: Optional[ModeSwitch], check_inputs: Optional[int]) -> None:
@@ -238,16 +239,6 @@ class ParallelModule(torch.fx.GraphModule):
         if key not in graphs:
             graphs[key] = CacheGraphs(self, self._autotp_switch, batch, max_cache_len, prompt_len)
         return graphs[key]
-
-    def save_pretrained(self, save_directory: str, max_shard_size: int | str = "5GB") -> None:
-        """Write the whole model as its own ``save_pretrained`` does: safetensors files its
-        ``from_pretrained`` reads on one device (one ``model.safetensors``, or files of at most
-        ``max_shard_size`` and ``model.safetensors.index.json``), the ``config`` and
-        ``generation_config`` beside them. Collective: every rank calls it; rank 0 writes, one
-        tensor gathered at a time (:mod:`autotp.weights.export`)."""
-        from autotp.weights.export import save_pretrained
-
-        save_pretrained(self, save_directory, max_shard_size)
 
     @property
     def generation_plans(self) -> dict[tuple, dict[str, Any]]:

@@ -103,8 +103,8 @@ class PipelineModule(nn.Module):
     rank(s) of the last stage (None elsewhere); the gradients, averaged as one pass over the whole
     batch would, are left on this rank's stage parameters for the optimizer. ``forward`` runs the
     batch through the stages without gradients and returns the model's output on the last stage's
-    ranks (None elsewhere). ``save_pretrained`` writes the whole model as Hugging Face does; the
-    model's ``config`` and ``generation_config`` are kept where it has them."""
+    ranks (None elsewhere). ``save_pretrained`` (from :mod:`autotp.weights.export`) writes the whole
+    model as Hugging Face does; the model's ``config`` and ``generation_config`` are kept where it has them."""
 
     def __init__(self, stages: Sequence[StageGraph], mine: Sequence[int], pp_group: Any, device: torch.device,
                  plan: Any, out_spec: Any, in_spec: Any, examples: Mapping[str, torch.Tensor],
@@ -167,14 +167,6 @@ class PipelineModule(nn.Module):
         self._zero = plan.pipeline.chosen.zero
         self._merge_spec = _merge_spec(examples["<output>"], plan.pipeline.chosen.micro_batch_size,
                                        plan.pipeline.chosen.micro_batches)
-
-    def save_pretrained(self, save_directory: str, max_shard_size: int | str = "5GB") -> None:
-        """Write the whole model, every stage's tensors, as its own ``save_pretrained`` does (as
-        :meth:`autotp.runtime.module.ParallelModule.save_pretrained`). Collective: every rank calls it;
-        each stage gathers its tensors one at a time and rank 0 writes them (:mod:`autotp.weights.export`)."""
-        from autotp.weights.export import save_pretrained
-
-        save_pretrained(self, save_directory, max_shard_size)
 
     @property
     def holds_last_stage(self) -> bool:

@@ -249,3 +249,26 @@ def _write_configs(module: nn.Module, root: Path) -> None:
     generation = getattr(module, "generation_config", None)
     if generation is not None and hasattr(generation, "save_pretrained"):
         generation.save_pretrained(root)
+
+
+def _method(self: nn.Module, save_directory: str | os.PathLike, max_shard_size: int | str = "5GB") -> None:
+    """Write the whole model as its own ``save_pretrained`` does: safetensors files its
+    ``from_pretrained`` reads on one device (one ``model.safetensors``, or files of at most
+    ``max_shard_size`` and ``model.safetensors.index.json``), the ``config`` and ``generation_config``
+    beside them. Collective: every rank calls it; rank 0 writes, one tensor gathered at a time
+    (:mod:`autotp.weights.export`); a pipeline's stages send theirs to rank 0."""
+    save_pretrained(self, save_directory, max_shard_size)
+
+
+def _give_the_modules_save_pretrained() -> None:
+    """``save_pretrained`` as a method of both parallel module kinds: defined here, where the weights
+    are, since the runtime that defines the classes imports nothing from this stage."""
+    from autotp.runtime.module import ParallelModule
+    from autotp.runtime.pipeline import PipelineModule
+
+    _method.__name__ = _method.__qualname__ = "save_pretrained"
+    ParallelModule.save_pretrained = _method  # type: ignore[attr-defined]
+    PipelineModule.save_pretrained = _method  # type: ignore[attr-defined]
+
+
+_give_the_modules_save_pretrained()
