@@ -166,8 +166,9 @@ class ParallelModule(torch.fx.GraphModule):
     made so far), ``graph_training`` (the mode of the graph that runs now: the top module's),
     ``graph_modes`` (every module's: :data:`autotp.tracing.inputs.Modes`) and ``autotp_placements``;
     and what users read from the model: its ``config``, ``generation_config`` and ``name_or_path``
-    where it has them. A keyword argument the trace did not see is a ``TypeError`` that says how to
-    give it to ``autotp.parallelize``."""
+    where it has them; ``save_pretrained`` writes the whole model as Hugging Face does (a method
+    :mod:`autotp.weights.export` gives the class: the runtime does not import the weights). A keyword
+    argument the trace did not see is a ``TypeError`` that says how to give it to ``autotp.parallelize``."""
 
     def _autotp_init(self, graph: Any, plan: Any, switch: Optional[ModeSwitch], check_inputs: Optional[int]) -> None:
         """Called once when built: the graph just built is the one of the traced mode. Per mode: the fx
@@ -356,6 +357,10 @@ def build_parallel_module(graph: OpGraph, plan: Plan, mesh: DeviceMesh, model: n
         put(gm, name, buf, "buffer", persistent=name in persistent)
     # by name on the module, where they outlive .to() and .half() (which make new parameters)
     gm.autotp_placements = placements  # type: ignore[assignment]
+    # what save_pretrained writes as the model's own would: its class (the config's ``architectures``)
+    # and its state dict's order (the files' split)
+    gm.autotp_model_class = type(model).__name__
+    gm.autotp_state_keys = tuple(model.state_dict().keys())
     rewrite.finish(gm)
     gm._autotp_init(graph, plan, switch, check_inputs)
     return gm

@@ -33,6 +33,7 @@ prices).
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
@@ -103,7 +104,8 @@ class PipelineModule(nn.Module):
     rank(s) of the last stage (None elsewhere); the gradients, averaged as one pass over the whole
     batch would, are left on this rank's stage parameters for the optimizer. ``forward`` runs the
     batch through the stages without gradients and returns the model's output on the last stage's
-    ranks (None elsewhere)."""
+    ranks (None elsewhere). ``save_pretrained`` (from :mod:`autotp.weights.export`) writes the whole
+    model as Hugging Face does; the model's ``config`` and ``generation_config`` are kept where it has them."""
 
     def __init__(self, stages: Sequence[StageGraph], mine: Sequence[int], pp_group: Any, device: torch.device,
                  plan: Any, out_spec: Any, in_spec: Any, examples: Mapping[str, torch.Tensor],
@@ -431,6 +433,11 @@ def build_pipeline_module(graph: Any, plan: Any, mesh: Any, model: nn.Module, ex
     # whether the rank allocated its stages' shards only and ran nothing to build (else: every
     # stage's shards, and the whole graph run once to see a crossing value the plan does not describe)
     module.built_from_plan = attempt == "stages"
+    for name in ("config", "generation_config"):  # what users read from a Hugging Face model, save_pretrained too
+        if getattr(model, name, None) is not None:
+            setattr(module, name, copy.deepcopy(getattr(model, name)))
+    module.autotp_model_class = type(model).__name__
+    module.autotp_state_keys = tuple(model.state_dict().keys())
     return module
 
 

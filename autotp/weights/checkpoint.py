@@ -1,43 +1,130 @@
-"""Checkpoints of a parallel module: sharded save/load with ``torch.distributed.checkpoint``, and the
-full (unsharded) state dict gathered on one rank.
+"""Checkpoints of a parallel module: sharded save/load with ``torch.distributed.checkpoint``, with its
+optimizer's state where given, and the full (unsharded) state dict gathered on one rank.
 
 >>> # on every rank:
->>> # autotp.checkpoint.save(pmodel, "ckpt/")            # each rank writes its shards
->>> # autotp.checkpoint.load(fresh_pmodel, "ckpt/")      # loads them back in place
+>>> # autotp.checkpoint.save(pmodel, "ckpt/", optimizer=opt)     # each rank writes its shards
+>>> # autotp.checkpoint.load(fresh_pmodel, "ckpt/", optimizer=fresh_opt)  # any plan, mesh, or a plain model
 >>> # full = autotp.checkpoint.full_state_dict(pmodel)  # rank 0: plain tensors, keys of the model
+
+The optimizer's state is PyTorch's ``get_optimizer_state_dict``: each parameter's state (AdamW's
+moments: DTensors split as their parameter) under the parameter's name, and the param groups,
+saved under ``optimizer.`` beside the model's keys. So it loads into another plan or mesh, or a
+plain model in one process, as the weights do (DCP reshards each moment by its parameter's
+placements there), and a checkpoint with an optimizer's state still loads as weights alone.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-__all__ = ["save", "load", "full_state_dict", "full_tensor"]
+__all__ = ["save", "load", "full_state_dict", "full_tensor", "OPTIMIZER_KEY"]
+
+# the optimizer's state in a checkpoint: under this key, beside the model's
+OPTIMIZER_KEY = "optimizer"
 
 
-def save(module: nn.Module, path: str | os.PathLike) -> None:
-    """Write the module's state dict (DTensor shards) with ``torch.distributed.checkpoint``."""
+def save(module: nn.Module, path: str | os.PathLike, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+    """Write the module's state dict (DTensor shards) with ``torch.distributed.checkpoint``, and, with
+    ``optimizer`` (over the module's parameters), the optimizer's state beside it."""
     _check_sizable(module)
-    state, _ = _for_dcp(module.state_dict(), _placements(module))
+    _check_optimizer(module, optimizer)
+    own = _placements(module)
+    state, _ = _for_dcp(module.state_dict(), own)
+    if optimizer is not None:
+        state[OPTIMIZER_KEY], _ = _optimizer_for_dcp(module, optimizer, own)
     dcp.save(state, checkpoint_id=os.fspath(path))
 
 
-def load(module: nn.Module, path: str | os.PathLike) -> None:
+def load(module: nn.Module, path: str | os.PathLike, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
     """Load a checkpoint written by :func:`save` into ``module`` (same plan and mesh, or any plan:
-    DCP reshards by the placements of the module's own DTensors)."""
+    DCP reshards by the placements of the module's own DTensors), and with ``optimizer`` (over the
+    module's parameters, built as for training) the optimizer's state saved with it."""
     _check_sizable(module)
+    _check_optimizer(module, optimizer)
+    if optimizer is not None:
+        _check_holds_optimizer(path)
     own = _placements(module)
     state, changed = _for_dcp(module.state_dict(), own)
-    dcp.load(state, checkpoint_id=os.fspath(path))
-    for name, original in changed.items():  # back to the split the module computes with
-        state[name] = _placed(state[name].full_tensor(), original.device_mesh, original.placements,
-                              own.get(name))
+    everything = dict(state)
+    if optimizer is not None:
+        everything[OPTIMIZER_KEY], moments = _optimizer_for_dcp(module, optimizer, own)
+    dcp.load(everything, checkpoint_id=os.fspath(path))
+    _restore(state, changed, own)  # back to the split the module computes with
     module.load_state_dict(state)
+    if optimizer is not None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        loaded = everything[OPTIMIZER_KEY]
+        for name, entries in moments.items():
+            _restore(loaded["state"][name], entries, {key: own[name] for key in entries})
+        set_optimizer_state_dict(module, optimizer, loaded)
+
+
+def _restore(state: dict, changed: dict, own: dict) -> None:
+    """Each entry :func:`_for_dcp` handed DCP as a plain split, cut again as the module computes with it."""
+    for name, original in changed.items():
+        state[name] = _placed(state[name].full_tensor(), original.device_mesh, original.placements, own.get(name))
+
+
+def _check_optimizer(module: nn.Module, optimizer: Any) -> None:
+    """Refuse what is not an optimizer over the module's parameters (one built over the model's own
+    parameters, before autotp.parallelize, most likely), before anything is read or written."""
+    if optimizer is None:
+        return
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer is a {type(optimizer).__name__}; expected a torch.optim.Optimizer over the "
+                        f"module's parameters, e.g. torch.optim.AdamW(pmodel.parameters())")
+    mine = {id(p) for p in module.parameters()}
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    others = [p for p in held if id(p) not in mine]
+    if others:
+        shapes = ", ".join(str(list(p.shape)) for p in others[:3]) + (" ..." if len(others) > 3 else "")
+        raise ValueError(f"the optimizer holds {len(others)} of its {len(held)} parameters that are not this "
+                         f"module's (shapes {shapes}); build it over the module's own parameters, "
+                         f"torch.optim.AdamW(pmodel.parameters()) after autotp.parallelize, not the model's")
+    if any(k == OPTIMIZER_KEY or k.startswith(OPTIMIZER_KEY + ".") for k in module.state_dict()):
+        raise ValueError(f"the module's state dict has keys under {OPTIMIZER_KEY!r}, where a checkpoint keeps the "
+                         f"optimizer's state; save the optimizer's state apart")
+
+
+def _check_holds_optimizer(path: str | os.PathLike) -> None:
+    """A checkpoint saved without ``optimizer=`` cannot restore one: said before anything loads."""
+    keys = dcp.FileSystemReader(os.fspath(path)).read_metadata().state_dict_metadata
+    if not any(k.startswith(OPTIMIZER_KEY + ".") for k in keys):
+        raise ValueError(f"the checkpoint at {os.fspath(path)} holds no optimizer state (it was saved without "
+                         f"optimizer=); load it without optimizer=, or save with autotp.checkpoint.save(module, "
+                         f"path, optimizer=opt)")
+
+
+def _optimizer_for_dcp(module: nn.Module, optimizer: torch.optim.Optimizer, own: dict) -> tuple[dict, dict]:
+    """The optimizer's state dict by parameter name (PyTorch's ``get_optimizer_state_dict``; an
+    optimizer that has taken no step yet gets its state made first, from zero gradients, the gradients
+    the parameters hold kept), each parameter's state as :func:`_for_dcp` hands it to DCP, and per
+    parameter the entries changed for it."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    grads = [p.grad for p in held] if not optimizer.state else None
+    if grads is not None:  # PyTorch makes the state only where no parameter has a gradient
+        for p in held:
+            p.grad = None
+    try:
+        osd = get_optimizer_state_dict(module, optimizer)
+    finally:
+        if grads is not None:
+            for p, g in zip(held, grads):
+                p.grad = g
+    changed = {}
+    for name, entries in osd["state"].items():
+        placements = {key: own[name] for key, v in entries.items() if name in own and hasattr(v, "placements")}
+        osd["state"][name], changed[name] = _for_dcp(entries, placements)
+    return osd, {name: entries for name, entries in changed.items() if entries}
 
 
 def full_tensor(value: torch.Tensor, placements=None) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -122,7 +123,7 @@ def _rank(rank, world, cases):
     sent: list = []
     _observe_sends(sent)
     out = []
-    for name, plan_json, shape, weights, checkpoint in cases:
+    for name, plan_json, shape, weights, checkpoint, *export in cases:
         pm, inputs = _built(name, plan_json, shape, weights)
         del sent[:]
         from tests.helpers.observed import CollectiveLog
@@ -145,6 +146,8 @@ def _rank(rank, world, cases):
             mine, theirs = pm.state_dict(), again.state_dict()
             restored = sorted(mine) == sorted(theirs) and all(
                 torch.equal(_local(mine[k]), _local(theirs[k])) for k in mine)
+        if export:  # the whole model as Hugging Face files, every stage's tensors sent to rank 0
+            pm.save_pretrained(export[0], max_shard_size=100_000)
         full = autotp.checkpoint.full_state_dict(pm, rank=None)  # every stage's tensors, whole, on every rank
         on_zero = autotp.checkpoint.full_state_dict(pm)  # ... on rank 0 alone
         out.append({"loss": None if loss is None else loss.item(), "grads": grads, "full": full, "on_zero": on_zero,
@@ -302,12 +305,22 @@ def test_two_stage_pipelines_equal_one_process(tmp_path):
     tensors), then checkpointed and restored stage by stage; GPT-2 (its embedding tied to the head:
     held by both stages, the gradients summed) under GPipe with its layers recomputed, traced without
     labels and stepped with a loss_fn and a target. 2 stages of 2 layers, 2 micro-batches, on
-    2 gloo processes."""
+    2 gloo processes. Both exported with save_pretrained: the files the model's own save_pretrained
+    writes (several, and an index), which from_pretrained reads."""
     _model("llama")[0].save_pretrained(tmp_path / "llama")
     cases = [("llama", _plan("llama", 2, 1, "1f1b", 2).to_json(), (2, 1), str(tmp_path / "llama"),
-              str(tmp_path / "checkpoint")),
-             ("gpt2_loss", _plan("gpt2_loss", 2, 1, "gpipe", 2, recompute=True).to_json(), (2, 1), None, None)]
+              str(tmp_path / "checkpoint"), str(tmp_path / "llama_export")),
+             ("gpt2_loss", _plan("gpt2_loss", 2, 1, "gpipe", 2, recompute=True).to_json(), (2, 1), None, None,
+              str(tmp_path / "gpt2_export"))]
     results = run_ranks(_rank, 2, cases)
+    for name, *_, export in cases:  # the step computed gradients only: the weights are the model's
+        model, inputs = _model(name.removesuffix("_loss"))
+        model.save_pretrained(tmp_path / "own", max_shard_size=100_000)
+        index = "model.safetensors.index.json"
+        assert (tmp_path / "own" / index).read_text() == Path(export, index).read_text()
+        loaded = type(model).from_pretrained(export)
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(**inputs).logits, model(**inputs).logits, rtol=0, atol=0)
     for i, (name, plan_json, *_) in enumerate(cases):
         _check(name, [r[i] for r in results], autotp.Plan.from_json(plan_json), pp=2)
     assert [r[0]["restored"] for r in results] == [True, True]
