@@ -21,7 +21,8 @@ The loop is Hugging Face's: the scores processed by ``transformers``' own proces
 model's ``generation_config`` and the call's choices (:mod:`autotp.runtime.generate_options`),
 then greedy, or sampled from a generator seeded alike on every rank (the first rank's seed), so
 every rank picks the same token; prompts of different lengths come padded with their
-``attention_mask`` (left-padded for a causal LM); a sequence that reaches an end token is padded
+``attention_mask`` (left-padded for a causal LM; given without one, a causal LM's mask is the one
+Hugging Face's ``generate`` infers from the pad token, :meth:`GenerateOptions.inferred_mask`); a sequence that reaches an end token is padded
 after it, and the loop stops when every sequence has. With ``compile``, the decode step runs as one
 compiled graph (:meth:`CacheGraphs.step`).
 """
@@ -193,22 +194,24 @@ def generate(module: nn.Module, input_ids: torch.Tensor, attention_mask: Optiona
     if opts.do_sample and generator is None:  # one seed for every rank: every rank picks the same token
         seed = from_first_rank(mesh, [int(torch.randint(0, 2**62, (1,)).item())])[0]
         generator = torch.Generator(device=input_ids.device).manual_seed(seed)
+    if attention_mask is None and not encoder_decoder:  # as Hugging Face's generate: from the pad token
+        attention_mask = opts.inferred_mask(switch.skeleton, input_ids)
     given = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(torch.int64)
     with torch.no_grad():
         if encoder_decoder:
             return _generate_encoder_decoder(graphs, token, opts, input_ids, given, generator)
-        return _generate_causal(graphs, token, opts, input_ids, given, attention_mask is not None, generator)
+        return _generate_causal(graphs, token, opts, input_ids, given, generator)
 
 
 def _generate_causal(graphs: CacheGraphs, token: Callable, opts: GenerateOptions, input_ids: torch.Tensor,
-                     given: torch.Tensor, masked: bool, generator: Optional[torch.Generator]) -> torch.Tensor:
+                     given: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
     batch, length = input_ids.shape
     # the mask over the whole cache (prompts left-padded: 0 where a pad is), and each token's position
     # counted from its sequence's first real token, as Hugging Face's generate counts them
     mask = torch.zeros(batch, graphs.max_cache_len, dtype=torch.int64, device=input_ids.device)
     mask[:, :length] = given
     positions = (given.cumsum(-1) - 1).masked_fill(given == 0, 1)
-    processors = opts.processors(graphs.skeleton, length, input_ids, given if masked else None, input_ids.device)
+    processors = opts.processors(graphs.skeleton, length, input_ids, given, input_ids.device)
     logits = graphs.graphs["prompt" if length > 1 else "token"](input_ids, torch.arange(length), mask, positions)
     position = positions[:, -1:]
 
