@@ -15,7 +15,10 @@ is stored:
   states, padded to the cache's length, and stores them in the cross-attention cache) and a later
   step's (it reads them), the last with the caches where the first step put them.
 
-Each rank then holds its piece of each cache, zeroed, as a buffer of the parallel module.
+Each rank then holds its piece of each cache, zeroed, as a buffer of the parallel module. A causal
+LM whose cache would hold more than keys and values is refused before anything is traced
+(:func:`autotp.runtime.static_cache.check_key_value_cache`), and one whose forward does not trace
+over the static cache is refused with the trace's error, as autotp's limit.
 
 The loop is Hugging Face's: the scores processed by ``transformers``' own processors from the
 model's ``generation_config`` and the call's choices (:mod:`autotp.runtime.generate_options`),
@@ -29,6 +32,7 @@ compiled graph (:meth:`CacheGraphs.step`).
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Optional
 
 import torch
@@ -39,8 +43,10 @@ from autotp.mesh import MeshSpec
 from autotp.runtime.agreement import agreed_plan, dropout_seed, from_first_rank
 from autotp.runtime.generate_options import GenerateOptions
 from autotp.runtime.state import buffer_piece, build_graph, put
-from autotp.runtime.static_cache import CACHE_PREFIX, with_encoder_decoder_cache, with_static_cache
+from autotp.runtime.static_cache import (CACHE_PREFIX, check_key_value_cache, with_encoder_decoder_cache,
+                                         with_static_cache)
 from autotp.tracing.export import capture
+from autotp.tracing.refusals import CaptureError
 from autotp.tracing.graph import BUFFER
 
 __all__ = ["CACHE_PREFIX", "CacheGraphs", "GenerateOptions", "generate"]
@@ -93,7 +99,10 @@ class CacheGraphs:
         (and the caches where the plan ``caches_from`` put them; else the planner chooses and this
         rank's pieces are allocated), and build its graph over the module's state."""
         module, switch = self._module, self._switch
-        graph = capture(model, inputs, dynamic_dims=dims, training=False, device=switch.mesh.device_type)
+        try:
+            graph = capture(model, inputs, dynamic_dims=dims, training=False, device=switch.mesh.device_type)
+        except CaptureError as err:
+            raise _untraceable(self.skeleton, err) from err
         pins = (self.plans[caches_from].storage_pins(graph) if caches_from is not None
                 else dict(module.plan.parameter_placements))
         first = module.plan
@@ -148,6 +157,23 @@ class CacheGraphs:
             b.zero_()
 
 
+def _untraceable(skeleton: nn.Module, err: CaptureError) -> NotImplementedError:
+    """The error for a model whose forward over the static cache does not trace: autotp's limit,
+    with the cause (the first line of the trace's own error)."""
+    cause = err.__cause__ if err.__cause__ is not None else err
+    text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    # an unbacked symbol (u0, u1, ...) is a size the trace read from a tensor's values
+    sized = (isinstance(cause, torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode)
+             or re.search(r"\bu\d+\b", str(cause)) is not None)
+    why = (": its forward computes a tensor's size from a value held in a tensor (such as the count of tokens "
+           "the cache holds, a tensor in a static cache), a size one graph for every step cannot carry" if sized else "")
+    return NotImplementedError(
+        f"generate() of {type(skeleton).__name__}: autotp could not trace its forward over a static KV cache "
+        f"(transformers' StaticCache, traced once for the prompt and once for a decoded token){why}; autotp's "
+        f"generate does not support this model (docs/limits.md). The parallel module's forward is unaffected. "
+        f"The trace's error: {type(cause).__name__}: {text}")
+
+
 def _cache_length(module: nn.Module, config: Any, max_cache_len: Optional[int]) -> int:
     """The cache's positions: given, else the generation config's cache config, else the model's
     ``max_position_embeddings`` (or T5-style ``n_positions``)."""
@@ -174,6 +200,8 @@ def generate(module: nn.Module, input_ids: torch.Tensor, attention_mask: Optiona
     config = getattr(module, "generation_config", None)
     switch = module._autotp_switch
     encoder_decoder = switch is not None and _is_encoder_decoder(switch.skeleton)
+    if switch is not None and hasattr(switch.skeleton, "config") and not encoder_decoder:
+        check_key_value_cache(switch.skeleton)  # before anything is traced or communicated
     opts = GenerateOptions.of(config, 1 if encoder_decoder else length, **options)
     limit = _cache_length(module, config, max_cache_len)
     decoded = 1 + opts.max_new_tokens if encoder_decoder else length + opts.max_new_tokens

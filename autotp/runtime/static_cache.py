@@ -29,7 +29,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-__all__ = ["CACHE_PREFIX", "EncoderDecoderCopies", "with_static_cache", "with_encoder_decoder_cache"]
+__all__ = ["CACHE_PREFIX", "EncoderDecoderCopies", "check_key_value_cache", "with_static_cache",
+           "with_encoder_decoder_cache"]
 
 CACHE_PREFIX = "autotp_kv_"  # the cache buffers' names on the parallel module: autotp_kv_{layer}_{keys,values,...}
 
@@ -46,6 +47,29 @@ def _register(model: nn.Module, cache: Any, prefix: str, device: Any) -> list[tu
                 model.register_buffer(f"{prefix}{i}_{name}", value, persistent=False)
                 slots.append((layer, name, f"{prefix}{i}_{name}"))
     return slots
+
+
+def check_key_value_cache(skeleton: nn.Module) -> None:
+    """Refuse (``NotImplementedError``) a causal LM whose cache holds more than attention keys and
+    values: transformers' cache for its config has a layer of a convolution or recurrent state (a
+    state-space model, linear attention, a short convolution: Mamba2, Jamba, LFM2, Qwen3-Next,
+    Falcon-H1). :func:`with_static_cache` makes only key and value buffers, which the planner splits
+    by heads; no graph of it could carry such a state from one token to the next. Reads the config
+    only: nothing is traced, planned or communicated."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin, StaticCache
+
+    config = _text_config(skeleton)
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    cache = StaticCache(config=config, max_cache_len=1)
+    stateful = [i for i, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
+    if stateful:
+        named = ", ".join(f"{i} ({layer_types[i]})" if i < len(layer_types) else str(i) for i in stateful[:4])
+        more = f" and {len(stateful) - 4} more" if len(stateful) > 4 else ""
+        raise NotImplementedError(
+            f"generate() of {type(skeleton).__name__}: its layers {named}{more} keep a convolution or recurrent "
+            f"(state-space, linear-attention) state in transformers' cache, beside attention keys and values; "
+            f"autotp's generate holds attention keys and values only (a static cache split by heads), so it does "
+            f"not generate with this model (docs/limits.md). The parallel module's forward is unaffected")
 
 
 def _text_config(model: nn.Module) -> Any:

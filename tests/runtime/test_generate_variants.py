@@ -1,9 +1,11 @@
 """``generate()`` as Hugging Face's on what the plain case leaves out: prompts padded without a mask,
-and sliding-window attention.
+sliding-window attention, and the models it refuses (a cache of more than keys and values, a
+forward that does not trace over a static cache).
 
 References: the model's own ``generate`` in one process, with the same arguments (greedy tokens),
 and the warnings transformers logs. The ranks are 2 threads over a real group, each parallelizing
-its own copy of a model built once here (``tests/helpers/turns.py``).
+its own copy of a model built once here (``tests/helpers/turns.py``); the refusals read a model's
+config alone, or run on a fake process group of 2 ranks (nothing is computed across ranks).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 import autotp
+from autotp.runtime.static_cache import check_key_value_cache
 from tests.helpers.turns import run_threads_tracing_in_turns
 
 NEW_TOKENS = 6
@@ -128,3 +131,98 @@ def test_sliding_window_families_generate_the_model_s_own_tokens(name):
     expected = _greedy(model, _prompts(7))
     assert len({t for row in expected for t in row[8:]}) > 2, "a degenerate reference would prove little"
     assert run_threads_tracing_in_turns(_sliding_rank, 2, model) == [expected, expected]
+
+
+def _stateful(name: str):
+    """Tiny models whose transformers cache keeps a convolution or recurrent state (on meta: only
+    their configs are read)."""
+    import transformers as t
+
+    attention = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=64)
+    with torch.device("meta"):
+        if name == "mamba2":
+            return t.Mamba2ForCausalLM(t.Mamba2Config(hidden_size=32, num_heads=4, head_dim=16, n_groups=1,
+                                                      state_size=8, num_hidden_layers=2, vocab_size=64))
+        if name == "lfm2":
+            return t.Lfm2ForCausalLM(t.Lfm2Config(**attention, layer_types=["conv", "full_attention"]))
+        if name == "jamba":
+            return t.JambaForCausalLM(t.JambaConfig(**attention, attn_layer_period=2, attn_layer_offset=1,
+                                                    num_experts=2, mamba_d_state=8, mamba_dt_rank=8,
+                                                    use_mamba_kernels=False))
+        if name == "qwen3_next":
+            return t.Qwen3NextForCausalLM(t.Qwen3NextConfig(
+                **attention, head_dim=8, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+                linear_value_head_dim=8, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
+                shared_expert_intermediate_size=32, layer_types=["linear_attention", "full_attention"]))
+        return t.FalconH1ForCausalLM(t.FalconH1Config(**attention, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8,
+                                                      mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=8))
+
+
+@pytest.mark.parametrize("name, layers", [("mamba2", "0 (linear_attention), 1 (linear_attention)"),
+                                          ("lfm2", "0 (conv)"), ("jamba", "0 (linear_attention)"),
+                                          ("qwen3_next", "0 (linear_attention)"),
+                                          ("falcon_h1", "0 (hybrid), 1 (hybrid)")])
+def test_a_cache_of_convolution_or_recurrent_states_is_refused_by_its_layers(name, layers):
+    model = _stateful(name)
+    with pytest.raises(NotImplementedError) as err:
+        check_key_value_cache(model)
+    message = str(err.value)
+    assert f"{type(model).__name__}: its layers {layers} keep a convolution or recurrent" in message, message
+    assert "autotp's generate holds attention keys and values only" in message and "docs/limits.md" in message
+
+
+def test_a_cache_of_keys_and_values_alone_is_not_refused():
+    for model in (_qwen2(), _sliding("gemma2")):
+        check_key_value_cache(model)
+
+
+@pytest.fixture
+def two_fake_ranks():
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield
+    dist.destroy_process_group()
+
+
+def _parallel(model, prompt):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    return autotp.parallelize(model, mesh, (prompt,), mode="inference", hardware="cpu-gloo")
+
+
+@pytest.mark.slow
+def test_generate_refuses_a_recurrent_state_at_the_call_and_makes_no_cache(two_fake_ranks):
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Mamba2ForCausalLM(Mamba2Config(hidden_size=32, num_heads=4, head_dim=16, n_groups=1, state_size=8,
+                                           num_hidden_layers=1, vocab_size=64, use_cache=False)).eval()
+    prompt = _prompts(7)
+    pm = _parallel(model, prompt)
+    with pytest.raises(NotImplementedError, match="its layers 0 .linear_attention. keep a convolution or recurrent"):
+        pm.generate(prompt, max_new_tokens=2)
+    assert not [n for n, _ in pm.named_buffers() if n.startswith("autotp_kv_")]
+    assert not pm.generation_plans
+
+
+@pytest.mark.slow
+def test_generate_refuses_a_forward_sized_by_the_cache_s_count_naming_autotp_s_limit(two_fake_ranks):
+    from transformers import MptConfig, MptForCausalLM
+
+    torch.manual_seed(0)
+    # ALiBi: the attention slices its bias by the count of tokens the cache holds
+    model = MptForCausalLM(MptConfig(d_model=32, n_heads=4, n_layers=1, vocab_size=64, max_seq_len=32,
+                                     use_cache=False)).eval()
+    prompt = _prompts(7)
+    pm = _parallel(model, prompt)
+    with pytest.raises(NotImplementedError) as err:
+        pm.generate(prompt, max_new_tokens=2, max_cache_len=16)
+    message = str(err.value)
+    assert "MptForCausalLM: autotp could not trace its forward over a static KV cache" in message, message
+    assert "computes a tensor's size from a value held in a tensor" in message
+    assert "autotp's generate does not support this model" in message and "check the example inputs" not in message
+    assert not [n for n, _ in pm.named_buffers() if n.startswith("autotp_kv_")]
