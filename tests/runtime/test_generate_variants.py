@@ -111,7 +111,9 @@ def _sliding(name: str):
         return transformers.MistralForCausalLM(transformers.MistralConfig(**common)).eval()
     if name == "gemma2":  # sliding and full layers alternate; logits soft-capped
         return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**common, head_dim=8, sliding_window=4)).eval()
-    return transformers.Cohere2ForCausalLM(transformers.Cohere2Config(**common, sliding_window=4)).eval()
+    # weights drawn wider: at the default scale its few logits settle on two tokens
+    return transformers.Cohere2ForCausalLM(transformers.Cohere2Config(**common, sliding_window=4,
+                                                                      initializer_range=0.2)).eval()
 
 
 def _sliding_rank(rank, world, built):
