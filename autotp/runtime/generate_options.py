@@ -80,6 +80,16 @@ class GenerateOptions:
         return cls(int(new), bool(merged.do_sample), eos, pad if pad is not None else (eos[0] if eos else None),
                    merged.decoder_start_token_id, merged)
 
+    def inferred_mask(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        """The attention mask Hugging Face's ``generate`` makes for a causal LM's prompts given without
+        one, by ``model``'s own code (the meta copy: it reads only its config): ``input_ids !=
+        pad_token_id`` where the pad token occurs in the prompts and is not an end token, else ones.
+        Where it cannot tell padding from tokens (no pad token, or the pad token an end token) and the
+        batch holds more than one prompt, it logs the warning Hugging Face's ``generate`` logs."""
+        config = copy.deepcopy(self.config)
+        model._prepare_special_tokens(config, False, input_ids.device, input_ids.shape[0])
+        return model._prepare_attention_mask_for_generation(input_ids, config, {})
+
     def processors(self, model: nn.Module, tokens_len: int, encoder_ids: Optional[torch.Tensor],
                    attention_mask: Optional[torch.Tensor], device: Any) -> Any:
         """``transformers``' logits processors for this call, built by ``model`` (the meta copy of the

@@ -15,19 +15,24 @@ is stored:
   states, padded to the cache's length, and stores them in the cross-attention cache) and a later
   step's (it reads them), the last with the caches where the first step put them.
 
-Each rank then holds its piece of each cache, zeroed, as a buffer of the parallel module.
+Each rank then holds its piece of each cache, zeroed, as a buffer of the parallel module. A causal
+LM whose cache would hold more than keys and values is refused before anything is traced
+(:func:`autotp.runtime.static_cache.check_key_value_cache`), and one whose forward does not trace
+over the static cache is refused with the trace's error, as autotp's limit.
 
 The loop is Hugging Face's: the scores processed by ``transformers``' own processors from the
 model's ``generation_config`` and the call's choices (:mod:`autotp.runtime.generate_options`),
 then greedy, or sampled from a generator seeded alike on every rank (the first rank's seed), so
 every rank picks the same token; prompts of different lengths come padded with their
-``attention_mask`` (left-padded for a causal LM); a sequence that reaches an end token is padded
+``attention_mask`` (left-padded for a causal LM; given without one, a causal LM's mask is the one
+Hugging Face's ``generate`` infers from the pad token, :meth:`GenerateOptions.inferred_mask`); a sequence that reaches an end token is padded
 after it, and the loop stops when every sequence has. With ``compile``, the decode step runs as one
 compiled graph (:meth:`CacheGraphs.step`).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Optional
 
 import torch
@@ -38,8 +43,10 @@ from autotp.mesh import MeshSpec
 from autotp.runtime.agreement import agreed_plan, dropout_seed, from_first_rank
 from autotp.runtime.generate_options import GenerateOptions
 from autotp.runtime.state import buffer_piece, build_graph, put
-from autotp.runtime.static_cache import CACHE_PREFIX, with_encoder_decoder_cache, with_static_cache
+from autotp.runtime.static_cache import (CACHE_PREFIX, check_key_value_cache, with_encoder_decoder_cache,
+                                         with_static_cache)
 from autotp.tracing.export import capture
+from autotp.tracing.refusals import CaptureError
 from autotp.tracing.graph import BUFFER
 
 __all__ = ["CACHE_PREFIX", "CacheGraphs", "GenerateOptions", "generate"]
@@ -92,7 +99,10 @@ class CacheGraphs:
         (and the caches where the plan ``caches_from`` put them; else the planner chooses and this
         rank's pieces are allocated), and build its graph over the module's state."""
         module, switch = self._module, self._switch
-        graph = capture(model, inputs, dynamic_dims=dims, training=False, device=switch.mesh.device_type)
+        try:
+            graph = capture(model, inputs, dynamic_dims=dims, training=False, device=switch.mesh.device_type)
+        except CaptureError as err:
+            raise _untraceable(self.skeleton, err) from err
         pins = (self.plans[caches_from].storage_pins(graph) if caches_from is not None
                 else dict(module.plan.parameter_placements))
         first = module.plan
@@ -147,6 +157,23 @@ class CacheGraphs:
             b.zero_()
 
 
+def _untraceable(skeleton: nn.Module, err: CaptureError) -> NotImplementedError:
+    """The error for a model whose forward over the static cache does not trace: autotp's limit,
+    with the cause (the first line of the trace's own error)."""
+    cause = err.__cause__ if err.__cause__ is not None else err
+    text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    # an unbacked symbol (u0, u1, ...) is a size the trace read from a tensor's values
+    sized = (isinstance(cause, torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode)
+             or re.search(r"\bu\d+\b", str(cause)) is not None)
+    why = (": its forward computes a tensor's size from a value held in a tensor (such as the count of tokens "
+           "the cache holds, a tensor in a static cache), a size one graph for every step cannot carry" if sized else "")
+    return NotImplementedError(
+        f"generate() of {type(skeleton).__name__}: autotp could not trace its forward over a static KV cache "
+        f"(transformers' StaticCache, traced once for the prompt and once for a decoded token){why}; autotp's "
+        f"generate does not support this model (docs/limits.md). The parallel module's forward is unaffected. "
+        f"The trace's error: {type(cause).__name__}: {text}")
+
+
 def _cache_length(module: nn.Module, config: Any, max_cache_len: Optional[int]) -> int:
     """The cache's positions: given, else the generation config's cache config, else the model's
     ``max_position_embeddings`` (or T5-style ``n_positions``)."""
@@ -173,6 +200,8 @@ def generate(module: nn.Module, input_ids: torch.Tensor, attention_mask: Optiona
     config = getattr(module, "generation_config", None)
     switch = module._autotp_switch
     encoder_decoder = switch is not None and _is_encoder_decoder(switch.skeleton)
+    if switch is not None and hasattr(switch.skeleton, "config") and not encoder_decoder:
+        check_key_value_cache(switch.skeleton)  # before anything is traced or communicated
     opts = GenerateOptions.of(config, 1 if encoder_decoder else length, **options)
     limit = _cache_length(module, config, max_cache_len)
     decoded = 1 + opts.max_new_tokens if encoder_decoder else length + opts.max_new_tokens
@@ -193,22 +222,24 @@ def generate(module: nn.Module, input_ids: torch.Tensor, attention_mask: Optiona
     if opts.do_sample and generator is None:  # one seed for every rank: every rank picks the same token
         seed = from_first_rank(mesh, [int(torch.randint(0, 2**62, (1,)).item())])[0]
         generator = torch.Generator(device=input_ids.device).manual_seed(seed)
+    if attention_mask is None and not encoder_decoder:  # as Hugging Face's generate: from the pad token
+        attention_mask = opts.inferred_mask(switch.skeleton, input_ids)
     given = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(torch.int64)
     with torch.no_grad():
         if encoder_decoder:
             return _generate_encoder_decoder(graphs, token, opts, input_ids, given, generator)
-        return _generate_causal(graphs, token, opts, input_ids, given, attention_mask is not None, generator)
+        return _generate_causal(graphs, token, opts, input_ids, given, generator)
 
 
 def _generate_causal(graphs: CacheGraphs, token: Callable, opts: GenerateOptions, input_ids: torch.Tensor,
-                     given: torch.Tensor, masked: bool, generator: Optional[torch.Generator]) -> torch.Tensor:
+                     given: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
     batch, length = input_ids.shape
     # the mask over the whole cache (prompts left-padded: 0 where a pad is), and each token's position
     # counted from its sequence's first real token, as Hugging Face's generate counts them
     mask = torch.zeros(batch, graphs.max_cache_len, dtype=torch.int64, device=input_ids.device)
     mask[:, :length] = given
     positions = (given.cumsum(-1) - 1).masked_fill(given == 0, 1)
-    processors = opts.processors(graphs.skeleton, length, input_ids, given if masked else None, input_ids.device)
+    processors = opts.processors(graphs.skeleton, length, input_ids, given, input_ids.device)
     logits = graphs.graphs["prompt" if length > 1 else "token"](input_ids, torch.arange(length), mask, positions)
     position = positions[:, -1:]
 

@@ -8,6 +8,7 @@ whose caches are buffers the planner may store split (by the kv heads its attent
 - :func:`with_static_cache`: a causal LM, ``(input_ids, cache_position, attention_mask,
   position_ids) -> logits`` over one cache of ``max_cache_len`` positions (the last position's
   logits only, where the model's forward takes ``logits_to_keep``, as Hugging Face's generate asks).
+  Sliding-window layers keep every position too, masked to their window by the model's own mask.
 - :func:`with_encoder_decoder_cache`: an encoder-decoder (BART, T5, ...): three copies over the same
   buffers, the encoder's ``(input_ids, attention_mask) -> hidden states``, and two of the decoder's
   ``(decoder_input_ids, cache_position, decoder_attention_mask, encoder_hidden_states,
@@ -28,7 +29,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-__all__ = ["CACHE_PREFIX", "EncoderDecoderCopies", "with_static_cache", "with_encoder_decoder_cache"]
+__all__ = ["CACHE_PREFIX", "EncoderDecoderCopies", "check_key_value_cache", "with_static_cache",
+           "with_encoder_decoder_cache"]
 
 CACHE_PREFIX = "autotp_kv_"  # the cache buffers' names on the parallel module: autotp_kv_{layer}_{keys,values,...}
 
@@ -47,6 +49,44 @@ def _register(model: nn.Module, cache: Any, prefix: str, device: Any) -> list[tu
     return slots
 
 
+def check_key_value_cache(skeleton: nn.Module) -> None:
+    """Refuse (``NotImplementedError``) a causal LM whose cache holds more than attention keys and
+    values: transformers' cache for its config has a layer of a convolution or recurrent state (a
+    state-space model, linear attention, a short convolution: Mamba2, Jamba, LFM2, Qwen3-Next,
+    Falcon-H1). :func:`with_static_cache` makes only key and value buffers, which the planner splits
+    by heads; no graph of it could carry such a state from one token to the next. Reads the config
+    only: nothing is traced, planned or communicated."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin, StaticCache
+
+    config = _text_config(skeleton)
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    cache = StaticCache(config=config, max_cache_len=1)
+    stateful = [i for i, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
+    if stateful:
+        named = ", ".join(f"{i} ({layer_types[i]})" if i < len(layer_types) else str(i) for i in stateful[:4])
+        more = f" and {len(stateful) - 4} more" if len(stateful) > 4 else ""
+        raise NotImplementedError(
+            f"generate() of {type(skeleton).__name__}: its layers {named}{more} keep a convolution or recurrent "
+            f"(state-space, linear-attention) state in transformers' cache, beside attention keys and values; "
+            f"autotp's generate holds attention keys and values only (a static cache split by heads), so it does "
+            f"not generate with this model (docs/limits.md). The parallel module's forward is unaffected")
+
+
+def _text_config(model: nn.Module) -> Any:
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
+def _whole_length(cache: Any, max_cache_len: int) -> None:
+    """Each sliding-window (or chunked) layer of ``cache`` made a plain static layer of ``max_cache_len``
+    positions: the model's own mask keeps each query to its window (or chunk) of the cache's positions,
+    as in the model's own generate. Transformers' sliding layer keeps only the window, rolled, and
+    counts its tokens in a Python int: a graph traced once could not roll it, nor read the count."""
+    from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+
+    cache.layers = [StaticLayer(max_cache_len=max_cache_len) if isinstance(layer, StaticSlidingWindowLayer) else layer
+                    for layer in cache.layers]
+
+
 def _cache_argument(model: nn.Module) -> str:
     """The name the model's forward takes its cache by (``cache`` in recent transformers)."""
     return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
@@ -59,8 +99,9 @@ def with_static_cache(skeleton: nn.Module, batch: int, max_cache_len: int, devic
     from transformers.cache_utils import StaticCache
 
     model = copy.deepcopy(skeleton)
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = _text_config(model)
     cache = StaticCache(config=config, max_cache_len=max_cache_len)
+    _whole_length(cache, max_cache_len)
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     dtype = next(model.parameters()).dtype
