@@ -70,9 +70,11 @@ def build_model(spec: str) -> tuple[Any, Any]:
     """Call the factory ``spec`` names; its ``(model, example_inputs)``, or a clear exit."""
     import torch
 
+    from autotp.words import with_article
+
     factory = load_factory(spec)
     if not callable(factory):
-        raise SystemExit(f"autotp plan: {spec} is a {type(factory).__name__}, not a function returning "
+        raise SystemExit(f"autotp plan: {spec} is {with_article(type(factory).__name__)}, not a function returning "
                          f"(model, example_inputs)")
     try:
         built = factory()
@@ -82,7 +84,7 @@ def build_model(spec: str) -> tuple[Any, Any]:
         raise SystemExit(f"autotp plan: {spec} could not be called with no arguments ({err}); the CLI calls the "
                          f"factory as factory(): give its arguments defaults") from err
     if not (isinstance(built, tuple) and len(built) == 2):
-        what = f"a tuple of {len(built)}" if isinstance(built, tuple) else f"a {type(built).__name__}"
+        what = f"a tuple of {len(built)}" if isinstance(built, tuple) else with_article(type(built).__name__)
         raise SystemExit(f"autotp plan: {spec} returned {what}; expected (model, example_inputs): a torch.nn.Module "
                          f"and the inputs model(*example_inputs) is called with")
     model, example_inputs = built

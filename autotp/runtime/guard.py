@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from autotp.tracing.dynamic import Divisibility, DynamicDim, compiled, in_input_terms, size_expression, size_hint
+from autotp.words import with_article
 
 __all__ = ["InputSpec", "InputGuard", "SameOnEveryRank", "SizeNotTraced", "fingerprint", "DEFAULT_INPUT_CHECKS"]
 
@@ -223,7 +224,7 @@ def _describe(expression: str, where: dict[str, tuple[str, int]], value: int) ->
 
 def _check(spec: InputSpec, value: Any, sizes: dict[str, int], where: dict[str, tuple[str, int]]) -> None:
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"input {spec.name!r} is a {type(value).__name__}; this parallel module was built for a "
+        raise TypeError(f"input {spec.name!r} is {with_article(type(value).__name__)}; this parallel module was built for a "
                         f"tensor of shape {_shape_text(spec.shape)} and dtype {spec.dtype}")
     given = tuple(int(n) for n in value.shape)
     if len(given) != len(spec.shape):
