@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 import torch
@@ -20,8 +21,13 @@ def test_plan_prints_the_report_and_writes_json_and_html(tmp_path, capsys):
     assert "Dynamic dims" not in printed  # static unless --dynamic
     plan = autotp.load_plan(out_json)
     assert plan.mesh.shape == (2,) and plan.mode == "inference" and plan.hardware.name == "cpu-gloo"
-    for module in plan.module_styles():
-        assert module in printed
+    # each module's row, a stack's alike layers once (tiny_llama's two layers have the same rows)
+    rows = {line.split()[0]: line.split()[1] for line in printed.split("Modules")[1].split("Collectives")[0].splitlines()
+            if line.strip() and not line.startswith(("module", "-", " ("))}
+    for module, style in plan.module_styles().items():
+        named = re.sub(r"^layers\.[01]\.", "layers.{0..1}.", module)
+        assert rows.get(named) == style, (module, named)
+    assert not any(name.startswith(("layers.0.", "layers.1.")) for name in rows), rows
     assert out_html.read_text().startswith("<!doctype html>")
 
 
