@@ -2,7 +2,8 @@
 
 ``autotp plan examples.models:llama3_8b --mesh 8 --hardware h100-sxm`` imports the factory (a
 function returning ``(model, example_inputs)``), plans, and prints the report; ``--devices 16``
-instead of ``--mesh`` chooses the mesh shape too.
+instead of ``--mesh`` chooses the mesh shape too. An error (a model the trace refuses, a budget no
+plan fits, a bad flag) prints its message alone and exits with 2; ``--debug`` prints the traceback too.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import importlib
 import os
 import sys
+import traceback
 from typing import Any, Callable
 
 
@@ -70,9 +72,11 @@ def build_model(spec: str) -> tuple[Any, Any]:
     """Call the factory ``spec`` names; its ``(model, example_inputs)``, or a clear exit."""
     import torch
 
+    from autotp.words import with_article
+
     factory = load_factory(spec)
     if not callable(factory):
-        raise SystemExit(f"autotp plan: {spec} is a {type(factory).__name__}, not a function returning "
+        raise SystemExit(f"autotp plan: {spec} is {with_article(type(factory).__name__)}, not a function returning "
                          f"(model, example_inputs)")
     try:
         built = factory()
@@ -82,7 +86,7 @@ def build_model(spec: str) -> tuple[Any, Any]:
         raise SystemExit(f"autotp plan: {spec} could not be called with no arguments ({err}); the CLI calls the "
                          f"factory as factory(): give its arguments defaults") from err
     if not (isinstance(built, tuple) and len(built) == 2):
-        what = f"a tuple of {len(built)}" if isinstance(built, tuple) else f"a {type(built).__name__}"
+        what = f"a tuple of {len(built)}" if isinstance(built, tuple) else with_article(type(built).__name__)
         raise SystemExit(f"autotp plan: {spec} returned {what}; expected (model, example_inputs): a torch.nn.Module "
                          f"and the inputs model(*example_inputs) is called with")
     model, example_inputs = built
@@ -127,7 +131,10 @@ def run_plan(args: argparse.Namespace) -> int:
                            dynamic_dims=None if args.dynamic else False, optimizer=optimizer,
                            recompute={"auto": None, "all": True, "off": False}[args.recompute],
                            pipeline=args.pipeline)
-    except (autotp.MemoryBudgetError, ValueError) as err:
+    except (autotp.MemoryBudgetError, autotp.CaptureError, ValueError) as err:
+        # the message says what failed and what to do; the traceback is autotp's own, for --debug
+        if args.debug:
+            traceback.print_exc()
         print(f"autotp plan: {err}", file=sys.stderr)
         return 2
     print(plan.report(explain=args.explain == "*"))
@@ -160,8 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "its shapes on one or two axes (the report lists them)")
     p.add_argument("--pipeline", action="store_true",
                    help="with --devices, train mode: price pipeline stages x data x tensor parallel layouts too "
-                        "(micro-batches, schedule, ZeRO stage, recompute); the report lists them. Planned and "
-                        "priced only: autotp runs tensor parallelism alone")
+                        "(micro-batches, schedule, ZeRO stage, recompute); the report lists them and names the mesh "
+                        "autotp.parallelize runs the saved plan on, ('pp', 'tp') or ('pp', 'dp', 'tp') "
+                        "(docs/guide.md, \"Pipeline stages, data and tensor parallelism\")")
     p.add_argument("--axis-names", default=None, help="comma-separated axis names (default tp, or dp,tp for 2 axes)")
     p.add_argument("--hardware", default=None,
                    help="built-in profile name (h100-sxm, a100-sxm, a100-pcie, cpu-gloo) or a profile JSON path "
@@ -191,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "have, priced by solving again (all replicated modules, repeated layers once; or MODULE)")
     p.add_argument("--json", default=None, help="write the plan as JSON to this path")
     p.add_argument("--html", default=None, help="write the report as HTML to this path")
+    p.add_argument("--debug", action="store_true",
+                   help="on an error, print its traceback before the message (default: the message alone)")
     p.set_defaults(run=run_plan)
 
     from autotp.profiling import command as profile_command

@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from autotp.words import with_article
+
 __all__ = ["MeshSpec"]
 
 _DEFAULT_NAMES = {1: ("tp",), 2: ("dp", "tp")}
@@ -64,4 +66,4 @@ class MeshSpec:
             names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else _DEFAULT_NAMES.get(
                 len(shape), tuple(f"axis{i}" for i in range(len(shape))))
             return cls(shape, names, mesh.device_type)
-        raise TypeError(f"mesh is a {type(mesh).__name__}; expected a DeviceMesh or a shape such as (8,) or (2, 4)")
+        raise TypeError(f"mesh is {with_article(type(mesh).__name__)}; expected a DeviceMesh or a shape such as (8,) or (2, 4)")

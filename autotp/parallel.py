@@ -33,6 +33,7 @@ from autotp.runtime.module import ModeSwitch, ParallelModule, build_parallel_mod
 from autotp.tracing.export import capture
 from autotp.tracing.loss import WithLoss
 from autotp.weights.meta import unfillable_state
+from autotp.words import with_article
 
 __all__ = ["parallelize", "default_hardware"]
 
@@ -112,7 +113,7 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
         raise TypeError(f"parallelize needs a DeviceMesh over a live process group, got {type(mesh).__name__}; "
                         "to plan without processes call autotp.plan(model, (8,), example_inputs)")
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model is a {type(model).__name__}; expected a torch.nn.Module")
+        raise TypeError(f"model is {with_article(type(model).__name__)}; expected a torch.nn.Module")
     if loss_fn is not None:
         model = WithLoss(model, loss_fn)
     if mesh.get_coordinate() is None:
@@ -127,7 +128,7 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: expected one of {MODES}")
     if isinstance(plan, Plan) and plan.mode != mode:
-        raise PlanError(f"the plan is a {plan.mode} plan (made with mode={plan.mode!r}), and parallelize was asked "
+        raise PlanError(f"the plan is {with_article(plan.mode)} plan (made with mode={plan.mode!r}), and parallelize was asked "
                         f"for mode={mode!r}; leave mode out to use the plan as it is, or plan again with "
                         f"mode={mode!r}")
     if isinstance(plan, Plan) and plan.pipeline is not None and (plan.pipeline.chosen.pp, plan.pipeline.chosen.dp) != (1, 1):
@@ -141,13 +142,13 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
     optimizer_spec(optimizer)  # bad arguments are refused on every rank, before the capture
     check_recompute(recompute)
     if plan is not None and not isinstance(plan, Plan):
-        raise TypeError(f"plan is a {type(plan).__name__}; expected an autotp Plan (autotp.plan or autotp.load_plan)")
+        raise TypeError(f"plan is {with_article(type(plan).__name__)}; expected an autotp Plan (autotp.plan or autotp.load_plan)")
     source = None
     if plan is None:
         if hardware is None:
             name = torch.cuda.get_device_name() if mesh.device_type == "cuda" else None
             hardware = default_hardware(mesh.device_type, name)
-            source = (f"built-in profile, the default of autotp.parallelize for a {mesh.device_type} mesh"
+            source = (f"built-in profile, the default of autotp.parallelize for {with_article(mesh.device_type)} mesh"
                       + (f" ({name})" if name else "") + " (no hardware given; measure this machine with "
                       "`autotp profile` for figures that describe it)")
         resolve_hardware(hardware)  # a bad profile is refused on every rank, before the capture

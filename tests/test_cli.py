@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
+import torch
 
 import autotp
 from autotp.cli import main, parse_mesh
@@ -19,8 +21,13 @@ def test_plan_prints_the_report_and_writes_json_and_html(tmp_path, capsys):
     assert "Dynamic dims" not in printed  # static unless --dynamic
     plan = autotp.load_plan(out_json)
     assert plan.mesh.shape == (2,) and plan.mode == "inference" and plan.hardware.name == "cpu-gloo"
-    for module in plan.module_styles():
-        assert module in printed
+    # each module's row, a stack's alike layers once (tiny_llama's two layers have the same rows)
+    rows = {line.split()[0]: line.split()[1] for line in printed.split("Modules")[1].split("Collectives")[0].splitlines()
+            if line.strip() and not line.startswith(("module", "-", " ("))}
+    for module, style in plan.module_styles().items():
+        named = re.sub(r"^layers\.[01]\.", "layers.{0..1}.", module)
+        assert rows.get(named) == style, (module, named)
+    assert not any(name.startswith(("layers.0.", "layers.1.")) for name in rows), rows
     assert out_html.read_text().startswith("<!doctype html>")
 
 
@@ -219,3 +226,47 @@ def test_pipeline_layouts_from_the_command_line(tmp_path, capsys):
     assert plan.pipeline is not None and f"Chosen: {plan.pipeline.chosen.describe()}" in printed
     assert main(["plan", f"{factory}:build", "--mesh", "2", "--pipeline"]) == 2
     assert "give the number of devices" in capsys.readouterr().err
+
+
+def test_help_says_parallelize_runs_pipeline_plans(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    pipeline = text[text.index("--pipeline with"):text.index("--axis-names AXIS_NAMES comma")]
+    assert "priced only" not in pipeline and "tensor parallelism alone" not in pipeline
+    assert "autotp.parallelize runs" in pipeline and "('pp', 'tp')" in pipeline
+
+
+_UNTRACEABLE = '''
+import torch
+
+
+class Picks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.up(x)
+        return y[y > 0].sum()  # a size that depends on the data: no plan can place it
+
+
+def build():
+    return Picks(), (torch.randn(4, 8),)
+'''
+
+
+def test_a_capture_error_prints_its_message_alone_unless_debug(tmp_path, capsys, monkeypatch):
+    """A model the trace refuses: exit code 2 and the error's message, no traceback; --debug adds it."""
+    (tmp_path / "untraceable.py").write_text(_UNTRACEABLE)
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "untraceable.py:build", "--mesh", "2", "--hardware", "cpu-gloo"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autotp plan: ") and "Traceback" not in err, err
+    message = err[len("autotp plan: "):].strip()
+    with pytest.raises(autotp.CaptureError) as raised:
+        autotp.plan(__import__("untraceable").Picks(), (2,), (torch.randn(4, 8),), hardware="cpu-gloo")
+    assert message == str(raised.value).strip()
+    assert main(["plan", "untraceable.py:build", "--mesh", "2", "--hardware", "cpu-gloo", "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback") and f"autotp plan: {message}" in err

@@ -268,7 +268,7 @@ def test_a_rank_outside_the_mesh_is_refused_naming_it():
 
 
 def test_an_inference_plan_asked_to_train_is_refused_naming_both_modes(one_rank):
-    _assert_refused(one_rank["inference_plan_mode_train"], "PlanError", "inference plan", "mode='train'")
+    _assert_refused(one_rank["inference_plan_mode_train"], "PlanError", "is an inference plan", "mode='train'")
 
 
 def test_a_train_plan_with_the_model_in_eval_runs_it_in_eval_mode(one_rank):

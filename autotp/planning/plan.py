@@ -31,6 +31,7 @@ from autotp.planning.program import Collective
 from autotp.planning.report import render
 from autotp.tracing.dynamic import Divisibility, DynamicDim
 from autotp.tracing.graph import BUFFER, INPUT, OpGraph, PARAMETER
+from autotp.words import with_article
 
 __all__ = ["Plan", "PlannedInput", "PredictedTime", "MemoryPerDevice", "SolveStats", "ModuleChoice", "load_plan"]
 
@@ -358,7 +359,8 @@ class Plan:
         its mode, its example inputs, or the first module whose ops differ."""
         head = "the plan was made for another model"
         if self.model_type and graph.model_type and self.model_type != graph.model_type:
-            return f"{head}: the plan is for a {self.model_type}, the model is a {graph.model_type}; plan this model"
+            return (f"{head}: the plan is for {with_article(self.model_type)}, the model is "
+                    f"{with_article(graph.model_type)}; plan this model")
         if self.training is not None and self.training != graph.training:
             made, now = ("train", "eval") if self.training else ("eval", "train")
             return (f"the plan was traced with the model in {made} mode, and the model was traced in {now} mode "

@@ -19,6 +19,7 @@ from autotp.mesh import MeshSpec
 from autotp.placement import Strategy, format_placements, parse_placements, piece_sizes
 from autotp.planning.costing import MODES, CostModel, MemoryParts
 from autotp.planning.explain import ExplainContext
+from autotp.planning.errors import MemoryBudgetError
 from autotp.planning.mesh_search import mesh_shapes, search_meshes
 from autotp.planning.plan import MemoryPerDevice, NodeChoice, Plan, PlannedInput, PredictedTime, SolveStats, UnevenSplit, module_choices
 from autotp.planning.program import Collective, LocalCopy, program
@@ -337,8 +338,18 @@ def plan(model: torch.nn.Module, mesh: Any, example_inputs: Any, hardware: Any =
     capture_s = time.perf_counter() - t0
 
     def plan_on(shape: Any) -> Plan:
-        return plan_graph(graph, shape, hardware, mode, memory_budget, time_limit_s, capture_s=capture_s,
-                          pin=pin, optimizer=optimizer, recompute=recompute)
+        try:
+            return plan_graph(graph, shape, hardware, mode, memory_budget, time_limit_s, capture_s=capture_s,
+                              pin=pin, optimizer=optimizer, recompute=recompute)
+        except MemoryBudgetError as err:
+            if graph.dynamic or dynamic_dims is not False:
+                raise
+            # the least is the static graph's: a dynamic trace (parallelize's default) may hold other ops
+            raise MemoryBudgetError(
+                f"{err}. This least is for the model traced with static sizes (autotp.plan's default, "
+                f"dynamic_dims=False); autotp.parallelize traces the batch and sequence dims as dynamic by "
+                f"default and its plan may need more: for its least, plan with dynamic_dims=None, or call "
+                f"parallelize with dynamic_dims=False", err.minimum_bytes) from None
 
     if devices is not None:
         return search_meshes(devices, profile.devices_per_node, plan_on)

@@ -1,8 +1,9 @@
 """Report: the plan as a person reads it (text table, JSON, or HTML).
 
 Sections: per module its style, the placements of weight, input and output, and whether it
-recomputes its activations; the collectives of one step by kind and phase with bytes; the inputs' dynamic dims and what the plan needs of them;
-predicted compute and communication time; memory per device against the budget; which layers
+recomputes its activations (a run of a stack's alike layers once, as ``model.layers.{0..79}``); the collectives of one step by kind and phase with bytes; the inputs' dynamic dims and what the plan needs of them;
+predicted compute and communication time; memory per device against the budget (with
+``pipeline=True`` the chosen layout's, the stage plan's own figure after it, labelled); which layers
 recompute and what that frees and costs; where gradients pass on as partial sums (``Rg``); how
 the solve went.
 """
@@ -109,9 +110,46 @@ def _recomputed(plan: "Plan", module: str) -> str:
     return "yes" if any(module == p or module.startswith(p + ".") for p in plan.recompute) else ""
 
 
+def alike_layers(rows: list[list[str]]) -> list[list[str]]:
+    """``rows`` (the first cell a module's or parameter's name) with each run of alike layers of a stack
+    shown once: where layers ``a`` to ``b`` of ``model.layers`` have the same rows (the layer's index
+    aside), their rows are given once under ``model.layers.{a..b}``. A layer unlike its neighbours (one
+    that recomputes where they do not) starts a run of its own, so nothing the rows say is lost."""
+    # the rows of each numbered layer, by stack: where each starts, and what it holds apart from its index
+    layers: dict[str, dict[int, list[tuple[str, tuple[str, ...]]]]] = defaultdict(lambda: defaultdict(list))
+    where: list[tuple[str, int, str] | None] = []
+    for row in rows:
+        found = _NUMBERED.match(row[0])
+        if found:
+            stack, index, rest = found.group(1), int(found.group(2)), row[0][found.end(2):]
+            layers[stack][index].append((rest, tuple(row[1:])))
+            where.append((stack, index, rest))
+        else:
+            where.append(None)
+    run_of: dict[tuple[str, int], tuple[int, int]] = {}  # (stack, layer) -> its run's first and last layer
+    for stack, per in layers.items():
+        order = sorted(per)
+        start = 0
+        for k in range(1, len(order) + 1):
+            if k == len(order) or order[k] != order[k - 1] + 1 or per[order[k]] != per[order[start]]:
+                for index in order[start:k]:
+                    run_of[stack, index] = (order[start], order[k - 1])
+                start = k
+    out = []
+    for row, at in zip(rows, where):
+        if at is None:
+            out.append(row)
+            continue
+        stack, index, rest = at
+        first, last = run_of[stack, index]
+        if index == first:
+            out.append([f"{stack}.{{{first}..{last}}}{rest}" if last > first else row[0], *row[1:]])
+    return out
+
+
 def _module_rows(plan: "Plan") -> list[list[str]]:
-    return [[m.module or "(root)", m.style, m.op, m.weight, m.input, m.output, _recomputed(plan, m.module)]
-            for m in plan.modules]
+    return alike_layers([[m.module or "(root)", m.style, m.op, m.weight, m.input, m.output,
+                          _recomputed(plan, m.module)] for m in plan.modules])
 
 
 _MODULE_HEADERS = ["module", "style", "op", "weight", "input", "output", "recompute"]
@@ -146,17 +184,32 @@ def header_lines(plan: "Plan") -> list[str]:
     ]
 
 
-def memory_line(plan: "Plan") -> str:
+def memory_lines(plan: "Plan") -> list[str]:
+    """Memory per device against the budget. With ``pipeline=True`` that is the chosen layout's peak,
+    as the layout search computed it (its stages' state, the gradients and activations its schedule
+    holds); the stage plan's own figure (every layer, one micro-batch, on the tensor axis alone)
+    follows, labelled as such."""
+    budget = f" of {format_bytes(plan.memory.budget_bytes)} budget" if plan.memory.budget_bytes else ""
+    if plan.pipeline is None:
+        return [memory_line(plan, "Memory per device: ", budget)]
+    c = plan.pipeline.chosen
+    return [f"Memory per device: {format_bytes(c.peak_bytes)}{budget} at its peak, the chosen layout's ({c.describe()}: "
+            f"its stages' state, the gradients and activations its schedule holds)",
+            memory_line(plan, "The stage plan alone (every layer on the tensor axis, one micro-batch; not what a "
+                              "device of the layout holds): ", "")]
+
+
+def memory_line(plan: "Plan", label: str, budget: str) -> str:
+    """``label``, then the plan's memory per device, ``budget`` after its total, and its parts."""
     mem = plan.memory
-    budget = f" of {format_bytes(mem.budget_bytes)} budget" if mem.budget_bytes else ""
     buffers = f", buffers {format_bytes(mem.buffers_bytes)}" if mem.buffers_bytes else ""
     if plan.mode != "train":  # no backward: no gradients, no optimizer, activations only while they are read
-        return (f"Memory per device: {format_bytes(mem.total_bytes)}{budget} (parameters "
+        return (f"{label}{format_bytes(mem.total_bytes)}{budget} (parameters "
                 f"{format_bytes(mem.parameters_bytes)}, activations {format_bytes(mem.activations_bytes)}{buffers}; "
                 f"inference: no gradients, no optimizer state)")
     phases = mem.phases()
     other = next(p for p in phases if p != mem.peak_phase)
-    return (f"Memory per device: {format_bytes(mem.total_bytes)}{budget} at its peak, the {mem.peak_phase} (parameters "
+    return (f"{label}{format_bytes(mem.total_bytes)}{budget} at its peak, the {mem.peak_phase} (parameters "
             f"{format_bytes(mem.parameters_bytes)}, gradients {format_bytes(mem.gradients_bytes)}, optimizer "
             f"{format_bytes(mem.optimizer_bytes)} ({plan.optimizer.describe()}), activations kept for the backward "
             f"{format_bytes(mem.activations_bytes)}, the backward's first gradients {format_bytes(mem.transient_bytes)}, "
@@ -233,15 +286,19 @@ def pipeline_lines(plan: "Plan") -> list[str]:
 
 def _text(plan: "Plan") -> str:
     t, st = plan.time, plan.stats
-    lines = header_lines(plan) + mesh_search_lines(plan) + pipeline_lines(plan) + ["", "Modules"]
-    lines += _table(_MODULE_HEADERS, _module_rows(plan))
+    rows = _module_rows(plan)
+    lines = header_lines(plan) + mesh_search_lines(plan) + pipeline_lines(plan) + ["", "Modules" + (
+        " (a run of alike layers of a stack shown once: NAME.{a..b} stands for layers a to b)" if len(rows) < len(plan.modules)
+        else "")]
+    lines += _table(_MODULE_HEADERS, rows)
     lines += ["", "Collectives per step"]
     rows = _collective_rows(plan)
     lines += _table(["phase", "kind", "axis", "count", "bytes"], rows) if rows else ["(none: every rank works alone)"]
     lines += per_block_lines(plan)
     if plan.uneven:
         lines += ["", "Uneven splits (whole heads or rows the ranks do not divide)"]
-        lines += [f"  {u.describe()}" for u in plan.uneven]
+        lines += [f"  {name}{rest}" for name, rest in alike_layers(
+            [[u.parameter, u.describe()[len(u.parameter):]] for u in plan.uneven])]
     partial = partial_gradient_lines(plan)
     if partial:
         lines += ["", "Gradients passed on as partial sums (Rg: these ops run replicated and hand the sum to "
@@ -257,7 +314,7 @@ def _text(plan: "Plan") -> str:
         "",
         f"Predicted {step} time: {_t(t.total_s)} (compute {_t(t.compute_s)}, communication {_t(t.communication_s)}, "
         f"local copies included)",
-        memory_line(plan),
+        *memory_lines(plan),
         *buffer_lines(plan),
         *([recompute_line(plan)] if plan.mode == "train" else []),
         f"Solve: {st.solver}, {st.status}; {st.variables} variables, {st.constraints} constraints, "
@@ -276,7 +333,7 @@ def _html(plan: "Plan") -> str:
         return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
     text = _text(plan).split("\n")
-    summary = "".join(f"<p>{html.escape(line)}</p>" for line in text if line.startswith(("Predicted", "Memory", "Recompute", "Solve")))
+    summary = "".join(f"<p>{html.escape(line)}</p>" for line in text if line.startswith(("Predicted", "Memory", "The stage plan", "Recompute", "Solve")))
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>autotp plan</title></head><body>"
         f"<h1>{html.escape(text[0])}</h1>" + "".join(f"<p>{html.escape(line)}</p>" for line in text[1:3])

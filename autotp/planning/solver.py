@@ -13,7 +13,8 @@ In the same notation (``r`` a representative node, ``m_r`` the nodes it stands f
   when the optimum without them does not fit (that optimum, if it fits, is the optimum with them)
   and left out when even the largest choice of every node fits. A budget no plan fits is an error
   that states the least peak of any plan (a solve minimizing the larger row, with all layers but
-  one recomputing and with none) plus the margin: a budget a plan fits.
+  one recomputing and with none, each with the plan's time limit and solved again for longer where
+  that stops it before it proves the least) plus the margin: the least budget a plan fits.
 * **recompute** (training; :mod:`autotp.planning.recompute`): per chain ``g`` of ``L`` tied layers, how many
   layers ``k_g`` recompute their activations (the first ``k_g``). With ``k_g`` fixed the problem
   stays linear and as tight as without: the objective adds ``k_g`` times the layer's forward
@@ -88,6 +89,8 @@ class _Problem(Formulation):
     # forward's fullest step): in the problem only with the memory row
     event_constraints: list = []
     scale = float(2**30)  # bytes per unit of the memory rows (set by memory() where they go in)
+    time_limit_s = 60.0  # the solve's: each of below_budget's minimizing solves has it
+    least_proven = True  # every minimizing solve so far proved its least (least_peak_bytes)
 
     def memory(self) -> None:
         self.event_constraints = []
@@ -153,14 +156,17 @@ class _Problem(Formulation):
         if minimum > self.budget:  # below a bound every plan is above: say what the least plan needs
             raise self.below_budget(all_but_one(self.lengths) if self.chains else {})
 
-    def below_budget(self, layers: Mapping[int, int], time_limit_s: float = 2.0) -> MemoryBudgetError:
+    def below_budget(self, layers: Mapping[int, int], time_limit_s: Optional[float] = None) -> MemoryBudgetError:
         """The error for a budget no plan fits, stating the least peak a plan has (:meth:`least_peak_bytes`)
-        with ``layers`` recomputing or with none, whichever is less, plus the margin: a budget a plan
-        fits, not only a bound below every plan (a solve the time limit stops gives a plan's peak:
-        above the least, still a budget that plan fits). The problem is spent afterwards."""
+        with ``layers`` recomputing or with none, whichever is less, plus the margin: the least budget
+        a plan fits, not only a bound below every plan. Each minimizing solve has the plan's own time
+        limit (``time_limit_s``, default the solve's) and is solved to optimality where that allows:
+        with 2 s, Jamba's stopped at a plan's peak half again above the least (a budget well under the
+        figure it named planned). The problem is spent afterwards."""
         # recompute lowers the backward's start only where its activations lead, so try without too
         tries = [dict(layers)] + ([{}] if any(layers.values()) else [])
-        peaks = [(self.least_peak_bytes(counts, time_limit_s / len(tries)), counts) for counts in tries]
+        limit_s = self.time_limit_s if time_limit_s is None else time_limit_s
+        peaks = [(self.least_peak_bytes(counts, limit_s / len(tries)), counts) for counts in tries]
         lowest = min(p for p, _ in peaks)  # the fewest layers recomputing among the lowest (to solver precision)
         peak, layers = min(((p, c) for p, c in peaks if p <= lowest * (1 + 1e-6)), key=lambda pc: sum(pc[1].values()))
         least = peak / (1 - MEMORY_MARGIN)
@@ -171,10 +177,13 @@ class _Problem(Formulation):
                 f"no plan to state that minimum from in its time; raise the budget or use more devices", math.inf)
         budget, needed = format_bytes_pair(self.budget / (1 - MEMORY_MARGIN), least)
         recomputing = " with layers recomputing their activations" if any(layers.values()) else ""
+        unproven = ("" if self.least_proven else
+                    f"; the solver did not prove it the least within {limit_s:.0f} s: a budget that plans, and a "
+                    f"larger time_limit_s may find a smaller one")
         return MemoryBudgetError(
             f"memory budget {budget} per device is below the minimum any plan needs on mesh "
             f"{self.cost.mesh}: {needed} in {self.cost.mode} mode{recomputing} (with the {MEMORY_MARGIN:.0%} the "
-            f"planner keeps free); raise the budget to at least {math.ceil(least)} bytes"
+            f"planner keeps free{unproven}); raise the budget to at least {math.ceil(least)} bytes"
             + (", use more devices, or plan in inference mode" if self.cost.train else " or use more devices"),
             math.ceil(least))
 
@@ -191,14 +200,20 @@ class _Problem(Formulation):
         if self.cost.train:
             self.prob += peak >= pulp.lpSum(self.step_terms), "least_step"
         self.prob.setObjective(peak)
-        # a solve the time limit stops before any plan is found says nothing: solve again, longer, and
-        # where that finds none either the least is not known (infinite), never 0
+        # a solve the time limit stops is solved again, longer: before any plan it says nothing, and
+        # after one it states that plan's peak, a budget that plans but not the least. Where the longer
+        # solve is stopped too, its plan's peak is stated (least_proven False), or with no plan at all
+        # the least is not known (infinite), never 0
+        found = math.inf
         for limit_s in (time_limit_s, max(30.0, 10 * time_limit_s)):
             solve_with_first_solver(self.prob, limit_s, lambda prob: None)
-            if self.prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible) \
-                    and peak.varValue is not None:
-                return float(peak.varValue) * self.scale
-        return math.inf
+            if peak.varValue is not None and self.prob.sol_status in (pulp.LpSolutionOptimal,
+                                                                      pulp.LpSolutionIntegerFeasible):
+                found = min(found, float(peak.varValue) * self.scale)
+                if self.prob.sol_status == pulp.LpSolutionOptimal:
+                    return found
+        self.least_proven = False
+        return found
 
     def _forward_steps(self) -> list[dict[str, list[float]]]:
         """In inference, the forward's fullest steps (:func:`autotp.planning.saved.forward_liveness`;
@@ -331,6 +346,7 @@ def solve(graph: OpGraph, strategies: Mapping[str, Sequence[Strategy]], rep: Map
     limit = memory_budget_bytes * (1 - MEMORY_MARGIN) if memory_budget_bytes is not None else None
     f = _Problem(graph, strategies, rep, cost, limit,
                      chains if cost.train and recompute is not False else ())
+    f.time_limit_s = time_limit_s
     f.one_hot()
     f.edges()
     f.grad_reductions()

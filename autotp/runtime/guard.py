@@ -6,6 +6,9 @@ may have to divide evenly where the plan splits it. Called with inputs it was no
 graph would fail deep inside, hang in a collective of the wrong size, or, worst, return an answer
 of the wrong shape with no error (a batch of 16 x 32 tokens viewed as 8 x 64). ``InputGuard``
 refuses such a call up front, naming the input, the dim, the size given and what the module needs.
+A mask given as bool where the trace had integers, or the other way round (Hugging Face's
+``attention_mask`` takes either), is not refused: the graph reads it converted to the traced dtype
+(:func:`as_traced_dtype`, on the tensor's own device). One integer dtype for another still is.
 
 >>> import torch
 >>> guard = InputGuard((InputSpec("input_ids", (8, 64), "int64"),))
@@ -33,8 +36,10 @@ import torch
 from torch import nn
 
 from autotp.tracing.dynamic import Divisibility, DynamicDim, compiled, in_input_terms, size_expression, size_hint
+from autotp.words import with_article
 
-__all__ = ["InputSpec", "InputGuard", "SameOnEveryRank", "SizeNotTraced", "fingerprint", "DEFAULT_INPUT_CHECKS"]
+__all__ = ["InputSpec", "InputGuard", "SameOnEveryRank", "SizeNotTraced", "fingerprint", "as_traced_dtype",
+           "DEFAULT_INPUT_CHECKS"]
 
 DEFAULT_INPUT_CHECKS = 8  # calls of each graph whose inputs are compared across the ranks
 
@@ -136,6 +141,18 @@ class InputGuard(nn.Module):
                                  f"that meet the condition you run with, or dynamic_dims=False") from None
 
 
+# a mask may come as bool or as integers (Hugging Face's attention_mask takes either): given bool where
+# the trace had integers, or integers where it had bool, the graph reads it converted to the traced
+# dtype (:func:`as_traced_dtype`); one integer type for another is still refused
+MASK_DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8"})
+
+
+def as_traced_dtype(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``value`` in the dtype the trace had (a bool mask where an integer one was traced, or the other
+    way round; the guard refused any other difference), on its own device; as it is where it already is."""
+    return value if value.dtype == dtype else value.to(dtype)
+
+
 def fingerprint(x: torch.Tensor) -> torch.Tensor:
     """Three int64 numbers of ``x``'s bits: their sum, and sums weighted by position along the first
     dim and (over the first 256 rows) along the last, so a batch in another order differs. Integer
@@ -223,7 +240,7 @@ def _describe(expression: str, where: dict[str, tuple[str, int]], value: int) ->
 
 def _check(spec: InputSpec, value: Any, sizes: dict[str, int], where: dict[str, tuple[str, int]]) -> None:
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"input {spec.name!r} is a {type(value).__name__}; this parallel module was built for a "
+        raise TypeError(f"input {spec.name!r} is {with_article(type(value).__name__)}; this parallel module was built for a "
                         f"tensor of shape {_shape_text(spec.shape)} and dtype {spec.dtype}")
     given = tuple(int(n) for n in value.shape)
     if len(given) != len(spec.shape):
@@ -244,6 +261,6 @@ def _check(spec: InputSpec, value: Any, sizes: dict[str, int], where: dict[str, 
                              f"size {want} (shape {_shape_text(spec.shape)} given {list(given)}); this dim is static "
                              f"(the trace fixed it, or dynamic_dims left it out); {_AGAIN}")
     dtype = str(value.dtype).removeprefix("torch.")
-    if dtype != spec.dtype:
+    if dtype != spec.dtype and not ("bool" in (dtype, spec.dtype) and {dtype, spec.dtype} <= MASK_DTYPES):
         raise ValueError(f"input {spec.name!r} is {dtype}, but this parallel module was built for {spec.dtype}; "
                          f"convert the input, or {_AGAIN.replace('shape', 'dtype')}")

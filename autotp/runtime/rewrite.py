@@ -38,7 +38,7 @@ from autotp.runtime.batch_norm import ShardedBatchNorm
 from autotp.runtime.collectives import GradAllReduce, MaskedEmbedding, RedistributeStep, to_local
 from autotp.runtime.dropout import RANDOM_OPS, SeededAttention, SharedRandom, ShardedDropout, attention_dropout_p
 from autotp.runtime.losses import VocabParallelCrossEntropy
-from autotp.runtime.guard import InputGuard, InputSpec, SameOnEveryRank
+from autotp.runtime.guard import MASK_DTYPES, InputGuard, InputSpec, SameOnEveryRank, as_traced_dtype
 from autotp.runtime.recompute import apply_recompute
 from autotp.runtime.shards import block_index
 from autotp.tracing.aliasing import writes_first_argument
@@ -261,6 +261,10 @@ class GraphRewrite:
             self.root.add_module(self.guard_name, guard)
             self.added.append(self.guard_name)
             self.fx.call_module(self.guard_name, tuple(node for node, _ in user_inputs))
+            for node, spec in user_inputs:  # a mask given bool where the trace had integers (or the other way)
+                if spec is not None and spec.dtype in MASK_DTYPES:
+                    self.local[node.name] = self.fx.call_function(
+                        as_traced_dtype, (node, getattr(torch, spec.dtype)))
 
     def emit_node(self, node: torch.fx.Node, alias: dict[str, str]) -> None:
         op = self.g[node.name]

@@ -27,6 +27,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from autotp.placement import dim_divisor
+from autotp.words import with_article
 
 __all__ = ["DynamicDim", "Divisibility", "export_spec", "requirements", "evaluate", "compiled", "size_hint",
            "size_expression", "in_input_terms"]
@@ -136,7 +137,7 @@ def export_spec(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_dims:
         kind = torch.export.Dim.AUTO
     else:
         if not isinstance(dynamic_dims, Mapping):
-            raise TypeError(f"dynamic_dims is a {type(dynamic_dims).__name__}; expected None (detect), False (none) "
+            raise TypeError(f"dynamic_dims is {with_article(type(dynamic_dims).__name__)}; expected None (detect), False (none) "
                             f"or a dict {{argument name: dims}}, e.g. {{'input_ids': (0, 1)}}")
         unknown = sorted(set(dynamic_dims) - set(tensors))
         if unknown:

@@ -39,6 +39,7 @@ from autotp.tracing.refusals import (CaptureError, check_data_dependent_sizes, c
                              check_parameter_writes, check_written_arguments, module_info)
 from autotp.tracing.regions import RegionError, inline_regions
 from autotp.tracing.repeats import capture_unrolled, find_stacks
+from autotp.words import with_article
 
 __all__ = ["capture", "CaptureError", "concrete", "op_args", "map_tensor_arguments",
            "tensor_arguments"]
@@ -173,7 +174,7 @@ def capture(model: torch.nn.Module, example_inputs: Any, dynamic_dims: Any = Fal
     without an exported program (for planning, not for the rewrite); traced whole where it cannot.
     """
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model is a {type(model).__name__}; expected a torch.nn.Module")
+        raise TypeError(f"model is {with_article(type(model).__name__)}; expected a torch.nn.Module")
     if training is not None and modes_of(model) != training:
         with in_modes(model, training):
             return capture(model, example_inputs, dynamic_dims, device=device, unroll=unroll)

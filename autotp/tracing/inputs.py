@@ -17,6 +17,7 @@ from typing import Any, Iterator, Union
 import torch
 
 from autotp.tracing.refusals import CaptureError
+from autotp.words import with_article
 
 __all__ = ["normalize_inputs", "distinct", "check_devices", "in_modes", "modes_of", "describe_modes", "Modes", "cache_off", "meta_parameters",
            "on_fake_device", "buffers_on_meta"]
@@ -38,12 +39,12 @@ def normalize_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, An
         for i, x in enumerate(example_inputs):
             if not isinstance(x, (torch.Tensor, int, float, bool, type(None))):
                 raise TypeError(
-                    f"example_inputs[{i}] is a {type(x).__name__}; expected a torch.Tensor "
+                    f"example_inputs[{i}] is {with_article(type(x).__name__)}; expected a torch.Tensor "
                     "(or an int/float/bool/None)"
                 )
         return tuple(example_inputs), {}
     raise TypeError(
-        f"example_inputs is a {type(example_inputs).__name__}; expected a tuple of tensors "
+        f"example_inputs is {with_article(type(example_inputs).__name__)}; expected a tuple of tensors "
         "(the positional arguments of model.forward), a single tensor, or a dict of keyword arguments"
     )
 

@@ -30,6 +30,8 @@ from typing import Any, Callable
 
 from torch import nn
 
+from autotp.words import with_article
+
 __all__ = ["WithLoss", "TARGETS"]
 
 TARGETS = "targets"  # the keyword the targets take with keyword inputs
@@ -41,9 +43,9 @@ class WithLoss(nn.Module):
 
     def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], Any]) -> None:
         if not isinstance(model, nn.Module):
-            raise TypeError(f"model is a {type(model).__name__}; expected a torch.nn.Module")
+            raise TypeError(f"model is {with_article(type(model).__name__)}; expected a torch.nn.Module")
         if not callable(loss_fn):
-            raise TypeError(f"loss_fn is a {type(loss_fn).__name__}; expected a function of the model's output "
+            raise TypeError(f"loss_fn is {with_article(type(loss_fn).__name__)}; expected a function of the model's output "
                             f"and the targets, e.g. torch.nn.functional.cross_entropy")
         super().__init__()
         # the model's own registries: the same names, the same tensors, no prefix

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import autotp
+import autotp.planning.ilp
 from autotp.planning.planner import plan_graph
 from autotp.planning.solver import MEMORY_MARGIN
 from examples.models import tiny_llama
@@ -220,16 +221,17 @@ def test_a_least_solve_the_time_limit_stops_before_any_plan_is_solved_again(monk
     least = err.value.minimum_bytes
     real, limits = solver.solve_with_first_solver, []
 
-    def stopped_at_once(prob, time_limit_s, problem):  # the least solves' first tries stop before a plan
+    def stopped_at_once(prob, time_limit_s, problem):  # the first least solve stops before a plan
         least_solve = "least_start" in prob.constraints
+        first = least_solve and not any(is_least for is_least, _ in limits)
         limits.append((least_solve, time_limit_s))
-        return real(prob, 1e-6 if least_solve and time_limit_s <= 2.0 else time_limit_s, problem)
+        return real(prob, 1e-6 if first else time_limit_s, problem)
 
     monkeypatch.setattr(solver, "solve_with_first_solver", stopped_at_once)
     with pytest.raises(autotp.MemoryBudgetError) as err:
         plan_graph(graph, case.mesh, "cpu-gloo", memory_budget=1)
     assert err.value.minimum_bytes == least and least > 0
-    assert any(limit > 2.0 for is_least, limit in limits if is_least)  # solved again, longer
+    assert sum(is_least for is_least, _ in limits) >= 2  # solved again
 
 
 def test_a_solve_the_time_limit_stops_before_any_plan_is_no_plan(monkeypatch):
@@ -247,3 +249,54 @@ def test_a_solve_the_time_limit_stops_before_any_plan_is_no_plan(monkeypatch):
                         lambda prob, time_limit_s, problem: real(prob, 1e-6, problem))  # stopped in presolve
     with pytest.raises(ilp.SolverError, match="no plan found within its time limit"):
         plan_graph(graph, case.mesh, "cpu-gloo", recompute=False)
+
+
+def _jamba(layers: int = 4, hidden: int = 64, seq: int = 64):
+    from transformers import JambaConfig, JambaForCausalLM
+
+    torch.manual_seed(0)
+    config = JambaConfig(vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, num_experts=2, num_experts_per_tok=1,
+                         expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=1,
+                         mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8)
+    return JambaForCausalLM(config), (torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(0)),)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, raises=autotp.planning.ilp.SolverError,
+                   reason="the least is proven now (below the free plan), but the solve with the budget at exactly "
+                          "that least finds no plan within its 60 s (CBC and HiGHS): docs/limits.md")
+def test_the_least_budget_named_for_jamba_is_the_least_that_plans():
+    """Jamba (its ILP takes seconds to prove optimal): the least solve had 2 s, stopped at a plan's
+    peak and named 8.9 MiB, above the plan with no budget (8.3 MiB), while 6.2 MiB planned. With the
+    plan's own time limit it is the least: that budget plans, 3% under it is refused naming it."""
+    graph = autotp.capture(*_jamba(), dynamic_dims=False, unroll=True)
+    free = plan_graph(graph, (2,), "cpu-gloo").memory.peak_bytes
+    with pytest.raises(autotp.MemoryBudgetError) as err:
+        plan_graph(graph, (2,), "cpu-gloo", memory_budget=1)
+    least = err.value.minimum_bytes
+    assert "did not prove" not in str(err.value)
+    assert least < free / (1 - MEMORY_MARGIN)  # the free plan is no least plan here
+    plan = plan_graph(graph, (2,), "cpu-gloo", memory_budget=least)
+    assert plan.memory.peak_bytes <= least * (1 - MEMORY_MARGIN) + 1
+    with pytest.raises(autotp.MemoryBudgetError) as err:
+        plan_graph(graph, (2,), "cpu-gloo", memory_budget=least * 0.97)
+    assert err.value.minimum_bytes == least
+
+
+def test_the_least_autotp_plan_names_says_which_trace_it_is_for_and_plans():
+    """autotp.plan traces static sizes, autotp.parallelize dynamic ones by default: the least plan
+    names says it is the static trace's and how to get parallelize's; that least, and the least of the
+    dynamic trace it points to, each plan on their own path, and a budget under either is refused."""
+    model, inputs = tiny_llama(batch=2, seq=16, n_layer=1, device="meta")
+    for dynamic in (False, None):
+        with pytest.raises(autotp.MemoryBudgetError) as err:
+            autotp.plan(model, (2,), inputs, hardware="cpu-gloo", memory_budget=1, dynamic_dims=dynamic)
+        said = "for the model traced with static sizes" in str(err.value)
+        assert said == (dynamic is False) and (not said or "plan with dynamic_dims=None" in str(err.value))
+        least = err.value.minimum_bytes
+        plan = autotp.plan(model, (2,), inputs, hardware="cpu-gloo", memory_budget=least, dynamic_dims=dynamic)
+        assert plan.memory.peak_bytes <= least * (1 - MEMORY_MARGIN) + 1
+        with pytest.raises(autotp.MemoryBudgetError) as err:
+            autotp.plan(model, (2,), inputs, hardware="cpu-gloo", memory_budget=least * 0.97, dynamic_dims=dynamic)
+        assert err.value.minimum_bytes == least

@@ -247,6 +247,40 @@ def test_the_report_and_the_file_keep_the_layout(searched, tmp_path):
     assert json.loads(loaded.to_json()) == json.loads(plan.to_json())
 
 
+def test_the_report_gives_the_layouts_memory_and_each_stack_once(searched):
+    """The memory per device is the chosen layout's peak, as the search priced it (pp 2 holds half the
+    layers: the stage plan's own figure, every layer on the tensor axis, is larger and labelled as the
+    stage plan's); the four alike layers' rows show once, as model.layers.{0..3}; the plan keeps them all."""
+    from autotp.units import format_bytes
+
+    plan = searched[False]
+    c, text = plan.pipeline.chosen, plan.report()
+    memory = next(line for line in text.splitlines() if line.startswith("Memory per device"))
+    assert memory.startswith(f"Memory per device: {format_bytes(c.peak_bytes)} of "
+                             f"{format_bytes(plan.memory.budget_bytes)} budget at its peak, the chosen layout's "
+                             f"({c.describe()}")
+    stage = next(line for line in text.splitlines() if line.startswith("The stage plan alone"))
+    assert format_bytes(plan.memory.total_bytes) in stage and "not what a device of the layout holds" in stage
+    assert c.pp > 1 and plan.memory.total_bytes > c.peak_bytes  # the two figures differ here
+    modules = text.split("\nModules")[1].split("\nCollectives")[0]
+    assert "model.layers.{0..3}.mlp.down_proj" in modules and "model.layers.1." not in modules
+    assert {f"model.layers.{i}.mlp.down_proj" for i in range(4)} <= set(plan.module_styles())
+
+
+def test_alike_layers_are_shown_once_and_unlike_ones_apart():
+    """A run of layers with the same rows is one row per module; a layer whose row differs (it
+    recomputes) starts a run of its own, and rows outside any stack stay as they are."""
+    from autotp.planning.report import alike_layers
+
+    rows = [["embed", "rowwise"]] + [[f"layers.{i}.mlp", "colwise", "yes" if i < 2 else ""] for i in range(5)] + [
+        [f"layers.{i}", "replicate", "yes" if i < 2 else ""] for i in range(5)] + [["head", "colwise"]]
+    assert alike_layers(rows) == [["embed", "rowwise"], ["layers.{0..1}.mlp", "colwise", "yes"],
+                                  ["layers.{2..4}.mlp", "colwise", ""], ["layers.{0..1}", "replicate", "yes"],
+                                  ["layers.{2..4}", "replicate", ""], ["head", "colwise"]]
+    assert alike_layers([["h.0.attn", "colwise"], ["h.1.attn", "rowwise"]]) == [["h.0.attn", "colwise"],
+                                                                               ["h.1.attn", "rowwise"]]
+
+
 def test_bad_requests_are_refused_before_any_capture():
     model, (ids,) = M.hf_llama(n_layer=4)
     with pytest.raises(ValueError, match="give the number of devices"):

@@ -542,3 +542,39 @@ def test_state_dict_keys_with_non_persistent_buffers():
         if sorted(pm_keys) != sorted(keys):
             extra[factory] = sorted(set(pm_keys) ^ set(keys))
     assert not extra, f"state_dict keys differ from the model's: {extra}"
+
+
+def _masks_of_either_dtype(rank, world, traced):
+    import autotp
+    from examples import models
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model, (ids,) = models.hf_llama(batch=2, seq=8, n_layer=1, hidden=32, ffn=64, vocab=64)
+    model.eval()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # the first sequence left-padded: the mask changes the output
+    pm = autotp.parallelize(model, mesh, {"input_ids": ids, "attention_mask": mask.to(traced)},
+                            hardware="cpu-gloo", mode="inference", dynamic_dims=False)
+    with torch.no_grad():
+        out = {given: pm(input_ids=ids, attention_mask=mask.to(given)).logits for given in (torch.int64, torch.bool)}
+    try:
+        pm(input_ids=ids, attention_mask=mask.to(torch.float32))
+    except ValueError as err:
+        out["float"] = str(err)
+    with torch.no_grad():
+        out["reference"] = model(input_ids=ids, attention_mask=mask).logits
+        out["unmasked"] = model(input_ids=ids).logits
+    return out
+
+
+@pytest.mark.parametrize("traced", [torch.int64, torch.bool])
+def test_a_bool_mask_runs_where_an_integer_one_was_traced_and_the_other_way(traced):
+    """Hugging Face takes attention_mask as bool or integers: a module traced with either runs the
+    other (converted to the traced dtype before the graph), with the output of the traced dtype's
+    mask and of the model in one process; a float mask is still refused, naming both dtypes."""
+    out = run_threads(_masks_of_either_dtype, 2, traced)[0]
+    assert not torch.allclose(out["reference"], out["unmasked"])  # the mask matters here
+    assert torch.equal(out[torch.bool], out[torch.int64])
+    torch.testing.assert_close(out[torch.int64], out["reference"], rtol=1e-5, atol=1e-5)
+    assert "is float32, but this parallel module was built for" in out["float"]

@@ -141,6 +141,8 @@ def test_explicit_dynamic_dims_and_bad_ones():
         autotp.capture(model, inp, dynamic_dims={"input_ids": (2,)})
     with pytest.raises(TypeError, match="dynamic_dims is a list"):
         autotp.capture(model, inp, dynamic_dims=[0, 1])
+    with pytest.raises(TypeError, match="dynamic_dims is an int"):  # the article as it is said
+        autotp.capture(model, inp, dynamic_dims=1)
 
 
 def test_sizes_the_plan_cannot_split_are_refused_before_any_collective():

@@ -39,6 +39,7 @@ from autotp.placement import Placement, R, parse_placements
 from autotp.planning.rules import contractions, convolutions, indexing, joins, losses, norms, pointwise, reductions
 from autotp.planning.rules.common import AxisChoice
 from autotp.tracing.graph import OpNode
+from autotp.words import with_article
 
 __all__ = ["AxisChoice", "Rule", "BUILTIN", "register_rule", "unregister_rule", "registered_rules", "user_choices",
            "op_name"]
@@ -71,7 +72,7 @@ def op_name(op: Any) -> str:
         raise ValueError(f"op {op} is an overload packet; pass one overload, e.g. {op}.default")
     if type(op).__name__ == "OpOverload":
         return str(op)
-    raise TypeError(f"op is a {type(op).__name__}; expected a torch op overload (torch.ops.ns.op.overload) "
+    raise TypeError(f"op is {with_article(type(op).__name__)}; expected a torch op overload (torch.ops.ns.op.overload) "
                     "or its name as a string")
 
 
@@ -128,7 +129,7 @@ def _placement(value: Any) -> Placement:
     if isinstance(value, str):
         (p,) = parse_placements(value)
         return p
-    raise TypeError(f"{value!r} is a {type(value).__name__}")
+    raise TypeError(f"{value!r} is {with_article(type(value).__name__)}")
 
 
 def _parse_choice(name: str, raw: Any, node: Optional[OpNode]) -> AxisChoice:
@@ -153,7 +154,7 @@ def _parse_choice(name: str, raw: Any, node: Optional[OpNode]) -> AxisChoice:
     for p, info, what in [*zip(inputs, node.input_infos, (f"input {k}" for k in range(len(inputs)))),
                           (output, node.outputs[0], "the output")]:
         if p.is_shard and p.dim >= info.ndim:
-            raise ValueError(f"{where} splits dim {p.dim} of {what}, a {info.ndim}-dim tensor {info}")
+            raise ValueError(f"{where} splits dim {p.dim} of {what}, {with_article(f'{info.ndim}-dim')} tensor {info}")
         if p.is_partial and not info.is_float:
             raise ValueError(f"{where} makes {what} ({info}) a partial sum; only floating tensors can be summed")
     return inputs, output
