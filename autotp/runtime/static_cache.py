@@ -105,7 +105,16 @@ def with_static_cache(skeleton: nn.Module, batch: int, max_cache_len: int, devic
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     dtype = next(model.parameters()).dtype
-    cache.early_initialization(batch, heads, head_dim, dtype, torch.device("meta"))
+    key_dim = value_dim = head_dim
+    if getattr(config, "kv_lora_rank", None):
+        # multi-head latent attention (DeepSeek-V3) caches its latents, as one head: the compressed keys
+        # and values (kv_lora_rank features) where keys go, the rotary part of the keys where values go
+        heads, key_dim, value_dim = 1, config.kv_lora_rank, config.qk_rope_head_dim
+    keys = torch.zeros((batch, heads, 0, key_dim), dtype=dtype, device="meta")
+    values = torch.zeros((batch, heads, 0, value_dim), dtype=dtype, device="meta")
+    for layer in cache.layers:
+        if layer.supports_early_init and not layer.is_initialized:
+            layer.lazy_initialization(keys, values)
     slots = _register(model, cache, CACHE_PREFIX, device)
     forward = type(model).forward
     cache_arg = _cache_argument(model)
