@@ -1,19 +1,21 @@
 """The parallel module as a PyTorch user holds it: ``train()``/``eval()``, its own tensors, the inputs
 of every rank compared.
 
-One run of 2 gloo processes (``autotp.parallelize`` is collective, and torch.export cannot trace on
-threads) covers a Hugging Face GPT-2 built from its config (dropout 0.1, as a user gets it) and an
+One run of 2 threaded ranks (``autotp.parallelize`` is collective; each rank traces its own model, the
+traces taken in turns: tests/helpers/turns.py) covers a Hugging Face GPT-2 built from its config (dropout 0.1, as a user gets it) and an
 MLP with batch norm, each planned under a memory budget that makes the plan split weights, and compares
 with the model itself in one process.
 """
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 
-from examples.ranks import run_ranks
+from tests.helpers.turns import run_threads_tracing_in_turns
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -53,18 +55,19 @@ def _split(plan) -> list:
     return [name for name, placements in plan.parameter_placements.items() if placements != "R"]
 
 
-def _ranks(rank, world):
+def _ranks(rank, world, built):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     import autotp
 
-    torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     out = {}
+    # each rank's own copies of the models, built once outside the threads (building seeds the global
+    # generator, which the threads share)
+    (model, ids), (net, ref) = copy.deepcopy(built)
 
     # -- GPT-2: dropout 0.1 in train mode ---------------------------------------------------------
-    model, ids = _gpt2()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     budget = _sharding_budget(model, (ids,), 0.6)
     pm = autotp.parallelize(model, mesh, (ids,), hardware="h100-sxm", memory_budget=budget)
@@ -129,11 +132,7 @@ def _ranks(rank, world):
     out["unchecked_ran"] = True
 
     # -- batch norm: train mode updates the statistics, eval mode reads them --------------------------
-    torch.manual_seed(0)
-    net = _NormNet()
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
-    ref = _NormNet()
-    ref.load_state_dict(net.state_dict())
     # its linears pinned colwise and rowwise around the norm (the planner's own choice at this size
     # stores them split and gathers them: its peak is the optimizer's step, where no copy lives)
     plan = autotp.plan(net, (2,), (x,), hardware="h100-sxm", pin={"up.weight": "S(0)", "down.weight": "S(1)"})
@@ -158,7 +157,11 @@ def _ranks(rank, world):
 
 @pytest.fixture(scope="module")
 def ranks():
-    return run_ranks(_ranks, 2)
+    torch.manual_seed(0)
+    net = _NormNet()
+    ref = _NormNet()
+    ref.load_state_dict(net.state_dict())
+    return run_threads_tracing_in_turns(_ranks, 2, (_gpt2(), (net, ref)))
 
 
 def test_eval_turns_dropout_off_and_equals_the_model_in_eval_mode(ranks):
