@@ -45,7 +45,7 @@ from autotp.placement import Strategy
 from autotp.planning.costing import CostModel
 from autotp.planning.errors import MemoryBudgetError
 from autotp.planning.formulation import OBJECTIVE_SCALE, Formulation
-from autotp.planning.ilp import SolverError, solve_with_first_solver
+from autotp.planning.ilp import MIP_GAP, SolverError, solve_with_first_solver
 from autotp.planning.recompute import Layer
 from autotp.planning.recompute_counts import all_but_one, candidates, freed_bytes, least_bytes, search
 from autotp.planning.saved import forward_liveness
@@ -169,7 +169,9 @@ class _Problem(Formulation):
         peaks = [(self.least_peak_bytes(counts, limit_s / len(tries)), counts) for counts in tries]
         lowest = min(p for p, _ in peaks)  # the fewest layers recomputing among the lowest (to solver precision)
         peak, layers = min(((p, c) for p, c in peaks if p <= lowest * (1 + 1e-6)), key=lambda pc: sum(pc[1].values()))
-        least = peak / (1 - MEMORY_MARGIN)
+        # the solver's gap on top: another minimizing solve (the least-memory plan a budget of this
+        # figure falls back to, in solve) may stop anywhere within it of the least
+        least = peak * (1 + MIP_GAP) / (1 - MEMORY_MARGIN)
         if math.isinf(least):
             return MemoryBudgetError(
                 f"memory budget {format_bytes(self.budget / (1 - MEMORY_MARGIN))} per device is below "
@@ -187,10 +189,13 @@ class _Problem(Formulation):
             + (", use more devices, or plan in inference mode" if self.cost.train else " or use more devices"),
             math.ceil(least))
 
-    def least_peak_bytes(self, layers: Mapping[int, int], time_limit_s: float = 30.0) -> float:
+    def least_peak_bytes(self, layers: Mapping[int, int], time_limit_s: float = 30.0,
+                         enough_bytes: float = -math.inf) -> float:
         """The least predicted peak of any plan with ``layers`` recomputing: one solve whose objective
         is the larger of the phases' rows (an epigraph variable), the budget rows left out. The
-        problem is spent afterwards (its objective and rows replaced)."""
+        problem is spent afterwards (its objective and rows replaced; the variables hold the plan
+        found, its solver in ``least_solver``). A plan at or under ``enough_bytes`` ends the search
+        before the least is proven."""
         self.fix_recompute(layers)
         for row in ("memory", "memory_step", "least_start", "least_step"):
             _drop_constraint(self.prob, row)
@@ -206,11 +211,11 @@ class _Problem(Formulation):
         # the least is not known (infinite), never 0
         found = math.inf
         for limit_s in (time_limit_s, max(30.0, 10 * time_limit_s)):
-            solve_with_first_solver(self.prob, limit_s, lambda prob: None)
+            self.least_solver = solve_with_first_solver(self.prob, limit_s, lambda prob: None)
             if peak.varValue is not None and self.prob.sol_status in (pulp.LpSolutionOptimal,
                                                                       pulp.LpSolutionIntegerFeasible):
                 found = min(found, float(peak.varValue) * self.scale)
-                if self.prob.sol_status == pulp.LpSolutionOptimal:
+                if self.prob.sol_status == pulp.LpSolutionOptimal or found <= enough_bytes:
                     return found
         self.least_proven = False
         return found
@@ -369,19 +374,32 @@ def solve(graph: OpGraph, strategies: Mapping[str, Sequence[Strategy]], rep: Map
         # that ran long must not leave the real ones too little time to find any plan
         now = time.perf_counter()
         deadline = now + max(time_limit_s / 2, time_limit_s - (now - start))
-        if recompute is None and f.chains:
-            # the plan without a budget bounds every plan's time from below only if it was proven optimal
-            result, untried = _with_recompute(f, deadline, memory_budget_bytes, result[2] if result[3] else 0.0)
-        else:
-            f.fix_recompute(f.layers)
-            try:
-                name, choice_rep = _run(f, deadline - time.perf_counter(), memory_budget_bytes)
-            except MemoryBudgetError:
-                raise f.below_budget(f.layers) from None
-            result = (name, choice_rep, _objective_s(f), f.prob.sol_status == pulp.LpSolutionOptimal, dict(f.layers))
+        try:
+            if recompute is None and f.chains:
+                # the plan without a budget bounds every plan's time from below only if it was proven optimal
+                result, untried = _with_recompute(f, deadline, memory_budget_bytes, result[2] if result[3] else 0.0)
+            else:
+                f.fix_recompute(f.layers)
+                try:
+                    name, choice_rep = _run(f, deadline - time.perf_counter(), memory_budget_bytes)
+                except MemoryBudgetError:
+                    raise f.below_budget(f.layers) from None
+                result = (name, choice_rep, _objective_s(f), f.prob.sol_status == pulp.LpSolutionOptimal,
+                          dict(f.layers))
+        except SolverError:
+            # no plan within the time limit: near the least budget the fastest plan is hard to find while
+            # a plan that fits exists (the least a budget error names is one). The least-memory plan is
+            # that plan: kept where it fits, the status says it is no fastest plan
+            least = _least_memory_plan(f, time_limit_s)
+            if least is None:
+                raise
+            result = least
     name, choice_rep, objective_s, optimal, layers = result
     spent_s = time.perf_counter() - start
     status = "optimal" if optimal else f"best found in {spent_s:.0f} s (not proven optimal)"
+    if f.memory_needed and not optimal and name.endswith(LEAST_MEMORY):
+        status = (f"the plan of least memory: the solver found no faster plan that fits the budget within "
+                  f"{spent_s:.0f} s (a larger time_limit_s, CLI --time-limit, or a larger budget finds one)")
     if untried:
         status += (f" among the recompute counts solved; the time limit left {untried} more count"
                    f"{'s' if untried > 1 else ''} unsolved (a larger time_limit_s, CLI --time-limit, solves them)")
@@ -392,6 +410,23 @@ def solve(graph: OpGraph, strategies: Mapping[str, Sequence[Strategy]], rep: Map
         solver=name, status=status,
         representatives=len(f.roots), recompute=layers,
     )
+
+
+LEAST_MEMORY = " (least memory)"  # the solver's name, marked, on a plan the least-memory solve chose
+
+
+def _least_memory_plan(f: _Problem, time_limit_s: float) -> Optional[tuple]:
+    """The plan of least peak memory where it fits the budget, as :func:`solve`'s result tuple (its
+    step priced by the time objective, not proven optimal); None where none fits. The recompute counts
+    tried are those :meth:`_Problem.below_budget` names the least from."""
+    tries = [dict(f.layers), all_but_one(f.lengths), {}] if f.chains else [{}]
+    for counts in [c for k, c in enumerate(tries) if c not in tries[:k]]:
+        peak = f.least_peak_bytes(counts, time_limit_s, enough_bytes=f.budget)
+        if peak <= f.budget and all(v.varValue is not None for v in f.x[f.roots[0]]):
+            choice_rep = {r: max(range(len(xs)), key=lambda s: (xs[s].varValue or 0.0, -s)) for r, xs in f.x.items()}
+            objective_s = float(pulp.value(pulp.lpSum(f.objective)) or 0.0)
+            return f.least_solver + LEAST_MEMORY, choice_rep, objective_s, False, dict(counts)
+    return None
 
 
 def _drop_constraint(prob: pulp.LpProblem, name: str) -> None:

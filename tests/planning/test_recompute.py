@@ -96,7 +96,7 @@ def test_forced_recompute_frees_and_costs_what_the_layers_hold(llama):
     forward_s = sum(cost.node_forward_s(graph[n], again.strategy(n)) for layer in layers for n in layer.nodes)
     assert again.time.recompute_s == pytest.approx(forward_s)
     assert again.time.total_s == pytest.approx(keep.time.total_s + forward_s)
-    assert "recompute" in again.report() and "layers.0.mlp.down_proj" in again.report()
+    assert "recompute" in again.report() and "layers.{0..3}.mlp.down_proj" in again.report()
 
 
 def test_planner_recomputes_only_when_memory_is_short(llama):
