@@ -28,6 +28,7 @@ from autotp.planning.plan import Plan
 from autotp.planning.planner import resolve_hardware
 from autotp.planning.recompute import check_recompute
 from autotp.runtime.agreement import agreed_plan, dropout_seed
+from autotp.runtime.devices import check_rank_devices
 from autotp.runtime.guard import DEFAULT_INPUT_CHECKS
 from autotp.runtime.module import ModeSwitch, ParallelModule, build_parallel_module, meta_copy
 from autotp.tracing.export import capture
@@ -75,7 +76,9 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
     """Return a module that computes what ``model`` computes, sharded over ``mesh`` as planned.
 
     ``mesh`` must be a ``DeviceMesh`` over a live process group (every rank calls this with the same
-    model and inputs). The model may have its parameters on the meta device (``autotp.meta_init``):
+    model and inputs). On a CUDA mesh each process must be set to a GPU of its own
+    (``torch.cuda.set_device(local_rank)`` before CUDA is touched): ranks of one host on one GPU are
+    refused (:mod:`autotp.runtime.devices`), and the inputs must be on the process's GPU. The model may have its parameters on the meta device (``autotp.meta_init``):
     each rank then allocates only its shards, uninitialized, for ``autotp.load_weights`` to fill. ``plan`` defaults to the plan the mesh's first rank makes with ``hardware``
     (default: the profile of the mesh's device, :func:`default_hardware`), ``mode``,
     ``memory_budget``, ``optimizer`` and ``recompute`` (see :func:`autotp.plan`), which every rank
@@ -123,6 +126,7 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
                          f"{mesh.mesh.tolist()}; every rank that calls autotp.parallelize must be in it: build the "
                          f"mesh over all the processes (init_device_mesh with the world size, e.g. torchrun "
                          f"--nproc-per-node {mesh.mesh.numel()}), or call parallelize on the mesh's ranks only")
+    check_rank_devices(mesh)  # ranks of one host on one GPU: refused before anything is traced or communicated
     if mode is None:
         mode = plan.mode if isinstance(plan, Plan) else "train"
     if mode not in MODES:

@@ -11,7 +11,8 @@ which it asks the planner for, with every weight kept where it is).
 - ``agreement``     what every rank must hold the same (the plan, the dropout seed), from the first
 - ``collectives``   autograd-aware collectives, one module per redistribution step
 - ``shards``        a rank's piece of a tensor, and the DTensor that holds it
-- ``guard``         the input check: shapes the plan can run, the same inputs on every rank
+- ``guard``         the input check: shapes the plan can run, on the rank's device, the same on every rank
+- ``devices``       each rank's device of the mesh; ranks of one host on one GPU refused
 - ``dropout``       dropout masks on shards (one mask where ranks hold the same values)
 - ``batch_norm``    batch norm on a split batch or split space: statistics all-reduced inside
 - ``losses``        cross-entropy on logits split by vocabulary: two all-reduces of per-row numbers

@@ -26,8 +26,13 @@ then greedy, or sampled from a generator seeded alike on every rank (the first r
 every rank picks the same token; prompts of different lengths come padded with their
 ``attention_mask`` (left-padded for a causal LM; given without one, a causal LM's mask is the one
 Hugging Face's ``generate`` infers from the pad token, :meth:`GenerateOptions.inferred_mask`); a sequence that reaches an end token is padded
-after it, and the loop stops when every sequence has. With ``compile``, the decode step runs as one
-compiled graph (:meth:`CacheGraphs.step`).
+after it, and the tokens stop where every sequence has (no token waits for the host to learn it:
+:func:`_decode`). With ``compile``, the decode step runs as one compiled graph (:meth:`CacheGraphs.step`).
+
+The cache holds the prompt plus ``max_new_tokens`` positions unless ``max_cache_len`` says otherwise
+(a cache of the batch size that is held already and fits serves the call); every tensor the loop
+makes is on the inputs' device, which must be the rank's device of the mesh, and the positions of a
+decoded token advance there.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from torch import nn
 
 from autotp.mesh import MeshSpec
 from autotp.runtime.agreement import agreed_plan, dropout_seed, from_first_rank
+from autotp.runtime.devices import mesh_device, wrong_device
 from autotp.runtime.generate_options import GenerateOptions
 from autotp.runtime.state import buffer_piece, build_graph, put
 from autotp.runtime.static_cache import (CACHE_PREFIX, check_key_value_cache, with_encoder_decoder_cache,
@@ -174,16 +180,25 @@ def _untraceable(skeleton: nn.Module, err: CaptureError) -> NotImplementedError:
         f"The trace's error: {type(cause).__name__}: {text}")
 
 
-def _cache_length(module: nn.Module, config: Any, max_cache_len: Optional[int]) -> int:
-    """The cache's positions: given, else the generation config's cache config, else the model's
-    ``max_position_embeddings`` (or T5-style ``n_positions``)."""
+def _position_limit(module: nn.Module, config: Any, max_cache_len: Optional[int]) -> Optional[int]:
+    """The most positions a call may fill: ``max_cache_len`` given, else the generation config's cache
+    config, else the model's ``max_position_embeddings`` (or T5-style ``n_positions``); None where
+    none says (T5's relative positions)."""
     cache_config = getattr(config, "cache_config", None) or {}
     model_config = getattr(module, "config", None)
     limit = (max_cache_len or (cache_config.get("max_cache_len") if isinstance(cache_config, dict) else None)
              or getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", None))
-    if limit is None:
-        raise ValueError("generate() needs max_cache_len: the model's config gives no max_position_embeddings")
-    return int(limit)
+    return None if limit is None else int(limit)
+
+
+def _cache_length(module: nn.Module, batch: int, needed: int, given: Optional[int]) -> int:
+    """The cache's positions for a call that fills ``needed``: ``given`` (``max_cache_len``), else the
+    shortest cache of this batch size that the module holds already and that fits (no new trace), else
+    ``needed`` (the prompt plus ``max_new_tokens``, as Hugging Face's static cache defaults to)."""
+    if given is not None:
+        return int(given)
+    held = [n for b, n in getattr(module, "_autotp_generation", {}) if b == batch and n >= needed]
+    return min(held, default=needed)
 
 
 def generate(module: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
@@ -199,13 +214,19 @@ def generate(module: nn.Module, input_ids: torch.Tensor, attention_mask: Optiona
                          f"{[batch, length]} (1 for a token, 0 for padding)")
     config = getattr(module, "generation_config", None)
     switch = module._autotp_switch
+    if switch is not None:  # before anything is traced or communicated
+        device = mesh_device(switch.mesh)
+        for name, value in (("input_ids", input_ids), ("attention_mask", attention_mask)):
+            error = wrong_device(name, value.device, device) if value is not None else None
+            if error:
+                raise ValueError(error)
     encoder_decoder = switch is not None and _is_encoder_decoder(switch.skeleton)
     if switch is not None and hasattr(switch.skeleton, "config") and not encoder_decoder:
         check_key_value_cache(switch.skeleton)  # before anything is traced or communicated
     opts = GenerateOptions.of(config, 1 if encoder_decoder else length, **options)
-    limit = _cache_length(module, config, max_cache_len)
+    limit = _position_limit(module, config, max_cache_len)
     decoded = 1 + opts.max_new_tokens if encoder_decoder else length + opts.max_new_tokens
-    if decoded > limit or (encoder_decoder and length > limit):
+    if limit is not None and (decoded > limit or (encoder_decoder and length > limit)):
         what = (f"a decoder start token and max_new_tokens={opts.max_new_tokens} need a cache of {decoded} positions, "
                 f"and a prompt of {length} tokens one of {length}" if encoder_decoder else
                 f"a prompt of {length} tokens and max_new_tokens={opts.max_new_tokens} need a cache of {decoded} "
@@ -215,7 +236,9 @@ def generate(module: nn.Module, input_ids: torch.Tensor, attention_mask: Optiona
     if encoder_decoder and opts.decoder_start_token_id is None:
         raise ValueError("generate() of an encoder-decoder needs decoder_start_token_id (the model's generation_config "
                          "has none): pass decoder_start_token_id=...")
-    graphs = module._autotp_cache_graphs(batch, limit, length)
+    # the encoder's states fill the cross-attention cache: a prompt of one token is padded to two
+    needed = max(decoded, length, 2) if encoder_decoder else decoded
+    graphs = module._autotp_cache_graphs(batch, _cache_length(module, batch, needed, max_cache_len), length)
     token = graphs.step(compile)
     graphs.reset()
     mesh = switch.mesh
@@ -234,20 +257,23 @@ def generate(module: nn.Module, input_ids: torch.Tensor, attention_mask: Optiona
 def _generate_causal(graphs: CacheGraphs, token: Callable, opts: GenerateOptions, input_ids: torch.Tensor,
                      given: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
     batch, length = input_ids.shape
+    device = input_ids.device
     # the mask over the whole cache (prompts left-padded: 0 where a pad is), and each token's position
     # counted from its sequence's first real token, as Hugging Face's generate counts them
-    mask = torch.zeros(batch, graphs.max_cache_len, dtype=torch.int64, device=input_ids.device)
+    mask = torch.zeros(batch, graphs.max_cache_len, dtype=torch.int64, device=device)
     mask[:, :length] = given
     positions = (given.cumsum(-1) - 1).masked_fill(given == 0, 1)
-    processors = opts.processors(graphs.skeleton, length, input_ids, given, input_ids.device)
-    logits = graphs.graphs["prompt" if length > 1 else "token"](input_ids, torch.arange(length), mask, positions)
-    position = positions[:, -1:]
+    processors = opts.processors(graphs.skeleton, length, input_ids, given, device)
+    cache_position = torch.arange(length, device=device)
+    logits = graphs.graphs["prompt" if length > 1 else "token"](input_ids, cache_position, mask, positions)
+    # the decoded token's cache slot and position: advanced on the device, no copy from the host per token
+    at, position = cache_position[-1:], positions[:, -1:]
 
     def step(i: int, nxt: torch.Tensor) -> torch.Tensor:  # the i-th new token in, the logits of the next out
-        nonlocal position
+        nonlocal at, position
         mask[:, length + i] = 1
-        position = position + 1
-        return token(nxt[:, None], torch.tensor([length + i]), mask, position)
+        at, position = at + 1, position + 1
+        return token(nxt[:, None], at, mask, position)
 
     return _decode(opts, processors, input_ids, logits, step, generator)
 
@@ -255,6 +281,7 @@ def _generate_causal(graphs: CacheGraphs, token: Callable, opts: GenerateOptions
 def _generate_encoder_decoder(graphs: CacheGraphs, token: Callable, opts: GenerateOptions, input_ids: torch.Tensor,
                               given: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
     batch, length = input_ids.shape
+    device = input_ids.device
     ids = input_ids
     if length == 1:  # the encoder's graph holds lengths from 2: a masked pad after the token changes nothing
         ids = torch.cat([input_ids, torch.zeros_like(input_ids)], dim=1)
@@ -263,37 +290,59 @@ def _generate_encoder_decoder(graphs: CacheGraphs, token: Callable, opts: Genera
     states = graphs.graphs["encoder"](ids, given)  # (batch, prompt, hidden)
     encoded = states.new_zeros(batch, cache, states.shape[-1])  # padded to the cross-attention cache's length
     encoded[:, :states.shape[1]] = states
-    encoded_mask = torch.zeros(batch, cache, dtype=torch.int64, device=input_ids.device)
+    encoded_mask = torch.zeros(batch, cache, dtype=torch.int64, device=device)
     encoded_mask[:, :given.shape[1]] = given
-    tokens = torch.full((batch, 1), opts.decoder_start_token_id, dtype=input_ids.dtype, device=input_ids.device)
-    mask = torch.zeros(batch, cache, dtype=torch.int64, device=input_ids.device)  # the decoder's, over its cache
+    tokens = torch.full((batch, 1), opts.decoder_start_token_id, dtype=input_ids.dtype, device=device)
+    mask = torch.zeros(batch, cache, dtype=torch.int64, device=device)  # the decoder's, over its cache
     mask[:, 0] = 1
-    processors = opts.processors(graphs.skeleton, 1, input_ids, None, input_ids.device)
-    logits = graphs.graphs["first"](tokens, torch.tensor([0]), mask, encoded, encoded_mask)
+    processors = opts.processors(graphs.skeleton, 1, input_ids, None, device)
+    at = torch.zeros(1, dtype=torch.int64, device=device)  # the decoded token's cache slot, advanced on the device
+    logits = graphs.graphs["first"](tokens, at, mask, encoded, encoded_mask)
 
     def step(i: int, nxt: torch.Tensor) -> torch.Tensor:
+        nonlocal at
         mask[:, 1 + i] = 1
-        return token(nxt[:, None], torch.tensor([1 + i]), mask, encoded, encoded_mask)
+        at = at + 1
+        return token(nxt[:, None], at, mask, encoded, encoded_mask)
 
     return _decode(opts, processors, tokens, logits, step, generator)
+
+
+# decoded tokens between two reads of "has every sequence ended?" on the host (each read one step late,
+# so the device is never left waiting for it)
+STOP_CHECK_TOKENS = 16
 
 
 def _decode(opts: GenerateOptions, processors: Any, tokens: torch.Tensor, logits: torch.Tensor,
             step: Callable[[int, torch.Tensor], torch.Tensor], generator: Optional[torch.Generator]) -> torch.Tensor:
     """Hugging Face's loop: pick a token from the last position's logits, pad a finished sequence,
     stop when every sequence has ended or ``max_new_tokens`` are made; ``step(i, token)`` runs the
-    graph of the ``i``-th new token and returns the logits of the next."""
+    graph of the ``i``-th new token and returns the logits of the next.
+
+    No token waits for the host: whether every sequence has ended is kept on the device per token,
+    read every :data:`STOP_CHECK_TOKENS` tokens (after the next step is queued), and the tokens after
+    the first step at which all had ended (pads only) are cut at the end, so the result is Hugging
+    Face's, which stops there."""
+    start, made = tokens.shape[1], 0
     done = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+    ended = torch.zeros(opts.max_new_tokens, dtype=torch.bool, device=tokens.device)  # every sequence, by token
     ends = torch.tensor(opts.eos_token_ids, device=tokens.device)
+    pending: Optional[torch.Tensor] = None
     for i in range(opts.max_new_tokens):
         nxt = opts.choose(processors, tokens, logits[:, -1], generator)
         if opts.pad_token_id is not None:
             nxt = torch.where(done, torch.full_like(nxt, opts.pad_token_id), nxt)
-        tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+        tokens, made = torch.cat([tokens, nxt[:, None]], dim=1), i + 1
         if opts.eos_token_ids:
             done |= torch.isin(nxt, ends)
-            if bool(done.all()):
-                break
+            ended[i] = done.all()
         if i + 1 < opts.max_new_tokens:
             logits = step(i, nxt)
-    return tokens
+        if pending is not None and bool(pending):  # read a step late: the device runs the step just queued
+            break
+        pending = ended[i] if opts.eos_token_ids and (i + 1) % STOP_CHECK_TOKENS == 0 else None
+    if not opts.eos_token_ids:
+        return tokens
+    ran = ended[:made]
+    kept = int(torch.where(ran.any(), ran.to(torch.int64).argmax() + 1, made))  # the call's one read
+    return tokens[:, :start + kept]

@@ -5,7 +5,9 @@ the token ids to ``[8, 64]``); a dynamic dim's (:mod:`autotp.tracing.dynamic`) i
 may have to divide evenly where the plan splits it. Called with inputs it was not built for, the
 graph would fail deep inside, hang in a collective of the wrong size, or, worst, return an answer
 of the wrong shape with no error (a batch of 16 x 32 tokens viewed as 8 x 64). ``InputGuard``
-refuses such a call up front, naming the input, the dim, the size given and what the module needs.
+refuses such a call up front, naming the input, the dim, the size given and what the module needs,
+and an input on another device than the rank's device of the mesh (a tensor left on the CPU for a
+CUDA mesh), naming both (:func:`autotp.runtime.devices.wrong_device`).
 A mask given as bool where the trace had integers, or the other way round (Hugging Face's
 ``attention_mask`` takes either), is not refused: the graph reads it converted to the traced dtype
 (:func:`as_traced_dtype`, on the tensor's own device). One integer dtype for another still is.
@@ -35,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autotp.runtime.devices import wrong_device
 from autotp.tracing.dynamic import Divisibility, DynamicDim, compiled, in_input_terms, size_expression, size_hint
 from autotp.words import with_article
 
@@ -75,11 +78,14 @@ class InputGuard(nn.Module):
 
     def __init__(self, specs: tuple[InputSpec, ...], dynamic: tuple[DynamicDim, ...] = (),
                  divisibility: tuple[Divisibility, ...] = (), tensor_positions: tuple[int, ...] | None = None,
-                 recorded: Any = None, same_on_ranks: "SameOnEveryRank | None" = None) -> None:
+                 recorded: Any = None, same_on_ranks: "SameOnEveryRank | None" = None,
+                 device: torch.device | None = None) -> None:
         """``tensor_positions``: which of the inputs the specs describe (default: the first ones);
         ``recorded``: export's own check of all the inputs (``ExportedProgram.module()._guards_fn``),
-        run after autotp's; ``same_on_ranks``: the check that every rank was given the same inputs."""
+        run after autotp's; ``same_on_ranks``: the check that every rank was given the same inputs;
+        ``device``: the device every input must be on (the rank's device of the mesh; None: any)."""
         super().__init__()
+        self.device = device
         self.same_on_ranks = same_on_ranks
         self.specs = tuple(specs)
         self.positions = tuple(range(len(self.specs))) if tensor_positions is None else tuple(tensor_positions)
@@ -100,7 +106,8 @@ class InputGuard(nn.Module):
         return int(fn(*(sizes[n] for n in names)))
 
     def extra_repr(self) -> str:
-        return ", ".join(f"{s.name}: {list(s.shape)} {s.dtype}" for s in self.specs)
+        where = f", on {self.device}" if self.device is not None else ""
+        return ", ".join(f"{s.name}: {list(s.shape)} {s.dtype}" for s in self.specs) + where
 
     def forward(self, *args: Any) -> None:
         inputs = [args[i] for i in self.positions]
@@ -108,6 +115,10 @@ class InputGuard(nn.Module):
         where: dict[str, tuple[str, int]] = {}
         for spec, value in zip(self.specs, inputs):
             _check(spec, value, sizes, where)
+            if self.device is not None:  # before any collective: NCCL has no backend for a CPU tensor
+                error = wrong_device(spec.name, value.device, self.device)
+                if error:
+                    raise ValueError(error)
         for spec, value in zip(self.specs, inputs):  # dims whose size is an expression of others
             for dim, want in enumerate(spec.shape):
                 if isinstance(want, str) and not _SYMBOL.fullmatch(want):

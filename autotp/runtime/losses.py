@@ -61,7 +61,7 @@ class _Loss(torch.autograd.Function):
             count = None
             loss = per_row.reshape(shape)
         softmax = exp.div_(total.unsqueeze(-1))  # the piece's softmax, kept for the backward
-        ctx.save_for_backward(softmax, index, mine & valid, valid, count if count is not None else torch.ones(()))
+        ctx.save_for_backward(softmax, index, mine & valid, valid, count if count is not None else torch.ones((), device=x.device))
         ctx.reduction, ctx.rows_shape, ctx.dtype, ctx.dim = module.reduction, rows.shape, logits.dtype, dim
         return loss.to(logits.dtype)
 

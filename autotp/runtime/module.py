@@ -230,7 +230,8 @@ class ParallelModule(torch.fx.GraphModule):
         """Generate as a Hugging Face model's ``generate`` does, with a KV cache split like the attention
         (:mod:`autotp.runtime.generation`): greedy or sampled (``do_sample``, ``temperature``,
         ``top_k``, ``top_p``), ``max_new_tokens``, ``eos_token_id``, ``pad_token_id``,
-        ``max_cache_len`` (default: the config's ``max_position_embeddings``), ``generator``, and what
+        ``max_cache_len`` (default: the prompt's length plus ``max_new_tokens``, or a longer cache of
+        this batch size already held), ``generator``, and what
         the model's ``generation_config`` asks of the scores (a repetition penalty, a forced end
         token, ...), applied by ``transformers``' own processors; ``compile`` (True, or
         ``torch.compile``'s keyword arguments) runs the decode step as one compiled graph. A causal LM
@@ -249,6 +250,8 @@ class ParallelModule(torch.fx.GraphModule):
         key = (batch, max_cache_len)
         if key not in graphs:
             graphs[key] = CacheGraphs(self, self._autotp_switch, batch, max_cache_len, prompt_len)
+            for shorter in [k for k in graphs if k[0] == batch and k[1] < max_cache_len]:
+                del graphs[shorter]  # the longer cache serves every call the shorter served: its memory is freed
         return graphs[key]
 
     @property

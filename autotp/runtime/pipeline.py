@@ -41,7 +41,8 @@ import torch.fx
 from torch import nn
 
 from autotp.planning.pipeline_search import layout_mesh
-from autotp.runtime.stage_graphs import (StageGraph, attribute, example_values, mesh_device, planned_values,
+from autotp.runtime.devices import mesh_device, wrong_device
+from autotp.runtime.stage_graphs import (StageGraph, attribute, example_values, planned_values,
                                          split_stages, stage_of_units)
 from autotp.runtime.stage_units import fsdp_units, group_stage_layers, model_name, shard_over_replicas
 from autotp.runtime.state import put
@@ -221,6 +222,10 @@ class PipelineModule(nn.Module):
         if len(flat) != len(self.keywords):
             raise TypeError(f"the pipeline was traced with {len(self.keywords)} inputs ({', '.join(self.keywords)}); "
                             f"this call gives {len(flat)}")
+        for name, x in zip(self.keywords, flat):  # before any send: the stages exchange on the mesh's device
+            error = wrong_device(name, x.device, self.device) if isinstance(x, torch.Tensor) else None
+            if error:
+                raise ValueError(error)
         c, batch = self.plan.pipeline.chosen, self.plan.pipeline.global_batch
         if c.dp > 1 and replica:  # this replica's rows of the batch
             share = batch // c.dp

@@ -36,6 +36,7 @@ from autotp.planning.rules.norms import channel_axes, stat_axes
 from autotp.planning.rules.reductions import reduced_dims
 from autotp.runtime.batch_norm import ShardedBatchNorm
 from autotp.runtime.collectives import GradAllReduce, MaskedEmbedding, RedistributeStep, to_local
+from autotp.runtime.devices import mesh_device, on_mesh_device
 from autotp.runtime.dropout import RANDOM_OPS, SeededAttention, SharedRandom, ShardedDropout, attention_dropout_p
 from autotp.runtime.losses import VocabParallelCrossEntropy
 from autotp.runtime.guard import MASK_DTYPES, InputGuard, InputSpec, SameOnEveryRank, as_traced_dtype
@@ -157,7 +158,7 @@ class GraphRewrite:
         if key not in self.order_buffers:
             self.order_buffers[key] = name = f"_autotp_{self.prefix}order_{len(self.order_buffers)}"
             index = block_index(p, self.mesh_shape[axis], shape[p.dim], inverse)
-            self.root.register_buffer(name, index.to(torch.device(self.mesh.device_type)), persistent=False)
+            self.root.register_buffer(name, index.to(mesh_device(self.mesh)), persistent=False)
         index = self.fx.get_attr(self.order_buffers[key])
         return self.fx.call_function(aten.index_select.default, (value, p.dim, index))
 
@@ -257,7 +258,7 @@ class GraphRewrite:
             divisibility = requirements(self.g.symbolic, self.g.nodes, self.plan.strategies, self.mesh_shape)
             same = SameOnEveryRank(self.mesh, self.check_inputs) if self.check_inputs != 0 else None
             guard = InputGuard(tuple(user_inputs[i][1] for i in tensors), self.g.dynamic, divisibility,
-                               tensor_positions=tuple(tensors), same_on_ranks=same)
+                               tensor_positions=tuple(tensors), same_on_ranks=same, device=mesh_device(self.mesh))
             self.root.add_module(self.guard_name, guard)
             self.added.append(self.guard_name)
             self.fx.call_module(self.guard_name, tuple(node for node, _ in user_inputs))
@@ -296,10 +297,11 @@ class GraphRewrite:
                 # ``h += x`` on a redistributed h: write into a copy, not into the value redistributed
                 # from (a slice of it is a view) nor into what other reads of it share
                 args = (self.fx.call_function(aten.clone.default, (args[0],)), *args[1:])
-        here = torch.device(self.mesh.device_type)  # a model traced on meta runs on the mesh's device
+        # a model traced on meta, or on a fake device that says cuda:0 on every rank, runs on this rank's device
+        here = mesh_device(self.mesh)
 
         def on_device(a: Any) -> Any:
-            return here if isinstance(a, torch.device) and a.type == "meta" else a
+            return on_mesh_device(a, here)
 
         args, kwargs = torch.fx.node.map_aggregate(args, on_device), torch.fx.node.map_aggregate(kwargs, on_device)
         target = node.target

@@ -18,9 +18,10 @@ import torch
 import torch.fx
 from torch import nn
 
+from autotp.runtime.devices import mesh_device
 from autotp.runtime.stage_units import reads_state
 
-__all__ = ["StageGraph", "attribute", "example_values", "mesh_device", "planned_values", "split_stages",
+__all__ = ["StageGraph", "attribute", "example_values", "planned_values", "split_stages",
            "stage_of_units"]
 
 
@@ -139,13 +140,6 @@ def attribute(module: nn.Module, target: str) -> Any:
     for part in target.split("."):
         module = getattr(module, part)
     return module
-
-
-def mesh_device(mesh: Any) -> torch.device:
-    """This rank's device of ``mesh``: the CPU, or the accelerator the process is set to."""
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
 
 
 def example_values(gm: torch.fx.GraphModule, stages: Sequence[StageGraph], example_flat: Sequence[Any],

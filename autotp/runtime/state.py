@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autotp.placement import Placement, local_shape
+from autotp.runtime.devices import mesh_device
 from autotp.planning.plan import Plan
 from autotp.runtime.rewrite import GraphRewrite, constant_name
 from autotp.runtime.shards import as_dtensor, local_shard
@@ -52,7 +53,7 @@ def register_state(root: nn.Module, graph: OpGraph, plan: Plan, mesh: DeviceMesh
     name (tied names too)."""
     mesh_shape, coordinate = tuple(int(n) for n in mesh.mesh.shape), mesh.get_coordinate()
     params = dict(model.named_parameters(remove_duplicate=False))
-    device = torch.device(mesh.device_type)
+    device = mesh_device(mesh)
     placements_of: dict[str, tuple[Placement, ...]] = {}
     for p in graph.parameters:
         full = params[p.fqn].detach()
@@ -96,7 +97,7 @@ def buffer_piece(shape: Sequence[int], dtype: torch.dtype, placements: Sequence[
     """This rank's piece of a buffer of ``shape`` stored with ``placements``: cut from ``full`` (a copy),
     or, without it, uninitialized."""
     mesh_shape, coordinate = tuple(int(n) for n in mesh.mesh.shape), mesh.get_coordinate()
-    device = torch.device(mesh.device_type)
+    device = mesh_device(mesh)
     if full is None:
         return torch.empty(local_shape(shape, placements, mesh_shape, coordinate), dtype=dtype, device=device)
     return local_shard(full.detach(), placements, coordinate, mesh_shape).to(device).clone()
@@ -113,7 +114,7 @@ def build_graph(graph: OpGraph, plan: Plan, mesh: DeviceMesh, module: nn.Module,
             if _no_values(const):
                 raise NotImplementedError(f"the model in this mode reads the constant {name}, which it did not read "
                                           f"when it was parallelized; parallelize it in this mode")
-            put(module, target, const.detach().to(torch.device(mesh.device_type)).clone(), "buffer",
+            put(module, target, const.detach().to(mesh_device(mesh)).clone(), "buffer",
                  persistent=False)
     rewrite = GraphRewrite(graph, plan, mesh, module, seed, prefix=prefix, check_inputs=module.autotp_check_inputs)
     rewrite.emit()

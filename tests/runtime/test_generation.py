@@ -13,9 +13,11 @@ import torch
 
 import autotp
 from examples.ranks import run_ranks
+from tests.helpers.host_reads import HostReads
 from tests.helpers.observed import CollectiveLog, planned
 
 NEW_TOKENS = 6
+CACHE = 8 + NEW_TOKENS  # generate's default cache: the prompt (8 tokens) and the new tokens
 PENALTIES = {"repetition_penalty": 1.5, "no_repeat_ngram_size": 2, "suppress_tokens": [1, 2, 3]}
 
 
@@ -84,20 +86,46 @@ def _rank(rank, world):
     out["sampled"] = pm.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=True, temperature=0.8, top_k=20,
                                  top_p=0.9, generator=torch.Generator().manual_seed(5)).tolist()
     out["seeded_alike"] = pm.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=True).tolist()
-    eos = out["greedy"][0][prompt.shape[1] + 2]  # the first sequence's third new token
+    T = prompt.shape[1]
+    eos = out["greedy"][0][T + 2]  # the first sequence's third new token
     out["eos"], out["stopped"] = eos, pm.generate(prompt, max_new_tokens=NEW_TOKENS, eos_token_id=eos,
                                                   pad_token_id=0).tolist()
     padded, mask = _padded()
     out["padded"] = pm.generate(padded, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0).tolist()
     out["penalized"] = pm.generate(prompt, max_new_tokens=NEW_TOKENS, **PENALTIES).tolist()
-    graphs = pm._autotp_generation[(2, 64)]
-    T = prompt.shape[1]
+    # past the input check's first calls: what a decoded token reads on the host, and makes there
+    reads = []
+    for n in (2, NEW_TOKENS):
+        with HostReads() as seen:
+            pm.generate(prompt, max_new_tokens=n)
+        reads.append((seen.reads, seen.made, seen.where))
+    out["host_reads"] = reads
+    # every sequence ends at its second new token: the tokens stop there, as Hugging Face's do, whether
+    # the loop saw it on the way (read every 2 tokens) or only at the end (every 16, the default)
+    from autotp.runtime import generation
+
+    out["ends"] = sorted({row[T + 1] for row in out["greedy"]})
+    default = generation.STOP_CHECK_TOKENS
+    for every in (default, 2):
+        generation.STOP_CHECK_TOKENS = every
+        out[f"all ended, read every {every}"] = pm.generate(prompt, max_new_tokens=NEW_TOKENS, eos_token_id=out["ends"],
+                                                            pad_token_id=0).tolist()
+    generation.STOP_CHECK_TOKENS = default
+    out["cache_keys"] = sorted(pm._autotp_generation)
+    for name, call in (("forward", lambda: pm(prompt.to("meta"))),
+                       ("generate", lambda: pm.generate(prompt.to("meta"), max_new_tokens=2))):
+        try:
+            call()
+        except ValueError as err:
+            out[f"meta {name}"] = str(err)
+    L = CACHE
+    graphs = pm._autotp_generation[(2, L)]
     with CollectiveLog(mesh) as log:  # one decode step, observed
-        graphs.graphs["token"](prompt[:, :1], torch.tensor([T]), torch.ones(2, 64, dtype=torch.int64),
+        graphs.graphs["token"](prompt[:, :1], torch.tensor([T]), torch.ones(2, L, dtype=torch.int64),
                                torch.full((2, 1), T))
     out["observed"], out["bytes"] = log.counts(), [s.bytes for s in log.seen]
     # the decode step compiles to one graph (fullgraph: a break is an error) and computes what it did eager
-    step_inputs = (prompt[:, :1], torch.tensor([T]), torch.ones(2, 64, dtype=torch.int64), torch.full((2, 1), T))
+    step_inputs = (prompt[:, :1], torch.tensor([T]), torch.ones(2, L, dtype=torch.int64), torch.full((2, 1), T))
     graphs.reset()
     eager = graphs.graphs["token"](*step_inputs)
     graphs.reset()
@@ -118,19 +146,24 @@ def _rank(rank, world):
     return out
 
 
+BART_CACHE = 9  # the source's 9 tokens (the cross-attention's); a start token and 8 new ones too
+
+
 def _bart_rank(mesh) -> dict:
     model, (ids, mask) = _bart(), _source()
     pm = autotp.parallelize(model, mesh, (ids,), mode="inference", hardware="cpu-gloo", memory_budget=_budget(model))
     out = {"greedy": pm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS + 2).tolist()}
     # a prompt of one token: padded for the encoder's graph, which holds lengths of 2 or more
     out["short"] = pm.generate(ids[:, :1], max_new_tokens=3).tolist()
-    graphs = pm._autotp_generation[(2, 64)]
+    out["cache_keys"] = sorted(pm._autotp_generation)
+    L = BART_CACHE
+    graphs = pm._autotp_generation[(2, L)]
     out["plans"] = {k: p.to_json() for k, p in graphs.plans.items()}
     out["stored"] = dict(pm.plan.parameter_placements)  # where parallelize put the weights
     out["held"] = {n: tuple(b.shape) for n, b in pm.named_buffers() if n.startswith("autotp_kv_")}
     with CollectiveLog(mesh) as log:  # one decode step, observed
-        graphs.graphs["token"](ids[:, :1], torch.tensor([1]), torch.ones(2, 64, dtype=torch.int64),
-                               torch.zeros(2, 64, 64), torch.ones(2, 64, dtype=torch.int64))
+        graphs.graphs["token"](ids[:, :1], torch.tensor([1]), torch.ones(2, L, dtype=torch.int64),
+                               torch.zeros(2, L, 64), torch.ones(2, L, dtype=torch.int64))
     out["observed"], out["bytes"] = log.counts(), [s.bytes for s in log.seen]
     return out
 
@@ -190,7 +223,7 @@ def test_the_cache_is_split_like_the_attention_and_a_decode_step_runs_its_plan(r
         assert set(split.values()) == {"S(1)"}  # by kv heads
         assert token_plan.buffer_placements == split  # the one-token graph keeps them where they are
         assert token_plan.parameter_placements == prompt_plan.parameter_placements
-        whole = (2, cfg.num_key_value_heads, cfg.max_position_embeddings, head_dim)
+        whole = (2, cfg.num_key_value_heads, CACHE, head_dim)
         assert all(r["held"][n] == (2, 1, *whole[2:]) for n in split), r["held"]  # each rank: its kv head
         assert r["cache_bytes"] == r["held_bytes"] > sum(4 * torch.Size(r["held"][n]).numel() for n in split) / 2
         assert token_plan.memory.buffers_bytes >= r["cache_bytes"]
@@ -230,6 +263,38 @@ def test_the_generation_config_s_processors_apply_as_in_the_model_s_own_generate
     assert [r["penalized"] for r in ranks] == [expected, expected]
 
 
+def test_a_decoded_token_reads_nothing_on_the_host_and_copies_nothing_to_the_device(ranks):
+    """After the input check's first calls, 6 new tokens make as many host reads (a GPU's syncs) and
+    tensors made from host values (copies to the device) in autotp's code as 2 do: none per token."""
+    for r in ranks:
+        (reads_2, made_2, _), (reads_6, made_6, where) = r["host_reads"]
+        assert (reads_6, made_6) == (reads_2, made_2), where
+
+
+def test_when_every_sequence_has_ended_the_tokens_stop_as_the_model_s_own_do(ranks, reference):
+    model, prompt, _, _ = reference
+    r = ranks[0]
+    expected = model.generate(prompt, max_new_tokens=NEW_TOKENS, eos_token_id=r["ends"], pad_token_id=0).tolist()
+    assert len(expected[0]) == prompt.shape[1] + 2  # stopped early: the case proves the cut
+    from autotp.runtime.generation import STOP_CHECK_TOKENS
+
+    assert STOP_CHECK_TOKENS > NEW_TOKENS  # the default: read once, at the end
+    for every in (STOP_CHECK_TOKENS, 2):
+        assert [rank[f"all ended, read every {every}"] for rank in ranks] == [expected, expected]
+
+
+def test_the_cache_defaults_to_the_prompt_and_the_new_tokens(ranks):
+    # every call of the fixture fits the first call's cache (8 + 6 positions): one set of graphs
+    assert [r["cache_keys"] for r in ranks] == [[(2, CACHE)]] * 2
+    assert [r["bart"]["cache_keys"] for r in ranks] == [[(2, BART_CACHE)]] * 2
+
+
+def test_an_input_on_another_device_is_refused_before_anything_runs(ranks):
+    for name in ("forward", "generate"):
+        error = ranks[0][f"meta {name}"]
+        assert "input 'input_ids' is on meta, but this parallel module computes on cpu" in error, error
+
+
 @pytest.fixture(scope="module")
 def bart_reference():
     model, (ids, mask) = _bart(), _source()
@@ -264,7 +329,7 @@ def test_an_encoder_decoder_s_caches_are_split_and_its_decode_step_runs_its_plan
         assert plans["token"].buffer_placements == plans["first"].buffer_placements  # read where written
         for p in plans.values():  # every graph keeps the weights where parallelize stored them
             assert dict(p.parameter_placements) == r["stored"]
-        assert all(r["held"][n] == (2, heads // 2, cfg.max_position_embeddings, head_dim) for n in caches)
+        assert all(r["held"][n] == (2, heads // 2, BART_CACHE, head_dim) for n in caches)
         assert r["observed"] == planned(plans["token"], "forward")
         cache_piece = 4 * torch.Size(r["held"][next(iter(caches))]).numel()
         assert all(b < cache_piece for b in r["bytes"]), r["bytes"]  # no cache-sized gather

@@ -125,6 +125,11 @@ def _rank(rank, world, cases):
     out = []
     for name, plan_json, shape, weights, checkpoint, *export in cases:
         pm, inputs = _built(name, plan_json, shape, weights)
+        wrong_device = None
+        try:  # inputs on another device than the mesh's: refused before any send
+            pm.step(**{k: v.to("meta") for k, v in inputs.items()})
+        except ValueError as err:
+            wrong_device = str(err)
         del sent[:]
         from tests.helpers.observed import CollectiveLog
 
@@ -155,7 +160,7 @@ def _rank(rank, world, cases):
                     "logits": None if logits is None else logits.logits,
                     "eval_loss": None if getattr(logits, "loss", None) is None else logits.loss.item(),
                     "stages": pm.stage_indices, "state": sorted(pm.state_dict()), "sends": step_sends,
-                    "restored": restored, "collectives": [(c.kind, c.mesh_axis, c.bytes) for c in log.seen],
+                    "restored": restored, "wrong_device": wrong_device, "collectives": [(c.kind, c.mesh_axis, c.bytes) for c in log.seen],
                     "from_plan": pm.built_from_plan,
                     "on_meta": [n for n, p in pm.named_parameters() if _local(p).is_meta],
                     "recomputed": sorted(m.path for st in pm.stages for m in st.modules() if isinstance(m, Recompute)),
@@ -324,6 +329,8 @@ def test_two_stage_pipelines_equal_one_process(tmp_path):
     for i, (name, plan_json, *_) in enumerate(cases):
         _check(name, [r[i] for r in results], autotp.Plan.from_json(plan_json), pp=2)
     assert [r[0]["restored"] for r in results] == [True, True]
+    for r in results:
+        assert "input 'input_ids' is on meta, but this parallel module computes on cpu" in r[0]["wrong_device"]
     assert [r[1]["recomputed"] for r in results] == [["transformer.h.0", "transformer.h.1"],
                                                      ["transformer.h.2", "transformer.h.3"]]  # the layout's recompute
     assert [r[0]["recomputed"] for r in results] == [[], []]

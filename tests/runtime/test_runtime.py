@@ -11,7 +11,9 @@ Every case runs ``world`` ranks and, inside one run, checks:
 - the plan really shards (some module is ``colwise`` or ``rowwise``): a memory budget a little
   above the planner's minimum forces it, the costs of these tiny models would replicate;
 - the ``state_dict`` keys (and global shapes) equal the original model's;
-- in train mode, three AdamW steps track the reference, loss by loss.
+- in train mode, three AdamW steps track the reference, loss by loss, and autotp's code reads no
+  tensor on the host and makes none there in any of their forwards and backwards
+  (``tests/helpers/host_reads.py``: on a GPU each read would stall the step).
 
 The ranks are threads of this process (``examples.ranks.run_threads``: real collectives, no
 process start-up). ``test_gloo_processes_run_as_planned`` runs the same checks, and every
@@ -31,6 +33,7 @@ import pytest
 import torch
 
 from examples.ranks import run_ranks, run_threads
+from tests.helpers.host_reads import HostReads
 from tests.helpers.observed import CollectiveLog, assert_as_planned, planned, tensor_of
 
 pytestmark = pytest.mark.timeout(600)
@@ -277,8 +280,10 @@ def _check_against_reference(rank, world, factory, mode, steps, comm_debug=False
         losses, losses_ref = [], []
         for _ in range(steps):
             for m, o, acc in ((pm, opt, losses), (ref, opt_ref, losses_ref)):
-                step_loss = _loss(m(*inp))
-                step_loss.backward()
+                with HostReads() as seen:  # after the first step: a GPU's step never waits on autotp's host reads
+                    step_loss = _loss(m(*inp))
+                    step_loss.backward()
+                assert (seen.reads, seen.made) == (0, 0), seen.where
                 o.step()
                 o.zero_grad(set_to_none=True)
                 acc.append(step_loss.item())
