@@ -155,6 +155,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from cost_models import builtin_profile_names
+
     parser = argparse.ArgumentParser(prog="autotp", description="Automatic tensor parallelism for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -172,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(docs/guide.md, \"Pipeline stages, data and tensor parallelism\")")
     p.add_argument("--axis-names", default=None, help="comma-separated axis names (default tp, or dp,tp for 2 axes)")
     p.add_argument("--hardware", default=None,
-                   help="built-in profile name (h100-sxm, a100-sxm, a100-pcie, cpu-gloo) or a profile JSON path "
+                   help=f"built-in profile name ({', '.join(builtin_profile_names())}) or a profile JSON path "
                         "(default: h100-sxm, as autotp.plan; autotp.parallelize defaults to the profile of the "
                         "mesh's device, cpu-gloo on CPU; the report says which priced the plan)")
     p.add_argument("--mode", choices=("train", "inference"), default="train",

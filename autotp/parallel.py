@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from cost_models import optimizer_spec
+from cost_models.devices import profile_for_device
 
 from autotp.mesh import MeshSpec
 from autotp.planning.costing import MODES
@@ -38,30 +39,18 @@ from autotp.words import with_article
 
 __all__ = ["parallelize", "default_hardware"]
 
-# built-in profile per CUDA device, by what torch.cuda.get_device_name() contains (all words)
-_CUDA_PROFILES = ((("H100", "HBM3"), "h100-sxm"), (("H100", "SXM"), "h100-sxm"),
-                  (("A100", "SXM"), "a100-sxm"), (("A100", "PCIE"), "a100-pcie"))
-
-
 def default_hardware(device_type: str, device_name: Optional[str] = None) -> str:
-    """The built-in profile for a mesh on ``device_type`` (``cpu``, or ``cuda`` with its name).
+    """The built-in profile for a mesh on ``device_type`` (``cpu``, or ``cuda`` with its name): the
+    table of ``cost_models.devices`` (a new GPU is a profile file and a row there).
 
-    >>> default_hardware("cpu"), default_hardware("cuda", "NVIDIA A100-SXM4-80GB")
-    ('cpu-gloo', 'a100-sxm')
-    >>> default_hardware("cuda", "NVIDIA H200")
+    >>> default_hardware("cpu"), default_hardware("cuda", "NVIDIA A100-SXM4-80GB"), default_hardware("cuda", "NVIDIA H200")
+    ('cpu-gloo', 'a100-sxm', 'h200')
+    >>> default_hardware("cuda", "NVIDIA GH200 480GB")
     Traceback (most recent call last):
     ...
-    ValueError: no built-in hardware profile for NVIDIA H200 (built-in: h100-sxm, a100-sxm, a100-pcie, cpu-gloo); measure this machine with `autotp profile --nproc N -o my.json` and pass hardware="my.json"
+    ValueError: no built-in hardware profile for the CUDA device 'NVIDIA GH200 480GB' (built-in GPU profiles: a100-pcie, a100-sxm, b200, h100-nvl, h100-pcie, h100-sxm, h200); measure this machine with `autotp profile -o my.json` and pass hardware="my.json"
     """
-    if device_type == "cpu":
-        return "cpu-gloo"
-    name = (device_name or "").upper()
-    for words, profile in _CUDA_PROFILES:
-        if all(w in name for w in words):
-            return profile
-    raise ValueError(f"no built-in hardware profile for {device_name or device_type} (built-in: h100-sxm, a100-sxm, "
-                     f"a100-pcie, cpu-gloo); measure this machine with `autotp profile --nproc N -o my.json` and "
-                     f'pass hardware="my.json"')
+    return profile_for_device(device_type, device_name)
 
 
 def _device_type(model: nn.Module) -> Optional[str]:

@@ -6,6 +6,7 @@
   link a mesh axis uses.
 - ``compute``: roofline time of a kernel.
 - ``memory``: parameter, gradient and optimizer bytes per device (``OptimizerSpec``).
+- ``devices``: which built-in profile a device is priced with, by its name (``profile_for_device``).
 
 >>> import cost_models as cm
 >>> p = cm.load_profile("a100-sxm")
@@ -24,6 +25,7 @@ from cost_models.communication import (
     send_time_s,
 )
 from cost_models.compute import compute_time_s
+from cost_models.devices import profile_for_device
 from cost_models.hardware import (
     CollectiveCost,
     CostSegment,
@@ -56,5 +58,6 @@ __all__ = [
     "load_profile",
     "model_state_bytes",
     "optimizer_spec",
+    "profile_for_device",
     "send_time_s",
 ]

@@ -1,6 +1,6 @@
 """Seconds of one kernel: the roofline plus a fixed per-kernel overhead.
 
-    compute_s = flops / flops_per_s_for(dtype, flops)
+    compute_s = flops / flops_per_s_for(dtype, flops, convolution)
     memory_s = bytes_moved / bandwidth_for(bytes_moved)
     compute_time_s = max(compute_s, memory_s) + (1 - memory_overlap) * min(compute_s, memory_s)
                      + kernel_overhead_s
@@ -8,10 +8,11 @@
 ``flops`` as ``torch.utils.flop_counter`` counts them (a matmul of (M, K) @ (K, N) is
 2*M*K*N; it counts only matmul-like ops); ``bytes_moved`` is what the kernel reads plus
 what it writes. A node with no FLOPs and no bytes (a view, a reshape) launches no kernel
-and costs exactly 0.0. The rates are the device's: ``peak_flops[dtype]`` and
-``memory_bandwidth_bytes_per_s``, or, where the profile measured them, the FLOP/s a matmul
-of that many FLOPs achieves (``matmul_curve``) and the bytes/s a memory-bound kernel moving
-that many bytes achieves (``memory_curve``); see ``DeviceSpec``. ``memory_overlap`` is the
+and costs exactly 0.0. The rates are the device's: ``peak_flops[dtype]`` times its
+``achievable_fraction`` (a ``convolution`` at ``convolution_peak_flops[dtype]`` times it, where the
+dtype has one) and ``memory_bandwidth_bytes_per_s``, or, where the profile measured them, the
+FLOP/s a matmul of that many FLOPs achieves (``matmul_curve``) and the bytes/s a memory-bound
+kernel moving that many bytes achieves (``memory_curve``); see ``DeviceSpec``. ``memory_overlap`` is the
 share of the shorter time hidden under the longer: 1 (the default) is the roofline's max, 0 the
 sum of the two.
 
@@ -51,13 +52,15 @@ if TYPE_CHECKING:
     from cost_models.hardware import DeviceSpec
 
 
-def compute_time_s(device: DeviceSpec, flops: float, bytes_moved: float, dtype: str) -> float:
-    """Roofline seconds of one kernel doing ``flops`` and moving ``bytes_moved`` in ``dtype``."""
+def compute_time_s(device: DeviceSpec, flops: float, bytes_moved: float, dtype: str,
+                   convolution: bool = False) -> float:
+    """Roofline seconds of one kernel doing ``flops`` and moving ``bytes_moved`` in ``dtype``
+    (``convolution``: the kernel is a convolution, priced at its own rate where the device has one)."""
     flops = _non_negative(flops, "flops")
     bytes_moved = _non_negative(bytes_moved, "bytes_moved")
     if flops == 0 and bytes_moved == 0:
         return 0.0
-    compute_s = flops / device.flops_per_s_for(dtype, flops) if flops else 0.0
+    compute_s = flops / device.flops_per_s_for(dtype, flops, convolution) if flops else 0.0
     memory_s = bytes_moved / device.bandwidth_for(bytes_moved) if bytes_moved else 0.0
     exposed = (1.0 - device.memory_overlap) * min(compute_s, memory_s)  # 0.0 with the default overlap of 1
     return max(compute_s, memory_s) + exposed + device.kernel_overhead_s

@@ -1,5 +1,6 @@
 """What one device does: peak FLOP/s per dtype, memory bandwidth and size, per-kernel overhead,
-and optional curves of the rates kernels of a given size achieve.
+the share of the peak large matmuls reach, the FLOP/s of convolutions where they run on other
+units than matmuls, and optional curves of the rates kernels of a given size achieve.
 
 Part of a hardware profile (:mod:`cost_models.hardware`), which reads and writes it as JSON."""
 
@@ -14,7 +15,8 @@ from cost_models.validation import ProfileError, _FrozenMap, _within, _number, _
 
 _DEVICE_FIELDS = ("peak_flops", "memory_bandwidth_bytes_per_s", "memory_bytes", "kernel_overhead_s")
 _DEVICE_CURVES = ("matmul_curve", "memory_curve")  # optional: achieved rates by kernel size
-_DEVICE_OPTIONAL = (*_DEVICE_CURVES, "memory_overlap", "emulated_dtypes")
+_DEVICE_OPTIONAL = (*_DEVICE_CURVES, "memory_overlap", "emulated_dtypes", "achievable_fraction",
+                    "convolution_peak_flops")
 
 
 @dataclass(frozen=True)
@@ -41,9 +43,26 @@ class DeviceSpec:
     has no fast kernels for (bfloat16 on a CPU without AVX-512-BF16): their figures are real but
     were measured at small sizes only (JSON ``"emulated_dtypes": ["bfloat16"]``).
 
+    ``achievable_fraction`` (optional, 0 < f <= 1, default 1) is the share of ``peak_flops`` (and
+    of ``convolution_peak_flops``) that large matmuls reach: a datasheet peak is priced at
+    ``peak * achievable_fraction`` (JSON ``"achievable_fraction": 0.7``). A dtype with a measured
+    ``matmul_curve`` prices on its curve, which already holds what the device reached.
+
+    ``convolution_peak_flops`` (optional, default none) gives per dtype the peak FLOP/s of
+    convolutions where they run at another rate than matmuls: on NVIDIA GPUs since Ampere, PyTorch
+    runs float32 convolutions on TF32 tensor cores by default (``torch.backends.cudnn.allow_tf32``
+    is True) and float32 matmuls in full float32 (``torch.backends.cuda.matmul.allow_tf32`` is
+    False), so a GPU profile lists its TF32 figure here for float32 (JSON
+    ``"convolution_peak_flops": {"float32": 4.945e14}``). A dtype not listed prices a convolution
+    as a matmul.
+
     >>> d = DeviceSpec({"float32": 1e12}, 1e11, 8e10, 0.0, memory_curve=((1e6, 2e10), (1e8, 4e10)))
     >>> d.bandwidth_for(1e7), d.bandwidth_for(1e9), d.flops_per_s_for("bfloat16", 1e9)
     (30000000000.0, 40000000000.0, 1000000000000.0)
+    >>> gpu = DeviceSpec({"float32": 6e13, "bfloat16": 1e15}, 3e12, 8e10, 5e-6, achievable_fraction=0.7,
+    ...                  convolution_peak_flops={"float32": 5e14})
+    >>> gpu.flops_per_s_for("bfloat16", 1e12), gpu.flops_per_s_for("float32", 1e12, convolution=True)
+    (700000000000000.0, 350000000000000.0)
     """
 
     peak_flops: Mapping[str, float]  # dtype name as torch prints it, without "torch."
@@ -54,19 +73,15 @@ class DeviceSpec:
     memory_curve: tuple[tuple[float, float], ...] | None = None  # (bytes moved, bytes/s)
     memory_overlap: float = 1.0  # share of the memory time hidden under the compute time
     emulated_dtypes: tuple[str, ...] = ()  # dtypes of peak_flops the device only emulates
+    achievable_fraction: float = 1.0  # share of the peak large matmuls and convolutions reach
+    convolution_peak_flops: Mapping[str, float] | None = None  # dtype -> FLOP/s of its convolutions
 
     def __post_init__(self) -> None:
-        if not isinstance(self.peak_flops, Mapping):
-            want = "a mapping of dtype name to FLOP/s"
-            raise ProfileError("peak_flops", f"expected {want}, got {self.peak_flops!r}")
-        flops = {}
-        for dtype, value in self.peak_flops.items():
-            _dtype_name(dtype, f"peak_flops.{dtype}")
-            flops[dtype] = _number(value, f"peak_flops.{dtype}", positive=True)
+        flops = _flops_by_dtype(self.peak_flops, "peak_flops")
         if "float32" not in flops:
             why = "missing; the float32 figure is required (it is the fallback)"
             raise ProfileError("peak_flops.float32", why)
-        object.__setattr__(self, "peak_flops", _FrozenMap(flops))
+        object.__setattr__(self, "peak_flops", flops)
         for name in _DEVICE_FIELDS[1:]:
             positive = name != "kernel_overhead_s"
             object.__setattr__(self, name, _number(getattr(self, name), name, positive=positive))
@@ -86,6 +101,14 @@ class DeviceSpec:
             raise ProfileError("memory_overlap", f"expected a number from 0 to 1, got {self.memory_overlap!r}")
         object.__setattr__(self, "memory_overlap", overlap)
         object.__setattr__(self, "emulated_dtypes", _emulated(self.emulated_dtypes, flops))
+        fraction = _number(self.achievable_fraction, "achievable_fraction", positive=True)
+        if fraction > 1:
+            raise ProfileError("achievable_fraction",
+                               f"expected a share of the peak, above 0 and at most 1, got {self.achievable_fraction!r}")
+        object.__setattr__(self, "achievable_fraction", fraction)
+        if self.convolution_peak_flops is not None:
+            object.__setattr__(self, "convolution_peak_flops",
+                               _flops_by_dtype(self.convolution_peak_flops, "convolution_peak_flops"))
 
     def _dtype_key(self, dtype: str) -> str:
         name = str(dtype).removeprefix("torch.")
@@ -95,12 +118,16 @@ class DeviceSpec:
         """Peak FLOP/s for ``dtype`` ("bfloat16" or torch.bfloat16); the float32 figure if unlisted."""
         return self.peak_flops[self._dtype_key(dtype)]
 
-    def flops_per_s_for(self, dtype: str, flops: float) -> float:
-        """FLOP/s one matmul-like kernel of ``flops`` achieves: ``matmul_curve``, else the peak."""
+    def flops_per_s_for(self, dtype: str, flops: float, convolution: bool = False) -> float:
+        """FLOP/s one matmul-like kernel of ``flops`` achieves: a ``convolution`` at its
+        ``convolution_peak_flops`` where the dtype has one, else ``matmul_curve``, else the peak;
+        a peak times ``achievable_fraction``."""
         key = self._dtype_key(dtype)
+        if convolution and self.convolution_peak_flops is not None and key in self.convolution_peak_flops:
+            return self.convolution_peak_flops[key] * self.achievable_fraction
         if self.matmul_curve is not None and key in self.matmul_curve:
             return interpolate_rate(self.matmul_curve[key], flops)
-        return self.peak_flops[key]
+        return self.peak_flops[key] * self.achievable_fraction
 
     def bandwidth_for(self, bytes_moved: float) -> float:
         """Bytes/s one memory-bound kernel moving ``bytes_moved`` achieves: ``memory_curve``, else
@@ -126,8 +153,9 @@ class DeviceSpec:
             kwargs["memory_curve"] = _curve_from_json(d["memory_curve"], "memory_curve", "bytes", "bytes_per_s")
         if "memory_overlap" in d:
             kwargs["memory_overlap"] = d["memory_overlap"]
-        if "emulated_dtypes" in d:
-            kwargs["emulated_dtypes"] = d["emulated_dtypes"]
+        for name in ("emulated_dtypes", "achievable_fraction", "convolution_peak_flops"):
+            if name in d:
+                kwargs[name] = d[name]
         return cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:
@@ -148,7 +176,22 @@ class DeviceSpec:
             out["memory_overlap"] = self.memory_overlap
         if self.emulated_dtypes:
             out["emulated_dtypes"] = list(self.emulated_dtypes)
+        if self.achievable_fraction != 1.0:
+            out["achievable_fraction"] = self.achievable_fraction
+        if self.convolution_peak_flops is not None:
+            out["convolution_peak_flops"] = dict(self.convolution_peak_flops)
         return out
+
+
+def _flops_by_dtype(value: Any, field: str) -> _FrozenMap:
+    """``value`` checked: a mapping of dtype name to FLOP/s > 0."""
+    if not isinstance(value, Mapping):
+        raise ProfileError(field, f"expected a mapping of dtype name to FLOP/s, got {value!r}")
+    flops = {}
+    for dtype, rate in value.items():
+        _dtype_name(dtype, f"{field}.{dtype}")
+        flops[dtype] = _number(rate, f"{field}.{dtype}", positive=True)
+    return _FrozenMap(flops)
 
 
 def _dtype_name(dtype: Any, field: str) -> None:

@@ -7,6 +7,7 @@ import random
 import statistics
 
 import pytest
+import torch
 
 from benchmarks import fidelity
 
@@ -120,3 +121,48 @@ def test_a_zoo_vision_diffusion_transformer_is_exact_on_2_ranks():
 
     result = zoo_vision.check_exact(next(e for e in zoo_vision.ENTRIES if e.name == "dit"))
     assert result.startswith("exact"), result
+
+
+def test_gpu_check_without_a_gpu_says_so_and_exits_0(monkeypatch, capsys):
+    from benchmarks import gpu_check
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main() == 0
+    assert "no CUDA device present" in capsys.readouterr().out
+
+
+def test_gpu_check_items_run_guarded_each_within_its_budget():
+    import time
+
+    from benchmarks.gpu_check import Item, run_items
+
+    lines = []
+
+    def slow():
+        time.sleep(5)
+        return ["never"]
+
+    def broken():
+        raise RuntimeError("first line\nthe error's last line")
+
+    failed = run_items([Item("a", 1, lambda: ["fine"]), Item("b", 0.2, slow), Item("c", 1, broken),
+                        Item("d", 1, lambda: ["after"])], out=lines.append)
+    assert failed == 2
+    said = [line for line in lines if not line.endswith(" s") or "budget" in line]
+    assert said == ["a: fine", "b: STOPPED after its budget of 0.2 s", "c: FAILED: RuntimeError: the error's last line",
+                    "d: after"]
+    with pytest.raises(ValueError, match="budgets add up to 500 s, over 480 s"):
+        run_items([Item("x", 500, list)])
+
+
+def test_gpu_check_prices_the_roofline_as_the_planner_does():
+    from benchmarks.gpu_check import device_profile, roofline_lines
+
+    profile, note = device_profile("NVIDIA H200")
+    assert profile.name == "h200" and note == ""
+    assert device_profile("NVIDIA GH200 480GB")[0].name == "h100-sxm"
+    # measured at exactly what h200 prices: 0.7 of 989 and of 67 TFLOP/s, and its 4.8 TB/s
+    lines = roofline_lines({"bfloat16": 692.3e12, "float32": 46.9e12, "copy_bytes_per_s": 2.4e12}, profile)
+    assert lines[0].startswith("bfloat16 matmul 692 TFLOP/s measured, 692 priced by h200 (989 peak x 0.7)")
+    assert lines[0].endswith("measured/priced 1.00") and lines[1].endswith("measured/priced 1.00")
+    assert lines[2] == "copy 2.40 TB/s measured, 4.80 priced; measured/priced 0.50"

@@ -1,8 +1,9 @@
 """Costing: seconds and bytes of each strategy, edge and gradient reduction on one mesh and profile.
 
 * A node's strategy costs the roofline time of its local shard (``cost_models.compute_time_s`` on
-  the FLOPs and bytes one rank handles). In ``train`` mode a node that carries a gradient adds its
-  backward, priced by what the backward kernels do:
+  the FLOPs and bytes one rank handles; a convolution at the profile's convolution rate where it
+  has one, as cuDNN runs float32 convolutions in TF32). In ``train`` mode a node that carries a
+  gradient adds its backward, priced by what the backward kernels do:
 
   - an op with FLOPs (a matmul, attention): ``BACKWARD_FLOP_RATIO`` (2) kernels like the forward,
     the gradients of the input and of the weight, each as many FLOPs as the forward;
@@ -46,6 +47,7 @@ from cost_models import (HardwareProfile, OptimizerSpec, collective_time_s, comp
                          optimizer_spec)
 
 from autotp.mesh import MeshSpec
+from autotp.ops import CONVOLUTIONS
 from autotp.placement import Placement, R, Strategy, axis_divisor, plain, shard_divisor
 from autotp.planning.rules.inner import inner_collectives
 from autotp.planning.saved import forward_liveness, kept_storages
@@ -237,7 +239,8 @@ class CostModel:
         moved = sum(b for b, _ in in_bytes) + out_bytes
         dtype = node.outputs[0].dtype if node.outputs[0].is_float else next(
             (i.dtype for i in node.input_infos if i.is_float), "float32")
-        return compute_time_s(self.profile.device, flops, moved, dtype), flops, in_bytes, out_bytes, dtype
+        seconds = compute_time_s(self.profile.device, flops, moved, dtype, convolution=node.target in CONVOLUTIONS)
+        return seconds, flops, in_bytes, out_bytes, dtype
 
     def _work_s(self, node: OpNode, strategy: Strategy) -> float:
         seconds, flops, in_bytes, out_bytes, dtype = self._forward(node, strategy)

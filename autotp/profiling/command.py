@@ -6,7 +6,12 @@
 
 Under torchrun (``RANK`` and ``WORLD_SIZE`` set) this process is one rank of the group
 torchrun made. Otherwise the command starts ``--nproc`` ranks on this host itself
-(``launch.py``) and watches them. Either way every rank runs ``worker.run_rank``.
+(``launch.py``) and watches them; by default one per GPU of this host, else 2 on its CPU.
+Either way every rank runs ``worker.run_rank``.
+
+One rank (``--nproc 1``, or the default on a host with one GPU) measures the device alone: no
+collectives to time, so the profile's links are those of the device's built-in profile
+(``hardware.py``), and ``source`` says so.
 
 Timing (``sweep.py``): blocks of ``-n`` runs after ``-w`` warm-up runs, each block's mean
 taken on the slowest rank; each size is timed for ``--min-time-s`` over ``--rounds``
@@ -113,8 +118,10 @@ def default_backend(local_ranks: int) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``autotp profile`` (sizes accept K/M/G suffixes, as nccl-tests does)."""
-    parser.add_argument("--nproc", type=_int_at_least(2), default=None,
-                        help="ranks to start on this host (default: the mesh's size, else 2); ignored under torchrun")
+    parser.add_argument("--nproc", type=_int_at_least(1), default=None,
+                        help="ranks to start on this host (default: the mesh's size, else one per GPU of this host, "
+                             "else 2); 1 measures the device alone (its links are taken from the device's built-in "
+                             "profile); ignored under torchrun")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default=None,
                         help="process-group backend (default: nccl if there is a GPU for each local rank, else gloo)")
     parser.add_argument("--mesh", type=_mesh, default=None,
@@ -185,9 +192,16 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and os.environ.get(LAUNCHED_ENV) != "1"
 
 
+def default_nproc() -> int:
+    """One rank per GPU of this host (one GPU: the device alone, on nccl), else 2 ranks on its CPU."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() and torch.cuda.device_count() >= 1 else 2
+
+
 def _nproc(args: argparse.Namespace) -> int:
     if args.mesh is None:
-        return args.nproc or 2
+        return args.nproc or default_nproc()
     size = 1
     for s in args.mesh:
         size *= s

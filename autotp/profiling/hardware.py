@@ -15,6 +15,10 @@ torch version, hosts, the raw sweep per axis and kind (``sweep``: the fit sizes;
 in-sample ``residuals``, ``held_out`` errors (the fit's prediction on each held-out size
 >= 1 MiB) and ``leave_one_out`` errors, and ``held_out_summary`` (within 25%, of, worst).
 A fit of several size ranges becomes a ``CollectiveCost`` with ``segments``.
+
+One rank (world size 1) times no collective: its profile is the device as measured and the links
+of the device's built-in profile (``cpu-gloo`` on a CPU, the GPU's own where it has one, else
+``h100-sxm``), named in ``source`` and in ``measurements.links_from``.
 """
 
 from __future__ import annotations
@@ -249,7 +253,22 @@ def build_profile(
             else "; leave-one-out errors in measurements)"
         )
         + (f"; {rs_note}" if rs_note else "")
-        + f". Device: {device.device_name} with {device.threads} thread(s), torch.mm peak "
+        + f". {_device_source(device)}"
+    )
+    return HardwareProfile(
+        name=f"measured-{info.backend}-{info.world_size}x-{host}",
+        source=source,
+        device=device_spec(device),
+        devices_per_node=info.local_world_size,
+        links=link_specs,
+        measurements=measurements_dict(config, info, groups, points, fits, links, device),
+    )
+
+
+def _device_source(device: DeviceMeasurement) -> str:
+    """What ``source`` says of the device's figures."""
+    return (
+        f"Device: {device.device_name} with {device.threads} thread(s), torch.mm peak "
         + (f"per dtype up to n = {', '.join(f'{r.dtype} {r.matmul_n}' for r in device.reach)} (sizes grown "
            f"within {device.reach[0].budget_s:g} s per dtype)" if device.reach
            else f"over n in {sorted({m.n for m in device.matmuls})}")
@@ -265,14 +284,49 @@ def build_profile(
         + (f" Emulated dtypes ({', '.join(device.emulated_dtypes)}): a matmul under {EMULATED_BELOW:g}x float32's "
            "rate at a small size; measured at small sizes only." if device.emulated_dtypes else "")
     )
-    return HardwareProfile(
-        name=f"measured-{info.backend}-{info.world_size}x-{host}",
-        source=source,
-        device=device_spec(device),
-        devices_per_node=info.local_world_size,
-        links=link_specs,
-        measurements=measurements_dict(config, info, groups, points, fits, links, device),
+
+
+LINKS_FALLBACK = "h100-sxm"  # the links of a one-device profile of a GPU with no built-in profile
+
+
+def borrowed_links(device: DeviceMeasurement) -> tuple[str, dict]:
+    """A one-device profile's links, which one rank cannot time: the name of the built-in profile
+    they are taken from and its links. The device's own profile (``cost_models.profile_for_device``:
+    ``cpu-gloo`` on a CPU), else ``LINKS_FALLBACK`` for a GPU with none."""
+    from cost_models import load_profile, profile_for_device
+
+    try:
+        name = profile_for_device(device.device_type, device.device_name)
+    except ValueError:
+        name = LINKS_FALLBACK
+    return name, dict(load_profile(name).links)
+
+
+def build_device_profile(info: RunInfo, device: DeviceMeasurement):
+    """The profile of a one-rank run: the device as measured, the links borrowed (:func:`borrowed_links`)."""
+    from cost_models import HardwareProfile
+
+    borrowed, links = borrowed_links(device)
+    host = info.hostnames[0]
+    source = (
+        f"measured by `autotp profile` on {host}, torch {torch.__version__}, one rank (backend {info.backend}): "
+        f"the device alone. Links: not measured (one rank has no collective to time); intra_node and inter_node "
+        f"are the built-in profile {borrowed}'s, so this profile prices a plan on one device as measured and a "
+        f"plan on several with {borrowed}'s links. {_device_source(device)}"
     )
+    measurements = {
+        "tool": "autotp profile",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch_version": torch.__version__,
+        "backend": info.backend,
+        "world_size": 1,
+        "mesh": [1],
+        "hostnames": [host],
+        "links_from": borrowed,
+        "device": device.to_dict(),
+    }
+    return HardwareProfile(name=f"measured-{info.backend}-1x-{host}", source=source, device=device_spec(device),
+                           devices_per_node=1, links=links, measurements=measurements)
 
 
 def device_spec(device: DeviceMeasurement) -> DeviceSpec:
@@ -308,6 +362,26 @@ def report_and_write(
     """Rank 0: print the fits and the device figures, write the profile JSON."""
     fits = fit_sweep(points)
     print(format_fits([(f"axis{axis}", fit) for (axis, _), fit in sorted(fits.items(), key=_fit_order)]))
+    _print_device(device)
+    _write(config, build_profile(config, info, groups, points, device, fits))
+
+
+def report_and_write_device(config: ProfileConfig, info: RunInfo, device: DeviceMeasurement) -> None:
+    """A one-rank run: print the device figures, write its profile (:func:`build_device_profile`)."""
+    _print_device(device)
+    profile = build_device_profile(info, device)
+    print(f"# Links: not measured with one rank; taken from the built-in profile {profile.measurements['links_from']}")
+    _write(config, profile)
+
+
+def _write(config: ProfileConfig, profile) -> None:
+    if config.output:
+        write_text_atomic(config.output, profile.to_json())
+        print(f"# Wrote {config.output}")
+    sys.stdout.flush()
+
+
+def _print_device(device: DeviceMeasurement) -> None:
     flops = ", ".join(f"{k} {v / 1e12:.3g} TFLOP/s" for k, v in device.peak_flops.items())
     print(
         f"# Device: {device.device_name} ({device.threads} thread(s)): {flops}; memory bandwidth "
@@ -321,11 +395,6 @@ def report_and_write(
         memory = " ".join(f"{r / 1e9:.3g}" for _, r in device.memory_curve)
         print(f"# Device curves: matmul TFLOP/s by size: {matmul}; memory GB/s by size: {memory}; "
               f"memory overlap {device.memory_overlap if device.memory_overlap is not None else 1.0:.2f}")
-    profile = build_profile(config, info, groups, points, device, fits)
-    if config.output:
-        write_text_atomic(config.output, profile.to_json())
-        print(f"# Wrote {config.output}")
-    sys.stdout.flush()
 
 
 def _fit_order(item: tuple[tuple[int, str], AlphaBetaFit]) -> tuple[int, int]:

@@ -84,8 +84,6 @@ def _run(config: ProfileConfig, launched: bool, rank: int, heartbeat: Heartbeat)
     world_size = _env_int("WORLD_SIZE")
     local_rank = _env_int("LOCAL_RANK", 0)
     local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
-    if world_size < 2:
-        raise ValueError(f"need at least 2 ranks to time collectives, got a world size of {world_size}")
     shape = config.mesh_for(world_size)
     device = _device(config.backend, local_rank)
     if launched and device.type == "cpu":
@@ -110,6 +108,8 @@ def _profile(
     heartbeat: Heartbeat,
 ) -> int:
     lead = rank == 0
+    if world_size == 1:
+        return _profile_device_alone(config, device, heartbeat)
     axes = mesh_axes(shape)
     skipped = [a for a in axes if a.size < 2]
     groups = new_axis_groups([a for a in axes if a.size >= 2], rank, world_size)
@@ -187,6 +187,19 @@ def _profile(
             verdict = "OK" if wrong == 0 else "FAILED"
             print(f"# Check: {wrong} wrong elements in total: {verdict}", flush=True)
     return 1 if wrong else 0
+
+
+def _profile_device_alone(config: ProfileConfig, device: torch.device, heartbeat: Heartbeat) -> int:
+    """One rank: the device measured, no collectives (there is no other rank to time them with)."""
+    from autotp.profiling.hardware import RunInfo, report_and_write_device
+
+    print(f"# autotp profile: backend {config.backend}, world size 1: the device alone, no collectives to time")
+    measured = _measure_device(config, True, 1, device, heartbeat, first_step=1)
+    heartbeat.beat(DEVICE_STEPS + 2, "writing the profile")
+    info = RunInfo(backend=config.backend, world_size=1, local_world_size=1, mesh=(1,),
+                   hostnames=(socket.gethostname(),), reduce_scatter="native")
+    report_and_write_device(config, info, measured)
+    return 0
 
 
 def _measure_device(config: ProfileConfig, lead: bool, world_size: int, device: torch.device,

@@ -219,18 +219,20 @@ def test_memory_curve_prices_a_memory_bound_kernel_by_its_bytes():
 
 
 def test_profiles_without_curves_price_as_before():
-    """No curve (every built-in profile, every profile written before them): peak and flat bandwidth."""
+    """No curve (every built-in profile, every profile written before them): the peak times the profile's
+    achievable fraction, and flat bandwidth."""
     for name in builtin_profile_names():
         dev = load_profile(name).device
         assert dev.matmul_curve is None and dev.memory_curve is None and dev.memory_overlap == 1.0
         assert not {"matmul_curve", "memory_curve", "memory_overlap"} & set(dev.to_dict())
         flops, moved = 2 * 4096**3, 3 * 4096**2 * 2
-        expected = max(flops / dev.peak_flops["bfloat16"], moved / dev.memory_bandwidth_bytes_per_s)
+        expected = max(flops / (dev.peak_flops["bfloat16"] * dev.achievable_fraction),
+                       moved / dev.memory_bandwidth_bytes_per_s)
         assert compute_time_s(dev, flops, moved, "bfloat16") == pytest.approx(expected + dev.kernel_overhead_s,
                                                                               rel=1e-12)
     h100 = load_profile("h100-sxm").device
-    # 2 * 4096^3 = 1.374e11 FLOPs / 9.89e14 = 139 us; + 5 us overhead
-    assert compute_time_s(h100, 2 * 4096**3, 1e6, "bfloat16") == pytest.approx(2 * 4096**3 / 9.89e14 + 5e-6)
+    # 2 * 4096^3 = 1.374e11 FLOPs at 0.7 of the datasheet's 9.89e14 (6.92e14) = 199 us; + 5 us overhead
+    assert compute_time_s(h100, 2 * 4096**3, 1e6, "bfloat16") == pytest.approx(2 * 4096**3 / 6.923e14 + 5e-6)
 
 
 def test_memory_overlap_between_max_and_sum():
@@ -378,7 +380,7 @@ def test_memory_rejects(kwargs, match):
 
 def test_builtin_profiles_load_and_round_trip():
     names = builtin_profile_names()
-    assert set(names) >= {"h100-sxm", "a100-sxm", "a100-pcie", "cpu-gloo"}
+    assert set(names) >= {"h100-sxm", "h100-pcie", "h100-nvl", "h200", "b200", "a100-sxm", "a100-pcie", "cpu-gloo"}
     for name in names:
         p = load_profile(name)
         assert p.name == name
@@ -415,7 +417,7 @@ def test_load_profile_unknown_name_lists_builtins():
     with pytest.raises(ProfileError, match=r"'no-such-gpu' is neither a built-in profile") as info:
         load_profile("no-such-gpu")
     assert ", ".join(builtin_profile_names()) in str(info.value)
-    assert "a100-pcie, a100-sxm, cpu-gloo, h100-sxm" in str(info.value)
+    assert "a100-pcie, a100-sxm, b200, cpu-gloo, h100-nvl, h100-pcie, h100-sxm, h200" in str(info.value)
 
 
 def test_load_profile_error_names_file_and_field(tmp_path):
@@ -453,6 +455,15 @@ def test_missing_field_rejected_with_its_path():
         (("device", "memory_bandwidth_bytes_per_s"), "fast",
          r"^device\.memory_bandwidth_bytes_per_s: expected a number > 0, got 'fast'"),
         (("device", "kernel_overhead_s"), -5e-6, r"^device\.kernel_overhead_s: expected a number >= 0"),
+        (("device", "achievable_fraction"), 1.2,
+         r"^device\.achievable_fraction: expected a share of the peak, above 0 and at most 1, got 1\.2"),
+        (("device", "achievable_fraction"), 0, r"^device\.achievable_fraction: expected a number > 0, got 0"),
+        (("device", "convolution_peak_flops"), {"torch.float32": 1e12},
+         r"^device\.convolution_peak_flops\.torch\.float32: expected a dtype name"),
+        (("device", "convolution_peak_flops"), {"float32": -1},
+         r"^device\.convolution_peak_flops\.float32: expected a number > 0, got -1"),
+        (("device", "convolution_peak_flops"), 5e14,
+         r"^device\.convolution_peak_flops: expected a mapping of dtype name to FLOP/s, got 5"),
         (("devices_per_node",), 0, r"^devices_per_node: expected an integer >= 1, got 0"),
         (("devices_per_node",), True, r"^devices_per_node: expected an integer >= 1"),
     ],

@@ -20,6 +20,7 @@ from autotp.planning.planner import plan_graph
 from autotp.planning.program import collectives
 from autotp.planning.rules.check import check_rule
 from autotp.planning.strategies import node_strategies
+from tests.helpers.profiles import h100_without_tf32
 from tests.helpers.local_exactness import capture_graph, check_every_strategy, full_values, nodes_of, strategy_texts
 
 aten = torch.ops.aten
@@ -149,12 +150,13 @@ def test_batch_norm_splits_channels_or_the_batch_with_its_statistics_summed(conv
 def _resnet(batch: int, size: int):
     from transformers import ResNetConfig, ResNetForImageClassification
 
-    # ResNet-50's widths (bottleneck blocks of 256 to 2048 channels), one block per stage
+    # ResNet-50's widths (bottleneck blocks of 256 to 2048 channels), one block per stage; float32
+    # convolutions priced without TF32 (in TF32 they are cheap enough to leave whole at these sizes)
     config = ResNetConfig(depths=[1, 1, 1, 1])
     with torch.device("meta"):
         model = ResNetForImageClassification(config).train()
     graph = autotp.capture(model, (torch.randn(batch, 3, size, size, device="meta"),))
-    return graph, plan_graph(graph, (8,), "h100-sxm")
+    return graph, plan_graph(graph, (8,), h100_without_tf32())
 
 
 def test_a_resnet_at_a_large_batch_is_planned_data_parallel():
@@ -187,15 +189,16 @@ def test_a_unet_at_batch_one_on_large_images_splits_its_convolutions_and_attenti
     """Stable Diffusion 1.5's UNet widths (one layer per block) on a 1024² image (128² latents), batch
     1: no batch to split, weights the planner may split. Nearly every FLOP runs on a piece (channels of
     the convolutions, heads or rows of attention), and the step is under half that of the best plan
-    that keeps every weight whole (which can still split rows and space)."""
+    that keeps every weight whole (which can still split rows and space). Float32 convolutions are priced
+    without TF32, as a program that turns it off runs them."""
     diffusers = pytest.importorskip("diffusers")
     with torch.device("meta"):
         model = diffusers.UNet2DConditionModel(cross_attention_dim=768, layers_per_block=1).train()
     inputs = {"sample": torch.randn(1, 4, 128, 128, device="meta"), "timestep": torch.tensor([10], device="meta"),
               "encoder_hidden_states": torch.randn(1, 77, 768, device="meta")}
     graph = autotp.capture(model, inputs)
-    plan = plan_graph(graph, (8,), "h100-sxm")
-    whole = plan_graph(graph, (8,), "h100-sxm", pin={p.fqn: "R" for p in graph.parameters})
+    plan = plan_graph(graph, (8,), h100_without_tf32())
+    whole = plan_graph(graph, (8,), h100_without_tf32(), pin={p.fqn: "R" for p in graph.parameters})
     convs = [n for n in graph.ops() if n.target in ops.CONVOLUTIONS]
     split = [n for n in convs if any(p is not None and p != (R,) for p in plan.strategy(n.name).inputs)]
     assert sum(n.flops for n in split) > 0.95 * sum(n.flops for n in convs)
@@ -215,8 +218,8 @@ def test_a_segmentation_model_at_batch_one_splits_attention_by_query_rows():
     with torch.device("meta"):
         model = SegformerForSemanticSegmentation(config).train()
     graph = autotp.capture(model, {"pixel_values": torch.randn(1, 3, 1024, 1024, device="meta")})
-    plan = plan_graph(graph, (8,), "h100-sxm")
-    one = plan_graph(graph, (1,), "h100-sxm")
+    plan = plan_graph(graph, (8,), h100_without_tf32())
+    one = plan_graph(graph, (1,), h100_without_tf32())
     attention = nodes_of(graph, "aten.scaled_dot_product_attention.default")
     single_head = [n for n in attention if n.input_infos[0].shape[1] == 1]
     assert single_head and all(plan.strategy(n.name).inputs[:3] == ((S(2),), (R,), (R,)) for n in single_head), [

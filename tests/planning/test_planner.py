@@ -333,8 +333,8 @@ def test_a_budget_just_around_the_best_plan():
     try:
         budget = 0.99 * held * given
         tight = plan_graph(_graph("llama"), (8,), FAST, mode="train", memory_budget=budget)
-    except autotp.MemoryBudgetError as err:  # the best plan holds the least any plan can: nothing tighter
-        assert err.minimum_bytes == pytest.approx(held * given, rel=1e-6)
+    except autotp.MemoryBudgetError as err:  # no plan holds 1% less than the best: the least lies between
+        assert budget < err.minimum_bytes <= held * given * (1 + 1e-6)
         return
     assert tight.memory_per_device().total_bytes <= budget * (1 - MEMORY_MARGIN)
     assert tight.predicted_time().total_s >= free.predicted_time().total_s * (1 - 1e-5)

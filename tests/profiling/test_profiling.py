@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
         (["-e", "-5"], "invalid size '-5'"),
         (["--mesh", "2xa"], "invalid mesh '2xa'"),
         (["-f", "1"], "must be at least 2"),
-        (["--nproc", "1"], "must be at least 2"),
+        (["--nproc", "0"], "must be at least 1"),
         (["--timeout-s", "0"], "must be > 0 seconds"),
         (["--device-budget-s", "-1"], "must be > 0 seconds, got -1"),
         (["--device-budget-s", "soon"], "invalid number of seconds 'soon'"),
@@ -755,6 +755,76 @@ def test_the_worker_beats_the_heartbeat_at_each_measured_size_and_prints_a_line_
     assert "note: bfloat16 is emulated" in err and "note: float16 runs natively" in err
     assert m.emulated_dtypes == ("bfloat16",) and m.skipped_dtypes == ()
     assert [r.budget_s for r in m.reach] == [100.0] * 3 and not any(r.cut for r in m.reach)  # --device-budget-s
+
+
+def test_one_rank_measures_the_device_alone_and_borrows_the_links_of_its_builtin_profile(monkeypatch, tmp_path, capsys):
+    """World size 1 (one GPU, or --nproc 1): no collective is timed; the profile holds the device as
+    measured and the links of the device's built-in profile (here the CPU's, cpu-gloo)."""
+    import torch.distributed as dist
+
+    from cost_models import load_profile
+    from autotp.profiling import device as dev
+    from autotp.profiling import worker
+    from autotp.profiling.config import ProfileConfig
+
+    _fake_rates(monkeypatch, {"float32": 1e11, "bfloat16": 4e11, "float16": 4e11})
+    monkeypatch.setattr(dev, "measure_memory_curve_point", lambda size, *a, **k: (3.0 * size, 1e10))
+    monkeypatch.setattr(dev, "measure_memory_bandwidth", lambda *a, **k: 2e10)
+    monkeypatch.setattr(dev, "measure_kernel_overhead", lambda *a, **k: 1e-6)
+    monkeypatch.setattr(dev, "measure_memory_overlap", lambda *a, **k: 0.5)
+
+    def no_collectives(*a, **k):
+        raise AssertionError("one rank has no collective to time")
+
+    monkeypatch.setattr(worker, "sweep", no_collectives)
+    monkeypatch.setattr(worker.collectives, "probe_reduce_scatter", no_collectives)
+
+    class Beats:
+        def beat(self, step, where):
+            pass
+
+    out = tmp_path / "one.json"
+    config = ProfileConfig("gloo", None, 1024, 2048, 2, 1, 0, False, 60.0, str(out), device_budget_s=100.0)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        code = worker._profile(config, 0, 1, 1, (1,), torch.device("cpu"), Beats())
+    finally:
+        dist.destroy_process_group()
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "world size 1: the device alone, no collectives to time" in text
+    assert "taken from the built-in profile cpu-gloo" in text
+    profile = load_profile(out)
+    assert profile.device.peak_flops == {"float32": 1e11, "bfloat16": 4e11, "float16": 4e11}
+    assert profile.device.memory_bandwidth_bytes_per_s == 2e10 and profile.device.kernel_overhead_s == 1e-6
+    assert profile.links == load_profile("cpu-gloo").links and profile.devices_per_node == 1
+    assert profile.measurements["world_size"] == 1 and profile.measurements["links_from"] == "cpu-gloo"
+    assert "intra_node and inter_node are the built-in profile cpu-gloo's" in profile.source
+
+
+def test_a_gpu_host_starts_one_rank_per_gpu_and_a_cpu_host_two(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    args = _parser().parse_args([])
+    assert command._nproc(args) == 1 and command.config_from_args(args, 1).backend == "nccl"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert command._nproc(args) == 8
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert command._nproc(args) == 2 and command.config_from_args(args, 2).backend == "gloo"
+    assert command._nproc(_parser().parse_args(["--nproc", "1"])) == 1
+
+
+def test_the_links_of_a_one_device_profile_follow_the_device(monkeypatch):
+    from cost_models import load_profile
+    from autotp.profiling.device import DeviceMeasurement
+    from autotp.profiling.hardware import borrowed_links
+
+    def measured(device_type, name):
+        return DeviceMeasurement(device_type, name, 1, {"float32": 1e12}, 1e11, 2**30, 1e-6)
+
+    assert borrowed_links(measured("cuda", "NVIDIA H200"))[0] == "h200"
+    name, links = borrowed_links(measured("cuda", "NVIDIA GH200 480GB"))  # no profile: the stated fallback
+    assert name == "h100-sxm" and links == dict(load_profile("h100-sxm").links)
 
 
 def test_slowest_rank_keeps_what_every_rank_measured_and_marks_what_any_found_emulated():
