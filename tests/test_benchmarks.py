@@ -166,3 +166,54 @@ def test_gpu_check_prices_the_roofline_as_the_planner_does():
     assert lines[0].startswith("bfloat16 matmul 692 TFLOP/s measured, 692 priced by h200 (989 peak x 0.7)")
     assert lines[0].endswith("measured/priced 1.00") and lines[1].endswith("measured/priced 1.00")
     assert lines[2] == "copy 2.40 TB/s measured, 4.80 priced; measured/priced 0.50"
+
+def _habit_row(name: str, habits: tuple[str, ...]) -> dict[str, str]:
+    from benchmarks import habits, zoo
+
+    arch = next(a for a in zoo.ARCHS if a.name == name)
+    return {h: habits.CELLS[h](arch) for h in habits}
+
+
+def test_the_habits_matrix_runs_each_column_on_a_representative_row():
+    """benchmarks/habits.py on Llama: a training step on a right-padded batch with ignored labels, bf16
+    weights, save_pretrained read back by from_pretrained, a checkpoint restored into another plan, and
+    generate with and without an attention mask (left-padded prompts), each against one process or the
+    model's own generate; the pipeline column's case runs in tests/runtime/test_pipeline_runtime.py."""
+    row = _habit_row("llama", ("padded", "bf16", "save_pretrained", "restore", "generate", "no_mask"))
+    for habit, cell in row.items():
+        assert cell.startswith("within bf16" if habit == "bf16" else "exact"), (habit, cell)
+
+
+def test_the_habits_frozen_column_runs_a_convnet_with_a_frozen_batch_norm():
+    from benchmarks import habits, zoo_vision
+
+    entry = next(e for e in zoo_vision.ENTRIES if e.name == "resnet50")
+    cell = habits.frozen(entry)
+    assert cell.startswith("exact"), cell
+
+
+def _documented_matrix() -> dict[tuple[str, str], str]:
+    """docs/benchmarks.md's habits table, by (row, column header): each cell's verdict (its text before
+    the figures in brackets)."""
+    import pathlib
+
+    text = (pathlib.Path(__file__).parent.parent / "docs" / "benchmarks.md").read_text()
+    section = text.split("## Habits: the zoo as a matrix", 1)[1].split("\n## ", 1)[0]
+    rows = [line.strip("|").split("|") for line in section.splitlines() if line.startswith("| ")]
+    header = [h.strip() for h in rows[0]]
+    return {(r[0].strip(), header[k]): cell.strip().split(" (")[0] for r in rows[1:] for k, cell in enumerate(r) if k}
+
+
+@pytest.mark.slow  # the whole language-model matrix: about an hour on 2 cores
+def test_every_cell_of_the_documented_habits_matrix_is_what_a_run_sees():
+    from benchmarks import habits, zoo
+
+    documented = _documented_matrix()
+    assert documented, "docs/benchmarks.md has no habits table"
+    by_header = {v: k for k, v in habits.HEADERS.items()}
+    archs = {a.name: a for a in zoo.ARCHS}
+    for (name, header), want in documented.items():
+        if name not in archs or header not in by_header or by_header[header] not in habits.CELLS:
+            continue
+        got = habits._cell(habits.CELLS[by_header[header]], archs[name]).split(" (")[0]
+        assert got == want, (name, header, got, want)

@@ -210,6 +210,11 @@ class MaskedEmbedding(nn.Module):
             return zeros + weight.sum()  # keeps the (empty) weight in the graph: its gradient exists
         local = indices - self.row_offset
         outside = (local < 0) | (local >= self.local_rows)
+        if args and isinstance(args[0], int) and args[0] >= 0:
+            # padding_idx names a global row (its lookups get no gradient): this rank's index of it, or
+            # none where another rank holds it (global row 0 is not every rank's first local row)
+            pad = args[0] - self.row_offset
+            args = (pad if 0 <= pad < self.local_rows else -1, *args[1:])
         out = torch.ops.aten.embedding.default(weight, local.masked_fill(outside, 0), *args)
         return out.masked_fill(outside.unsqueeze(-1), 0)
 
