@@ -169,9 +169,7 @@ class _Problem(Formulation):
         peaks = [(self.least_peak_bytes(counts, limit_s / len(tries)), counts) for counts in tries]
         lowest = min(p for p, _ in peaks)  # the fewest layers recomputing among the lowest (to solver precision)
         peak, layers = min(((p, c) for p, c in peaks if p <= lowest * (1 + 1e-6)), key=lambda pc: sum(pc[1].values()))
-        # the solver's gap on top: another minimizing solve (the least-memory plan a budget of this
-        # figure falls back to, in solve) may stop anywhere within it of the least
-        least = peak * (1 + MIP_GAP) / (1 - MEMORY_MARGIN)
+        least = peak / (1 - MEMORY_MARGIN)
         if math.isinf(least):
             return MemoryBudgetError(
                 f"memory budget {format_bytes(self.budget / (1 - MEMORY_MARGIN))} per device is below "
@@ -421,8 +419,11 @@ def _least_memory_plan(f: _Problem, time_limit_s: float) -> Optional[tuple]:
     tried are those :meth:`_Problem.below_budget` names the least from."""
     tries = [dict(f.layers), all_but_one(f.lengths), {}] if f.chains else [{}]
     for counts in [c for k, c in enumerate(tries) if c not in tries[:k]]:
-        peak = f.least_peak_bytes(counts, time_limit_s, enough_bytes=f.budget)
-        if peak <= f.budget and all(v.varValue is not None for v in f.x[f.roots[0]]):
+        # within the solver's gap of the least: a solve that stops anywhere inside it (this one, or the
+        # one that named the least) is the least to its precision; the margin kept free covers the gap
+        within = f.budget * (1 + MIP_GAP)
+        peak = f.least_peak_bytes(counts, time_limit_s, enough_bytes=within)
+        if peak <= within and all(v.varValue is not None for v in f.x[f.roots[0]]):
             choice_rep = {r: max(range(len(xs)), key=lambda s: (xs[s].varValue or 0.0, -s)) for r, xs in f.x.items()}
             objective_s = float(pulp.value(pulp.lpSum(f.objective)) or 0.0)
             return f.least_solver + LEAST_MEMORY, choice_rep, objective_s, False, dict(counts)

