@@ -342,13 +342,12 @@ def two_threaded_ranks(profile) -> list:
 
     from autotp.planning.planner import plan_graph
     from autotp.runtime.module import build_parallel_module
-    from autotp.tracing.export import capture
     from examples.ranks import run_threads
 
     model, inputs = models.hf_llama(device="cuda", n_layer=2, hidden=256, ffn=512, heads=8, kv_heads=4, vocab=512,
                                     seq=64)
     model.eval()
-    graph = capture(model, inputs)
+    graph = autotp.capture(model, inputs)
     plan = plan_graph(graph, (2,), profile.scaled_links(1e3), "inference")  # links priced fast: the weights split
     with torch.no_grad():
         reference = model(*inputs).logits
@@ -365,7 +364,8 @@ def two_threaded_ranks(profile) -> list:
     split = sum(1 for p in plan.parameter_placements.values() if "S" in str(p))
     return [f"hf_llama on 2 threaded ranks, one GPU: {split} weights split, logits rel err "
             f"{max(errors):.1e} on each rank (max)",
-            "pipeline of 2 stages: not run (no threaded pipeline check is written yet)"]
+            "pipeline of 2 stages: not run (a pipeline's stages send to each other point to point, which "
+            "PyTorch's threaded process group, the only way to put 2 ranks on one GPU in one process, does not do)"]
 
 
 def main() -> int:
