@@ -6,7 +6,10 @@ What it fakes, and nothing else:
   returns at once, nothing is communicated;
 - the device: ``DeviceMesh("meta", ...)`` over that group, so the runtime's
   :func:`autotp.runtime.devices.mesh_device` is ``meta``, and tensors made under
-  ``FakeTensorMode(allow_non_fake_inputs=True)`` on it, which hold no data and compute nothing.
+  ``FakeTensorMode(allow_non_fake_inputs=True)`` on it, which hold no data and compute nothing;
+- random generators: ``torch.Generator(device="meta")`` (the meta device has none) is a CPU generator
+  while the fake mode is on. Fake tensors do not check a generator's device, so the harness cannot
+  catch a generator made on the wrong device.
 
 Why it catches a tensor made on the wrong device: an op whose operands are on two devices raises in
 fake mode (``FakeTensorDeviceMismatchError``: "found at least two devices, meta and cpu"), as it
@@ -57,5 +60,15 @@ def fake_tensors() -> Iterator[None]:
     """Fake mode: every tensor made inside holds no data (module docstring)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        yield
+    generator = torch.Generator
+
+    class OnTheHost(generator):  # type: ignore[misc, valid-type]
+        def __new__(cls, device: Any = "cpu") -> Any:
+            return generator.__new__(cls, "cpu" if torch.device(device).type == DEVICE.type else device)
+
+    torch.Generator = OnTheHost  # type: ignore[misc]
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            yield
+    finally:
+        torch.Generator = generator  # type: ignore[misc]

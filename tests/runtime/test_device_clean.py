@@ -35,12 +35,12 @@ def _on_device(example):
     return tuple(torch.zeros(t.shape, dtype=t.dtype, device=DEVICE) for t in example)
 
 
-def _step(model, example, pin=None, mode="train", backward=True):
+def _step(model, example, pin=None, mode="train", backward=True, plan_of=None):
     """One call of ``model``'s parallel module, and its backward, on fake tensors of the mesh's device;
-    returns the output's device, the gradients' devices and the plan."""
+    returns the output's device, the gradients' devices and the plan (``plan_of(graph)`` where given)."""
     graph = autotp.capture(model, example)
     with fake_ranks() as mesh:
-        plan = plan_graph(graph, (2,), "cpu-gloo", mode, pin=pin)
+        plan = plan_of(graph) if plan_of else plan_graph(graph, (2,), "cpu-gloo", mode, pin=pin)
         with fake_tensors():
             pm = build_parallel_module(graph, plan, mesh, model)
             out = pm(*_on_device(example))
@@ -79,3 +79,36 @@ def test_the_harness_fails_a_cpu_tensor_made_inside_the_runtime(monkeypatch):
     monkeypatch.setattr(losses, "torch", _ZerosOnTheHost())
     with pytest.raises(Exception, match=DEVICE_MISMATCH):
         _step(model, example, pin={"lm_head.weight": "S(0)"})
+
+
+def test_an_eval_step_stays_on_the_device():
+    model, example = _llama_with_loss()
+    model.eval()
+    with torch.no_grad():
+        out, _, _ = _step(model, example, mode="inference", backward=False)
+    assert out == DEVICE
+
+
+def test_batch_norm_in_training_and_its_backward_stay_on_the_device():
+    from tests.runtime.test_batch_norm import ConvNet, _plan_at_the_floor
+
+    with torch.device("meta"):
+        model = ConvNet(8).train()
+    x = torch.zeros(4, 3, 8, 8, device="meta")
+    out, grads, plan = _step(model, (x,), plan_of=_plan_at_the_floor)  # 8 channels: split (test_batch_norm.py)
+    norms = [n for n in plan.nodes if n.target == "aten.batch_norm.default"]
+    assert norms and all(plan.strategy(n.name).inputs[0] == (S(1),) for n in norms)  # channels split
+    assert out == DEVICE and grads == {DEVICE}
+
+
+def test_gpt2_dropout_masks_and_their_backward_stay_on_the_device():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=1, n_head=4, use_cache=False,
+                        attn_implementation="eager", resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(config).train()
+    ids = torch.zeros(2, 8, dtype=torch.int64, device="meta")
+    out, grads, plan = _step(model, (ids,), pin={"transformer.h.0.mlp.c_fc.weight": "S(1)"})
+    assert out == DEVICE and grads == {DEVICE}
+
