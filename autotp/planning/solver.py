@@ -353,8 +353,10 @@ def solve(graph: OpGraph, strategies: Mapping[str, Sequence[Strategy]], rep: Map
     f.one_hot()
     f.edges()
     f.grad_reductions()
-    f.memory()
+    # the objective's terms first: they bar the strategies no reader can take (x = 0), which the least
+    # solve of a budget error (raised from memory()) must respect too, or it names a least no plan meets
     f.objective_terms()
+    f.memory()
     if recompute and f.chains:  # every layer recomputes: fixed from the start
         f.fix_recompute({g: len(c) for g, c in f.chains.items()})
     # The memory row goes in only when the best plan without it does not fit: a plan that is optimal
