@@ -17,7 +17,8 @@ differs, or the error raised, whose text docs/limits.md names. Columns:
   and without it (Hugging Face infers it from ``pad_token_id``); causal language models and
   encoder-decoders (the encoder's prompts padded);
 * ``pipeline``: ``step`` of a pp 2 layout (4 layers, 2 micro-batches of 1 row) on the padded batch
-  with ignored labels: loss and gradients; 2 gloo processes, so only with ``--pipeline``;
+  with ignored labels, the model in train mode with its dropout at 0: loss and gradients; 2 gloo
+  processes, so only with ``--pipeline``;
 * ``bf16``: the model cast to bfloat16 before ``parallelize``, one training step: the largest
   difference of the output and gradients from float32's (as a fraction of the largest float32
   value) at most twice one process's in bfloat16 (the ranks add partial sums in another order, so
@@ -296,18 +297,27 @@ def restore(arch: zoo.Arch) -> str:
     return _verdict([({"output": g}, {"output": want}) for g in got])
 
 
+def _training_model(arch: zoo.Arch) -> tuple[torch.nn.Module, dict]:
+    """The zoo's tiny model in train mode (a pipeline is planned and run in train mode), its dropout
+    off so that one process is a reference value by value, and its padded inputs with labels."""
+    model, base = zoo.build(arch, 4, tiny=True)
+    model.train()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    return model, _padded_inputs(arch, model, base)[0]
+
+
 def _pipeline_rank(rank: int, world: int, name: str, plan_json: str) -> tuple[Any, dict]:
     import autotp
 
-    arch = {a.name: a for a in zoo.ARCHS}[name]
-    model, base = zoo.build(arch, 4, tiny=True)
-    inputs, _ = _padded_inputs(arch, model, base)
+    model, inputs = _training_model({a.name: a for a in zoo.ARCHS}[name])
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("pp", "tp"))
     pm = autotp.parallelize(model, mesh, inputs, plan=autotp.Plan.from_json(plan_json))
     loss = pm.step(**inputs)
-    return None if loss is None else loss.reshape(1), {n: p.grad for n, p in pm.named_parameters()}
+    return None if loss is None else loss.reshape(1), _full_grads(pm)
 
 
 def pipeline(arch: zoo.Arch) -> str:
@@ -316,8 +326,7 @@ def pipeline(arch: zoo.Arch) -> str:
 
     if arch.kind not in ("causal", "MoE"):
         return "-"
-    model, base = zoo.build(arch, 4, tiny=True)
-    inputs, _ = _padded_inputs(arch, model, base)
+    model, inputs = _training_model(arch)
     layout = {"pp": WORLD, "tp": 1, "dp": 1, "schedule": "1f1b", "micro_batches": 2, "zero": 0, "recompute": False}
     plan = autotp.plan(model, WORLD, inputs, hardware="cpu-gloo", pipeline=layout)
     ref_loss, ref_grads = _loss_step(copy.deepcopy(model), inputs, True)

@@ -128,7 +128,9 @@ def split_stages(gm: torch.fx.GraphModule, origin: Mapping[str, str], unit: Mapp
             g.output(torch.fx.node.map_arg(result.args[0], lambda a: env[a]))
             outputs: tuple[str, ...] = ()
         else:
-            g.output(tuple(env[n] for n in crossing[k]))
+            # what crosses the cut is sent as it is, and a send takes contiguous memory only (GPT-J's
+            # rotary tables are strided views): a copy where the value is not contiguous, none where it is
+            g.output(tuple(g.call_method("contiguous", (env[n],)) for n in crossing[k]))
             outputs = tuple(n.name for n in crossing[k])
         out.append(StageGraph(k, torch.fx.GraphModule(gm, g, class_name=f"AutotpStage{k}"),
                               tuple(n.name for n in inputs), outputs, tuple(n.name for n in placeholders),
