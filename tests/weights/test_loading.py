@@ -457,17 +457,10 @@ def test_a_checkpoint_that_one_rank_sees_otherwise_is_refused_on_every_rank(tmp_
     ranks raise before either reads, and rank 0's shards are as they were."""
     from safetensors.torch import save_file
 
-    import autotp
-    from autotp.planning.planner import plan_graph
     from examples.ranks import run_threads
+    from tests.helpers.plans import sharded_mlp
 
-    model, inputs = models.mlp()
-    graph = autotp.capture(model, inputs)
-    try:  # the least memory any plan needs, and a little more: it shards
-        plan_graph(graph, (2,), "cpu-gloo", "train", memory_budget=1)
-    except autotp.MemoryBudgetError as err:
-        plan = plan_graph(graph, (2,), "cpu-gloo", "train", memory_budget=int(err.minimum_bytes * 1.05))
-    assert any(v != "R" for v in plan.parameter_placements.values()), plan.parameter_placements
+    model, graph, plan = sharded_mlp()
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     good, bad = tmp_path / "good", tmp_path / "bad"
     good.mkdir(), bad.mkdir()
@@ -499,3 +492,4 @@ def test_an_index_that_lists_a_key_in_the_wrong_file_is_refused(tmp_path):
     targets = [(("a",), torch.zeros(2)), (("b",), torch.zeros(3))]
     with pytest.raises(ValueError, match=r"the index lists them in a file that does not hold them: b \(listed in one"):
         loading._match(targets, loading._safetensors_files(tmp_path))
+
