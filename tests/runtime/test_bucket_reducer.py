@@ -139,3 +139,43 @@ def test_a_parameter_without_gradient_is_reduced_at_the_end_as_zeros():
         return reducer.launched_in_backward, used.grad.tolist(), unused.grad.tolist()
 
     assert run_threads(rank, 2) == [(1, [2.0] * 4, [0.0] * 4)] * 2
+
+
+def test_dtensor_parameters_have_their_local_shards_averaged():
+    """Parameters that are DTensors on a tensor axis (as a pipeline stage's are): their gradients'
+    local shards are reduced over the data axis, the gradients stay DTensors. Mesh dp 2 x tp 1, two
+    micro-batches, rank r's gradient (r + 1) per micro-batch: the average over 2 ranks x 2
+    micro-batches is 1.5."""
+
+    def rank(r, world):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
+        w = torch.nn.Parameter(distribute_tensor(torch.zeros(3, 2), mesh["tp"], [Shard(0)]))
+        b = torch.nn.Parameter(distribute_tensor(torch.zeros(2), mesh["tp"], [Replicate()]))
+        reducer = BucketReducer([[w, b]], mesh["dp"].get_group(), accumulations=2, divide_by=4, bucket_bytes=8)
+        with reducer.step():
+            for _ in range(2):
+                ((w.to_local() + b.to_local()).sum() * (r + 1)).backward()
+        grads = w.grad.to_local().tolist(), b.grad.to_local().tolist()
+        return (reducer.launched_in_backward, type(w.grad).__name__, *grads)
+
+    assert run_threads(rank, 2) == [(2, "DTensor", [[1.5] * 2] * 3, [4.5] * 2)] * 2
+
+
+def test_more_accumulations_than_micro_batches_are_an_error_not_a_wrong_average():
+    """A gradient accumulated after its bucket was launched would be lost: the step says so."""
+
+    def rank(r, world):
+        p = torch.nn.Parameter(torch.ones(4))
+        reducer = BucketReducer([[p]], dist.group.WORLD, accumulations=1, divide_by=world)
+        try:
+            with reducer.step():
+                for _ in range(2):
+                    p.sum().backward()
+        except RuntimeError as err:
+            return str(err)
+
+    message = run_threads(rank, 2)[0]
+    assert "parameters of shapes [(4,)] were accumulated after their bucket's all-reduce was launched" in message
