@@ -112,7 +112,8 @@ def test_buckets_are_launched_during_the_last_backward_and_average_as_one_proces
     for r in results:
         buckets = r["buckets"]
         assert tuple(b.parameters for b in buckets) == want
-        assert len(buckets) == 5 and total > 4 * BUCKET_BYTES, (len(buckets), total)  # ceil(total / bucket)
+        # 88.6 KiB in buckets closed once they reach 16 KiB (some hold more): 5, where ceil(total / 16 KiB) is 6
+        assert len(buckets) == 5 and total > 5 * BUCKET_BYTES, (len(buckets), total)
         # per step one all-reduce per bucket (not one per parameter: 21), of its bytes, asynchronous,
         # all launched during the last micro-batch's backward
         step = [(f"backward 1", b.size_bytes // 4, True) for b in buckets]
