@@ -6,6 +6,7 @@ integer linear program. It reads the graph from :mod:`autotp.tracing` and never 
 - ``planner``           ``autotp.plan`` and ``plan_graph``: the stages below, in order
 - ``mesh_search``       given a device count, every mesh shape of it planned, the fastest kept
 - ``pipeline_search``   layouts of pipeline stages x data x tensor parallelism priced, the fastest kept
+- ``buckets``           a data axis's gradient buckets (DDP's), and the part of their all-reduces left exposed
 - ``stages``            a plan's costs by layer of a stack, and the stack cut into balanced stages
 - ``schedules``         pipeline schedules as orders per rank, and their step replayed
 - ``strategies``        per node, the strategies it can take on each mesh axis

@@ -16,14 +16,17 @@ recompute choice, and keeps the layout of least predicted step that fits the mem
    (:func:`autotp.planning.stages.balanced_cut`), the embedding in the first, the head and loss in
    the last; stage ``s`` runs on pipeline rank ``s % pp``.
 3. **Data parallelism, priced per stage on its link, as the runtime runs it**: ZeRO 0 (gradients
-   all-reduced once per step), or FSDP2 with each layer one unit and the rest of the stage
-   another, parameters, gradients and optimizer state split over the data axis at the
+   all-reduced once per step in DDP's buckets, :mod:`autotp.planning.buckets`: each launched during
+   the last micro-batch's backward once its gradients are made, so all but the last bucket's
+   all-reduce can hide behind that backward's compute), or FSDP2 with each layer one unit and the
+   rest of the stage another, parameters, gradients and optimizer state split over the data axis at the
    optimizer's step. ZeRO 1 gathers every unit once per step and keeps it to the last backward,
    then reduce-scatters the gradients once; ZeRO 3 gathers each unit for every micro-batch's
    forward and backward and reduce-scatters after each backward, holding one layer (and the next,
-   prefetched) gathered at a time. These collectives run beside the compute, as DDP's buckets and
-   FSDP2's prefetch run them: what one micro-batch's forward or backward compute of the stage
-   hides is not counted, the rest is; ZeRO 1's reduce-scatter after the last backward is exposed.
+   prefetched) gathered at a time. These collectives run beside the compute, as FSDP2's prefetch
+   runs them: what one micro-batch's forward or backward compute of the stage hides is not
+   counted, the rest is; ZeRO 1's reduce-scatter after the last backward is exposed, as is ZeRO
+   0's last bucket (and whatever of the others the last backward cannot hide).
 4. **The step**: the schedule's orders replayed with each stage's forward and backward seconds and
    the sends between stages on the pipeline axis's link (:func:`autotp.planning.schedules.simulate`),
    plus each rank's once-per-step reductions, and the all-reduce over the pipeline axis of each
@@ -48,6 +51,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from cost_models import HardwareProfile, axis_link_name, collective_time_s, send_time_s
 
+from autotp.planning.buckets import assign_buckets, exposed_all_reduce_s
 from autotp.planning.costing import CostModel
 from autotp.planning.schedules import held_bytes, timeline as step_timeline
 from autotp.planning.stages import UnitCost, balanced_cut, unit_costs
@@ -265,8 +269,11 @@ def _prepare(layout: Layout, plan_units: _Units, profile: HardwareProfile) -> _P
         buffers = sum(u.buffers_bytes for u in us)
         step_end = 0.0  # what the data axis adds once per step, past the last backward it overlaps
         during, at_step = p, p + g  # parameters (and gradients) held through the step, at the optimizer's step
-        if dp > 1 and layout.zero == 0:
-            step_end = max(collective_time_s(dp_link, "all_reduce", g, dp) - b_comp, 0.0)
+        if dp > 1 and layout.zero == 0:  # DDP's buckets over the last micro-batch's backward
+            ordered = list(dict.fromkeys(n for i in sorted(idx) for n in units[i].parameters))
+            sizes = [plan_units.parameters[n][1] for n in ordered]
+            buckets = [sum(sizes[j] for j in b) for b in assign_buckets(sizes)]
+            step_end = exposed_all_reduce_s(buckets, lambda b: collective_time_s(dp_link, "all_reduce", b, dp), b_comp)
         elif dp > 1:  # FSDP2 as the runtime runs it (autotp/runtime/stage_units.py): each layer of the stage one
             # unit, the rest of the stage (what comes before or after the stack) another; at the
             # optimizer's step every state sharded over the data axis

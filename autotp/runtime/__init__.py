@@ -19,6 +19,7 @@ which it asks the planner for, with every weight kept where it is).
 - ``recompute``     recomputed layers as checkpointed submodules
 - ``pipeline``      a three-dimensional plan's stages of this rank under a pipelining schedule, with
                     a data axis (gradient all-reduce, or FSDP2 for ZeRO): ``PipelineModule.step``
+- ``bucket_reducer`` a data axis's gradients under ZeRO 0 averaged in DDP's buckets, during the backward
 - ``token_counts``  a loss that averages over valid targets, weighed across micro-batches by their
                     counts, as one process weighs it
 - ``stage_graphs``  the rewritten graph cut into stage graphs, and the values crossing the cuts

@@ -21,8 +21,10 @@ them, and each stage reads those it uses (the last stage the labels of a loss co
 graph).
 
 A data axis: each replica runs its rows of the batch; its gradients are averaged over the axis
-(ZeRO 0), or each stage runs under FSDP2 over the tensor-parallel shards (ZeRO 1 and 3), each
-layer of the stack one unit (moved into a submodule with the state only it reads). The
+(ZeRO 0: in DDP's buckets, each all-reduced asynchronously during the last micro-batch's backward
+as soon as its gradients are made, waited for at the end of the step,
+:mod:`autotp.runtime.bucket_reducer`), or each stage runs under FSDP2 over the tensor-parallel
+shards (ZeRO 1 and 3), each layer of the stack one unit (moved into a submodule with the state only it reads). The
 layout's recompute runs each layer of a stage under ``torch.utils.checkpoint``
 (:mod:`autotp.runtime.recompute`). A rank allocates its stages' shards only (the others' stay on meta)
 and runs nothing to build: the shapes each stage sends and receives are the plan's. What it leaves
@@ -33,6 +35,7 @@ prices).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -41,6 +44,7 @@ import torch.fx
 from torch import nn
 
 from autotp.planning.pipeline_search import layout_mesh
+from autotp.runtime.bucket_reducer import BucketReducer
 from autotp.runtime.devices import mesh_device, wrong_device
 from autotp.runtime.stage_graphs import (StageGraph, attribute, example_values, planned_values,
                                          split_stages, stage_of_units)
@@ -167,6 +171,12 @@ class PipelineModule(nn.Module):
         self.dp_group, self.dp_rank = dp_group, dp_rank
         self.tp_mesh = tp_mesh
         self._zero = plan.pipeline.chosen.zero
+        # ZeRO 0: the gradients averaged over the replicas in DDP's buckets, each launched during the
+        # last micro-batch's backward (the schedule leaves them unscaled: the reducer divides by dp x m)
+        c = plan.pipeline.chosen
+        self.gradient_reducer = (BucketReducer([list(m.parameters()) for m in modules], dp_group, c.micro_batches,
+                                               c.dp * c.micro_batches)
+                                 if dp_group is not None and self._zero == 0 else None)
         # the model's own loss, where it is a mean over valid targets: weighed by their counts
         self._token_mean = token_mean
         self._merge_spec = _merge_spec(examples["<output>"], plan.pipeline.chosen.micro_batch_size,
@@ -206,7 +216,8 @@ class PipelineModule(nn.Module):
             stage = self._pipeline_stages if multi else self._pipeline_stages[0]
             # a forward for inference must leave the gradients of the last step as they are
             self._schedules[key] = cls(stage, n_microbatches=chosen.micro_batches, loss_fn=loss_fn,
-                                       output_merge_spec=self._merge_spec, scale_grads=training)
+                                       output_merge_spec=self._merge_spec,
+                                       scale_grads=training and self.gradient_reducer is None)
         return self._schedules[key]
 
     def _inputs(self, args: tuple, kwargs: dict, replica: bool = True) -> dict[str, Any]:
@@ -267,16 +278,13 @@ class PipelineModule(nn.Module):
         self._step_loss = (loss_fn, factors is not None)
         schedule = self._schedule(self._loss_of_micro_batch, True)
         losses: list = []
-        if self.holds_last_stage:
-            if target is None:  # the loss reads no target: one placeholder (or weight) per micro-batch
-                target = (factors.view(-1, 1) if factors is not None
-                          else torch.zeros(self.plan.pipeline.chosen.micro_batches, 1, device=self.device))
-            schedule.step(target=target, losses=losses, **inputs)
-        else:
-            schedule.step(**inputs)
+        if self.holds_last_stage and target is None:  # the loss reads no target: a placeholder (or weight) each
+            target = (factors.view(-1, 1) if factors is not None
+                      else torch.zeros(self.plan.pipeline.chosen.micro_batches, 1, device=self.device))
+        given = dict(target=target, losses=losses) if self.holds_last_stage else {}
+        with self.gradient_reducer.step() if self.gradient_reducer is not None else contextlib.nullcontext():
+            schedule.step(**given, **inputs)
         self._sum_shared_gradients()
-        if self.dp_group is not None and self._zero == 0:
-            self._average_over_replicas()
         if self.holds_last_stage:
             loss = torch.stack([torch.as_tensor(x).detach() for x in losses]).mean()
             if self.dp_group is not None:  # the mean over the replicas' shares: the batch's loss
@@ -300,17 +308,6 @@ class PipelineModule(nn.Module):
         factor = target.reshape(()).to(value.dtype)
         # a micro-batch with no valid target has a mean of nan and weighs nothing
         return torch.where(factor > 0, value * factor, torch.zeros_like(value))
-
-    def _average_over_replicas(self) -> None:
-        """ZeRO 0: each replica's gradients averaged over the data axis (an all-reduce per parameter)."""
-        import torch.distributed as dist
-
-        for _, p in sorted(self.named_parameters()):
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            dist.all_reduce(local, group=self.dp_group)
-            local /= self.plan.pipeline.chosen.dp
 
     def _sum_shared_gradients(self) -> None:
         """A weight held by several stages (an embedding tied to the head) gets in each the sum of the

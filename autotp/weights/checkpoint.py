@@ -238,6 +238,11 @@ def full_state_dict(module: nn.Module, rank: Optional[int] = 0) -> dict[str, tor
     Every rank must call it (gathering is collective); the result is returned on ``rank`` (and an
     empty dict elsewhere), or on every rank when ``rank`` is None.
 
+    The tensors are gathered one at a time, each copied to the CPU (the result is on the CPU, a copy
+    of the module's own tensors) and let go before the next is gathered: on a GPU the device holds
+    at most one whole tensor beyond its shards (and the gather's own pieces while it runs), never
+    the whole model.
+
     A pipeline module (:class:`autotp.runtime.pipeline.PipelineModule`) holds its stages' part of the
     model only: each stage's tensors are gathered whole over its own mesh, then sent over the
     pipeline axis to ``rank`` (to every rank when None). The whole model then arrives on the CPU,
@@ -250,10 +255,9 @@ def full_state_dict(module: nn.Module, rank: Optional[int] = 0) -> dict[str, tor
     pp_group = getattr(module, "pp_group", None)
     for name, value in module.state_dict().items():
         full = full_tensor(value, own.get(name))
-        if pp_group is not None:
-            out[name] = full.detach().cpu()
-        elif rank is None or me == rank:
-            out[name] = full.detach().clone()
+        if pp_group is not None or rank is None or me == rank:
+            out[name] = full.detach().to("cpu", copy=True)
+        del full  # the whole tensor let go before the next is gathered
     if pp_group is None:
         return out
     return _over_the_stages(out, pp_group, rank, me)

@@ -7,6 +7,7 @@
 - ``local_exactness``  every strategy of an op run on pieces and put back together
 - ``blocks``           fused-projection models and per-layer collective counts
 - ``properties``       random small models and their exactness check
+- ``plans``            a small model planned so that it shards
 
 Imported as ``tests.helpers.<module>`` (the repository root is on pytest's path).
 """

@@ -14,6 +14,8 @@ import torch
 from cost_models import LinkSpec, collective_time_s, load_profile
 
 import autotp
+from autotp.planning import buckets
+from autotp.planning.buckets import BUCKET_BYTES
 from autotp.planning.errors import PlanError
 from autotp.planning.pipeline_search import Layout, layouts, price_layout, units_of_plan
 from autotp.planning.planner import plan_graph
@@ -111,25 +113,39 @@ def test_the_units_add_up_to_the_plan(llama_units):
     assert sum(v[0] for v in pu.parameters.values()) == pytest.approx(plan.memory.parameters_bytes)
 
 
-def test_a_layout_priced_by_hand(llama_units):
-    """One stage over two data-parallel replicas: m micro-batches one after the other, then one
-    all-reduce of the gradients; two stages under 1F1B: rank 0 holds two micro-batches' activations."""
+def test_a_layout_priced_by_hand(llama_units, monkeypatch):
+    """One stage over two data-parallel replicas: m micro-batches one after the other, the gradients
+    all-reduced in DDP's buckets during the last backward; two stages under 1F1B: rank 0 holds two
+    micro-batches' activations."""
     plan, _, pu, _ = llama_units
     prof = plan.hardware
     units = pu.units
     grads = sum(v[1] for v in pu.parameters.values())
+    assert grads < BUCKET_BYTES  # one bucket, ready when the backward ends: nothing hides it
     one, _ = price_layout(Layout(1, 2, 2, "none", 1, 3, 1, 0, False), pu, prof, 1e18)
     per_mb = sum(u.forward_s + u.backward_s for u in units)
     link = prof.links["intra_node"]
-    backward_compute = sum(u.backward_compute_s for u in units)  # the last backward hides what it can
+    backward_compute = sum(u.backward_compute_s for u in units)  # what one micro-batch's backward computes
     reduce = collective_time_s(link, "all_reduce", grads, 2)
-    assert one.step_s == pytest.approx(3 * per_mb + max(reduce - backward_compute, 0.0))
+    assert one.step_s == pytest.approx(3 * per_mb + reduce)
     slow_link = LinkSpec({k: c.scaled(1e-4) for k, c in prof.links["intra_node"].costs.items()})
     slow = dataclasses.replace(prof, links={**prof.links, "intra_node": slow_link})
     slow_one, _ = price_layout(Layout(1, 2, 2, "none", 1, 3, 1, 0, False), pu, slow, 1e18)
     slow_reduce = collective_time_s(slow.links["intra_node"], "all_reduce", grads, 2)
-    assert slow_reduce > backward_compute  # a link slow enough that the reduction shows
-    assert slow_one.step_s - one.step_s == pytest.approx(slow_reduce - backward_compute - max(reduce - backward_compute, 0))
+    assert slow_one.step_s - one.step_s == pytest.approx(slow_reduce - reduce)
+    # two buckets: every parameter but the first the forward reads (the embedding), then the embedding
+    # alone, ready when the backward ends. On a link fast enough the first bucket's all-reduce ends
+    # within the backward (it is ready once the backward has made its share of the bytes): only the
+    # last bucket's adds to the step
+    first = units[0].parameters[0]
+    monkeypatch.setattr(buckets, "BUCKET_BYTES", grads - pu.parameters[first][1])
+    fast_link = LinkSpec({k: c.scaled(1e4) for k, c in prof.links["intra_node"].costs.items()})
+    fast = dataclasses.replace(prof, links={**prof.links, "intra_node": fast_link})
+    rest = collective_time_s(fast_link, "all_reduce", grads - pu.parameters[first][1], 2)
+    assert rest < backward_compute * pu.parameters[first][1] / grads
+    two_buckets, _ = price_layout(Layout(1, 2, 2, "none", 1, 3, 1, 0, False), pu, fast, 1e18)
+    last = collective_time_s(fast_link, "all_reduce", pu.parameters[first][1], 2)
+    assert two_buckets.step_s == pytest.approx(3 * per_mb + last)
     assert one.bubble_s == pytest.approx(0.0, abs=1e-12)
     # the memory of one stage on two replicas. ZeRO 0 holds everything whole. ZeRO 1 and 3 run as the
     # runtime runs FSDP2 (each layer a unit, the embedding, final norm and head another) and hold shards

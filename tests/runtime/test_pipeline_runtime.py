@@ -162,6 +162,9 @@ def _rank(rank, world, cases):
                     "stages": pm.stage_indices, "state": sorted(pm.state_dict()), "sends": step_sends,
                     "restored": restored, "wrong_device": wrong_device, "collectives": [(c.kind, c.mesh_axis, c.bytes) for c in log.seen],
                     "from_plan": pm.built_from_plan,
+                    "buckets": None if pm.gradient_reducer is None else (
+                        len(pm.gradient_reducer.parameters), len(pm.gradient_reducer.buckets),
+                        pm.gradient_reducer.launched_in_backward),
                     "on_meta": [n for n, p in pm.named_parameters() if _local(p).is_meta],
                     "recomputed": sorted(m.path for st in pm.stages for m in st.modules() if isinstance(m, Recompute)),
                     "placements": {n: getattr(p, "placements", None) for n, p in pm.named_parameters()}})
@@ -357,6 +360,11 @@ def test_data_parallel_replicas_equal_one_process(name, pp, dp, tp, zero, recomp
     if recompute:  # each layer a unit FSDP2 shards, run again in the backward
         assert all(len(r[0]["recomputed"]) == 4 for r in results), [r[0]["recomputed"] for r in results]
     _check(name, [r[0] for r in results], plan, pp=pp)
+    if not zero:  # the gradients of each rank's stage all-reduced in DDP's buckets, each launched during the
+        # last micro-batch's backward (the tiny models' gradients make one bucket: one all-reduce, not
+        # one per parameter)
+        assert all(r[0]["buckets"][1:] == (1, 1) and r[0]["buckets"][0] > 1 for r in results), [
+            r[0]["buckets"] for r in results]
     if zero:  # FSDP2 holds each parameter sharded over the data axis
         assert all("Shard" in str(p) for p in results[0][0]["placements"].values()), results[0][0]["placements"]
         # ... each layer one unit, the rest of its stage another, run as the search prices it

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -60,3 +62,57 @@ def test_a_pipeline_module_under_fsdp_with_splits_dtensor_cannot_size_is_refused
         _check_sizable(module({"q_proj.weight": "S(0)~64", "o_proj.weight": "S(1)"}, 4))
     _check_sizable(module({"q_proj.weight": "S(0)", "o_proj.weight": "S(1)"}, 4))  # even splits: fine
     _check_sizable(module({"q_proj.weight": "S(0)~64"}, 0))  # no FSDP2: autotp's placements are kept
+
+
+
+def _full_state_dicts(rank, world, prepared, model):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autotp
+    from autotp.runtime.module import build_parallel_module
+
+    graph, plan = prepared
+    pm = build_parallel_module(graph, plan, init_device_mesh("cpu", (world,)), copy.deepcopy(model))
+    everywhere = autotp.checkpoint.full_state_dict(pm, rank=None)
+    on_zero = autotp.checkpoint.full_state_dict(pm)
+    own = {(v.to_local() if hasattr(v, "to_local") else v).untyped_storage().data_ptr()
+           for v in pm.state_dict().values()}
+    shared = [k for k, v in everywhere.items() if v.untyped_storage().data_ptr() in own]
+    return everywhere, on_zero, shared
+
+
+def test_the_full_state_dict_holds_one_whole_tensor_at_a_time(monkeypatch):
+    """Each tensor is gathered whole, copied to the CPU and let go before the next is gathered (on a
+    GPU the device never holds more than one whole tensor beyond its shards); the result is the
+    model's state dict, on rank 0 alone or on every rank, sharing no storage with the module. 2
+    threaded ranks, an MLP whose plan splits its weights."""
+    import threading
+    import weakref
+
+    from autotp.weights import checkpoint
+    from examples.ranks import run_threads
+    from tests.helpers.plans import sharded_mlp
+
+    model, graph, plan = sharded_mlp()
+    real = checkpoint.full_tensor
+    made: dict = {}  # each rank's whole tensors, as weak references
+    alive: list = []  # whole tensors still held when the next was gathered
+
+    def watched(value, placements=None):
+        mine = made.setdefault(threading.get_ident(), [])
+        alive.extend(i for i, ref in enumerate(mine) if ref() is not None)
+        full = real(value, placements)
+        mine.append(weakref.ref(full))
+        return full
+
+    monkeypatch.setattr(checkpoint, "full_tensor", watched)
+    results = run_threads(_full_state_dicts, 2, (graph, plan), model)
+    want = model.state_dict()
+    assert [len(refs) for refs in made.values()] == [2 * len(want)] * 2  # two calls, each tensor once
+    assert alive == []
+    for rank, (everywhere, on_zero, shared) in enumerate(results):
+        assert shared == []
+        assert on_zero.keys() == (want.keys() if rank == 0 else set())
+        for result in (everywhere, on_zero):
+            for k, v in result.items():
+                assert v.device.type == "cpu" and torch.equal(v, want[k]), k

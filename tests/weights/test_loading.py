@@ -414,7 +414,7 @@ def test_the_shards_faulted_in_early_are_the_ones_pieces_are_copied_into(tmp_pat
         storage = local.untyped_storage().data_ptr()
         with safe_open(tmp_path / "w.safetensors", framework="pt") as f:
             copied = loading._copied(shape, ranges, local, header_dtype)
-            loading._load_entry(f, "w", None if placements == "R" else ranges, local, copied)
+            loading._load_entry(f, "w", None if placements == "R" else ranges, local, copied, loading._Uploads())
         assert torch.equal(local, expected), (coordinate, ranges)
         # a piece is mapped (the shard takes the file's pages) or copied into the shard's own storage
         assert (local.untyped_storage().data_ptr() == storage) is copied, (coordinate, ranges)
@@ -457,17 +457,10 @@ def test_a_checkpoint_that_one_rank_sees_otherwise_is_refused_on_every_rank(tmp_
     ranks raise before either reads, and rank 0's shards are as they were."""
     from safetensors.torch import save_file
 
-    import autotp
-    from autotp.planning.planner import plan_graph
     from examples.ranks import run_threads
+    from tests.helpers.plans import sharded_mlp
 
-    model, inputs = models.mlp()
-    graph = autotp.capture(model, inputs)
-    try:  # the least memory any plan needs, and a little more: it shards
-        plan_graph(graph, (2,), "cpu-gloo", "train", memory_budget=1)
-    except autotp.MemoryBudgetError as err:
-        plan = plan_graph(graph, (2,), "cpu-gloo", "train", memory_budget=int(err.minimum_bytes * 1.05))
-    assert any(v != "R" for v in plan.parameter_placements.values()), plan.parameter_placements
+    model, graph, plan = sharded_mlp()
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     good, bad = tmp_path / "good", tmp_path / "bad"
     good.mkdir(), bad.mkdir()
@@ -499,3 +492,64 @@ def test_an_index_that_lists_a_key_in_the_wrong_file_is_refused(tmp_path):
     targets = [(("a",), torch.zeros(2)), (("b",), torch.zeros(3))]
     with pytest.raises(ValueError, match=r"the index lists them in a file that does not hold them: b \(listed in one"):
         loading._match(targets, loading._safetensors_files(tmp_path))
+
+
+class _Copies(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every ``copy_`` as (destination's storage, source's storage, non_blocking)."""
+
+    def __init__(self, log: list) -> None:
+        super().__init__()
+        self.log = log
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default:
+            dst, src, *rest = args
+            blocking = rest[0] if rest else (kwargs or {}).get("non_blocking", False)
+            self.log.append(("copy", dst.untyped_storage().data_ptr(), src.untyped_storage().data_ptr(), blocking))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_pieces_for_a_gpu_go_through_pinned_memory_and_are_waited_for_once(tmp_path, monkeypatch, on_gpu):
+    """A bfloat16 file into a float32 Llama: every tensor is copied in (converted). Into a CUDA shard
+    (faked: the device check says CUDA, the pinned buffer is ordinary memory, the synchronization
+    recorded), each piece is staged in a buffer of the shard's dtype and copied to the shard with
+    non_blocking=True, and the device synchronized once, after the last copy; into a CPU shard, plain
+    copies as before, none staged, no synchronization. The values are the file's either way."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import autotp
+    from autotp.weights import loading
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)
+    torch.manual_seed(0)
+    saved = {k: v.to(torch.bfloat16) for k, v in LlamaForCausalLM(config).state_dict().items()}
+    save_file(saved, tmp_path / "model.safetensors")
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(config)
+    log: list = []
+    staged: list = []
+    if on_gpu:
+        def pinned(shape, dtype):
+            staged.append(torch.empty(shape, dtype=dtype))
+            return staged[-1]
+
+        monkeypatch.setattr(loading, "_is_cuda", lambda t: True)
+        monkeypatch.setattr(loading, "_pinned", pinned)
+        monkeypatch.setattr(loading, "_synchronize", lambda device: log.append(("synchronize", device)))
+    with _Copies(log):
+        autotp.load_weights(model, tmp_path)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, saved[k].float()), k
+    own = {v.untyped_storage().data_ptr(): k for k, v in model.state_dict().items()}
+    uploads = [e for e in log if e[0] == "copy" and e[1] in own]  # the copies into the model's tensors
+    assert sorted(own[e[1]] for e in uploads) == sorted(saved)  # each tensor once
+    if not on_gpu:
+        assert staged == [] and all(not blocking for *_, blocking in uploads)
+        return
+    buffers = {t.untyped_storage().data_ptr() for t in staged}
+    assert len(staged) == len(saved) and {t.dtype for t in staged} == {torch.float32}
+    assert all(src in buffers and non_blocking for _, _, src, non_blocking in uploads), uploads
+    assert [e for e in log if e[0] == "synchronize"] == [log[-1]] and log[-1] == ("synchronize", torch.device("cpu"))
