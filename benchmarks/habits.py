@@ -17,7 +17,8 @@ differs, or the error raised, whose text docs/limits.md names. Columns:
   and without it (Hugging Face infers it from ``pad_token_id``); causal language models and
   encoder-decoders (the encoder's prompts padded);
 * ``pipeline``: ``step`` of a pp 2 layout (4 layers, 2 micro-batches of 1 row) on the padded batch
-  with ignored labels, the model in train mode with its dropout at 0: loss and gradients; 2 gloo
+  with ignored labels, the model in train mode with its dropout (and router noise) at 0: loss and
+  gradients; 2 gloo
   processes, so only with ``--pipeline``;
 * ``bf16``: the model cast to bfloat16 before ``parallelize``, one training step: the largest
   difference of the output and gradients from float32's (as a fraction of the largest float32
@@ -305,6 +306,9 @@ def _training_model(arch: zoo.Arch) -> tuple[torch.nn.Module, dict]:
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
+        for key, value in vars(m).items():  # dropout and router noise a module reads as a float of its own
+            if isinstance(value, float) and ("drop" in key or "jitter" in key):
+                setattr(m, key, 0.0)
     return model, _padded_inputs(arch, model, base)[0]
 
 
