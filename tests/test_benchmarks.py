@@ -167,11 +167,11 @@ def test_gpu_check_prices_the_roofline_as_the_planner_does():
     assert lines[0].endswith("measured/priced 1.00") and lines[1].endswith("measured/priced 1.00")
     assert lines[2] == "copy 2.40 TB/s measured, 4.80 priced; measured/priced 0.50"
 
-def _habit_row(name: str, habits: tuple[str, ...]) -> dict[str, str]:
+def _habit_row(name: str, columns: tuple[str, ...]) -> dict[str, str]:
     from benchmarks import habits, zoo
 
     arch = next(a for a in zoo.ARCHS if a.name == name)
-    return {h: habits.CELLS[h](arch) for h in habits}
+    return {h: habits.CELLS[h](arch) for h in columns}
 
 
 def test_the_habits_matrix_runs_its_padded_and_bf16_columns_on_a_representative_row():

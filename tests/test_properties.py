@@ -47,7 +47,7 @@ _EXAMPLES = int(os.environ.get("AUTOTP_PROPERTY_EXAMPLES", "0"))
 _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True)
 
 
-@settings(max_examples=_EXAMPLES or 12, derandomize=True, **_COMMON)
+@settings(max_examples=_EXAMPLES or 6, derandomize=True, **_COMMON)  # the slow case below draws 150
 @given(case=cases)
 def test_random_models_are_exact_on_every_mesh(case):
     event(check(case))

@@ -957,6 +957,7 @@ def _table_rows(stdout: str) -> list[list[str]]:
     return [line.split() for line in stdout.splitlines() if line and not line.startswith("#")]
 
 
+@pytest.mark.slow  # 2 processes; the default suite measures one rank in process and launches ranks that fail
 def test_two_process_sweep_writes_table_and_loadable_profile(tmp_path):
     from cost_models import HardwareProfile
 
