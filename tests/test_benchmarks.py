@@ -101,6 +101,7 @@ def test_the_zoo_phimoe_row_is_megatron_quality_and_exact():
     assert row["is_exact"], row
 
 
+@pytest.mark.slow  # the vision zoo's default case is DiT's below; convnets plan in tests/planning/test_convolutions.py
 def test_a_zoo_vision_row_plans_resnet50_no_slower_than_data_parallel_or_hand_tp_and_exact():
     """benchmarks/zoo_vision.py's ResNet-50 row: at real widths, batch 256, autotp's predicted step is at
     most data parallel's and the hand channel-split layout's; the tiny model's training step (batch norm
