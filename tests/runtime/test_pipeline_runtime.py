@@ -245,6 +245,28 @@ def _check(name: str, results: list[dict], plan, pp: int) -> None:  # noqa: C901
         assert r["on_zero"].keys() == (r["full"].keys() if i == 0 else set()), i
 
 
+def _cut_on_one_rank(model, example, plan, stack: str):
+    """The rewritten graph of ``model`` on ``example`` (one rank of a tensor axis of 1) and its stages as
+    ``plan`` cuts them: ``(stages, whole graph module, rewrite, unit of each node)``. Called in a rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autotp.planning.stages import unit_of_nodes
+    from autotp.runtime.rewrite import GraphRewrite
+    from autotp.runtime.stage_graphs import split_stages, stage_of_units
+    from autotp.runtime.state import register_state
+
+    graph = autotp.capture(model, example)
+    root = torch.nn.Module()
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    register_state(root, graph, plan, mesh, model)
+    rewrite = GraphRewrite(graph, plan, mesh, root)
+    rewrite.emit()
+    gm = torch.fx.GraphModule(root, rewrite.fx)
+    layers = plan.pipeline.layers
+    unit = unit_of_nodes(graph, [f"{stack}.{i}" for i in range(layers)])
+    return split_stages(gm, rewrite.origin, unit, stage_of_units(plan.pipeline.stages, layers)), gm, rewrite, unit
+
+
 def test_stages_run_one_after_the_other_compute_the_whole_graph():
     """The rewritten graph cut at the plan's stages: each stage reads what crosses the cut in front of
     it; run in order on one rank, they give the whole graph's output, and every parameter is in one
@@ -255,24 +277,9 @@ def test_stages_run_one_after_the_other_compute_the_whole_graph():
     assert [(s.first_layer, s.end_layer) for s in plan.pipeline.stages] == [(0, 1), (1, 2), (2, 3), (3, 4)]
 
     def rank(r, world):
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from autotp.planning.stages import unit_of_nodes
-        from autotp.runtime.stage_graphs import split_stages, stage_of_units
-        from autotp.runtime.rewrite import GraphRewrite
-        from autotp.runtime.state import register_state
-
         model, inputs = _model("llama")
         micro = {k: v[:1] for k, v in inputs.items()}
-        graph = autotp.capture(model, micro)
-        root = torch.nn.Module()
-        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
-        register_state(root, graph, plan, mesh, model)
-        rewrite = GraphRewrite(graph, plan, mesh, root)
-        rewrite.emit()
-        gm = torch.fx.GraphModule(root, rewrite.fx)
-        unit = unit_of_nodes(graph, [f"model.layers.{i}" for i in range(4)])
-        stages = split_stages(gm, rewrite.origin, unit, stage_of_units(plan.pipeline.stages, 4))
+        stages, gm, rewrite, unit = _cut_on_one_rank(model, micro, plan, "model.layers")
         given = dict(zip(stages[0].keywords, (micro["input_ids"], micro["labels"])))
         values: dict = {}
         for s in stages[:-1]:
@@ -460,23 +467,8 @@ def test_what_crosses_a_cut_is_sent_contiguous():
                                                                     "micro_batches": 2})
 
     def rank(r, world):
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from autotp.planning.stages import unit_of_nodes
-        from autotp.runtime.rewrite import GraphRewrite
-        from autotp.runtime.stage_graphs import split_stages, stage_of_units
-        from autotp.runtime.state import register_state
-
         micro = x[:1]
-        graph = autotp.capture(model, (micro,))
-        root = torch.nn.Module()
-        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
-        register_state(root, graph, plan, mesh, model)
-        rewrite = GraphRewrite(graph, plan, mesh, root)
-        rewrite.emit()
-        gm = torch.fx.GraphModule(root, rewrite.fx)
-        unit = unit_of_nodes(graph, [f"layers.{i}" for i in range(4)])
-        stages = split_stages(gm, rewrite.origin, unit, stage_of_units(plan.pipeline.stages, 4))
+        stages, gm, _, _ = _cut_on_one_rank(model, (micro,), plan, "layers")
         sent = stages[0].module(micro)
         return [(tuple(t.shape), t.is_contiguous()) for t in sent], stages[-1].module(*sent, micro), gm(micro)
 
