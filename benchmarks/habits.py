@@ -88,14 +88,6 @@ def sharding_plan(model: torch.nn.Module, inputs: dict, mode: str = "train", bud
                            **common)
 
 
-def _full_grads(model: torch.nn.Module) -> dict[str, Any]:
-    import autotp
-    from autotp.runtime.shards import placements_of
-
-    return {n: autotp.checkpoint.full_tensor(p.grad, placements_of(p)) if hasattr(p.grad, "placements")
-            else p.grad for n, p in model.named_parameters()}
-
-
 def _scale(tensors: dict) -> float:
     return max([t.abs().max().item() for t in tensors.values() if t is not None and t.numel()] + [1e-30])
 
@@ -149,7 +141,7 @@ def _loss_step(model: torch.nn.Module, inputs: dict, takes_labels: bool) -> tupl
         y = output_tensor(out)
         loss = (y.float() - torch.randn(y.shape, generator=torch.Generator().manual_seed(7))).pow(2).mean()
     loss.backward()
-    return {"loss": loss.detach().float().reshape(1)}, _full_grads(model)
+    return {"loss": loss.detach().float().reshape(1)}, zoo.full_gradients(model)
 
 
 def _padded_rank(rank: int, world: int, model, inputs, plan, takes_labels) -> tuple[dict, dict]:
@@ -321,7 +313,7 @@ def _pipeline_rank(rank: int, world: int, name: str, plan_json: str) -> tuple[An
     mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("pp", "tp"))
     pm = autotp.parallelize(model, mesh, inputs, plan=autotp.Plan.from_json(plan_json))
     loss = pm.step(**inputs)
-    return None if loss is None else loss.reshape(1), _full_grads(pm)
+    return None if loss is None else loss.reshape(1), zoo.full_gradients(pm)
 
 
 def pipeline(arch: zoo.Arch) -> str:
@@ -371,15 +363,7 @@ CELLS: dict[str, Callable[[Any], str]] = {
 # ---------------------------------------------------------------------------------------- table
 
 def render(rows: list[dict], columns: list[str], markdown: bool) -> str:
-    cells = [columns] + [[str(r.get(c, "-")) for c in columns] for r in rows]
-    if markdown:
-        lines = ["| " + " | ".join(c) + " |" for c in cells]
-        lines.insert(1, "|" + "---|" * len(columns))
-        return "\n".join(lines)
-    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
-    lines = ["  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip() for line in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return zoo.table([columns] + [[str(r.get(c, "-")) for c in columns] for r in rows], markdown)
 
 
 def main() -> None:

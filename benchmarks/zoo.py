@@ -518,15 +518,17 @@ def _step(model: torch.nn.Module, inputs: dict) -> tuple[torch.Tensor, dict[str,
     out = output_tensor(model(**inputs))
     target = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
     (out.float() - target).pow(2).mean().backward()
+    return out.detach(), full_gradients(model)
+
+
+def full_gradients(model: torch.nn.Module) -> dict[str, Optional[torch.Tensor]]:
+    """Every parameter's gradient whole, by name (a parallel module's gathered by autotp's placements:
+    DTensor sizes a split of whole heads, or unequal blocks, otherwise)."""
     import autotp
     from autotp.runtime.shards import placements_of
 
-    grads = {}
-    for name, p in model.named_parameters():
-        g = p.grad
-        # autotp's placements: DTensor sizes a split of whole heads, or unequal blocks, otherwise
-        grads[name] = autotp.checkpoint.full_tensor(g, placements_of(p)) if hasattr(g, "placements") else g
-    return out.detach(), grads
+    return {name: autotp.checkpoint.full_tensor(p.grad, placements_of(p)) if hasattr(p.grad, "placements")
+            else p.grad for name, p in model.named_parameters()}
 
 
 def _rank(rank: int, world: int, graph, plan, model, inputs) -> tuple[torch.Tensor, dict]:
@@ -615,17 +617,21 @@ def run_arch(arch: Arch, exact: bool) -> dict:
     return row
 
 
-def render(rows: list[dict], markdown: bool, exact: bool) -> str:
-    cols = [c for c in COLUMNS if exact or c[0] != "exact"]
-    cells = [[h for _, h in cols]] + [[str(r.get(k, "-")) for k, _ in cols] for r in rows]
+def table(cells: list[list[str]], markdown: bool) -> str:
+    """Rows of cells (the first the header) as a markdown table or aligned plain text."""
     if markdown:
         lines = ["| " + " | ".join(c) + " |" for c in cells]
-        lines.insert(1, "|" + "---|" * len(cols))
+        lines.insert(1, "|" + "---|" * len(cells[0]))
         return "\n".join(lines)
-    widths = [max(len(line[i]) for line in cells) for i in range(len(cols))]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip() for line in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def render(rows: list[dict], markdown: bool, exact: bool) -> str:
+    cols = [c for c in COLUMNS if exact or c[0] != "exact"]
+    return table([[h for _, h in cols]] + [[str(r.get(k, "-")) for k, _ in cols] for r in rows], markdown)
 
 
 def summary(rows: list[dict], exact: bool) -> str:

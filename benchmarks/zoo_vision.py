@@ -50,7 +50,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from benchmarks.zoo import TINY_BUDGET_SCALE, compare, short_error
+from benchmarks.zoo import TINY_BUDGET_SCALE, compare, full_gradients, short_error, table
 from examples.models import output_tensor
 from examples.ranks import run_threads
 
@@ -298,13 +298,7 @@ def _step(model: torch.nn.Module, inputs: dict, output: Callable) -> tuple[dict,
     out = output(model(**inputs))
     target = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=out.dtype)
     (out - target).pow(2).mean().backward()
-    import autotp
-    from autotp.runtime.shards import placements_of
-
-    grads = {}
-    for name, p in model.named_parameters():
-        g = p.grad
-        grads[name] = autotp.checkpoint.full_tensor(g, placements_of(p)) if hasattr(g, "placements") else g
+    grads = full_gradients(model)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()
                if not name.startswith("_autotp") and b.is_floating_point()}
     return {"output": out.detach()}, grads, buffers
@@ -377,15 +371,7 @@ def run_entry(entry: Entry, exact: bool) -> dict:
 
 def render(rows: list[dict], markdown: bool, exact: bool) -> str:
     cols = [c for c in COLUMNS if exact or c[0] != "exact"]
-    cells = [[h for _, h in cols]] + [[str(r.get(k, "-")) for k, _ in cols] for r in rows]
-    if markdown:
-        lines = ["| " + " | ".join(c) + " |" for c in cells]
-        lines.insert(1, "|" + "---|" * len(cols))
-        return "\n".join(lines)
-    widths = [max(len(line[i]) for line in cells) for i in range(len(cols))]
-    lines = ["  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip() for line in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return table([[h for _, h in cols]] + [[str(r.get(k, "-")) for k, _ in cols] for r in rows], markdown)
 
 
 def _progress(message: str) -> None:

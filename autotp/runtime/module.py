@@ -94,9 +94,9 @@ class ModeSwitch:
         from autotp.mesh import MeshSpec
 
         if self.skeleton is None:
-            raise RuntimeError(f"this parallel module runs the model in {_mode(module.graph_modes)} mode only: "
-                               f"autotp could not copy the model to trace it in {_mode(modes)} mode; put the "
-                               f"model in {_mode(modes)} mode before autotp.parallelize")
+            raise RuntimeError(f"this parallel module runs the model in {describe_modes(module.graph_modes)} mode only: "
+                               f"autotp could not copy the model to trace it in {describe_modes(modes)} mode; put the "
+                               f"model in {describe_modes(modes)} mode before autotp.parallelize")
         first = module.plan
         inputs = self.example_inputs if example_inputs is None else _on_meta(example_inputs)
         graph = capture(self.skeleton, inputs, self.dynamic_dims, training=modes, device=self.mesh.device_type)
@@ -125,10 +125,6 @@ def _shape_key(args: tuple, kwargs: dict) -> tuple:
     def one(x: Any) -> Any:
         return (tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else type(x).__name__
     return tuple(one(a) for a in args) + tuple((k, one(v)) for k, v in sorted(kwargs.items()))
-
-
-def _mode(modes: Modes) -> str:
-    return describe_modes(modes)
 
 
 def _prefix(modes: Modes) -> str:
@@ -304,8 +300,8 @@ class ParallelModule(torch.fx.GraphModule):
             if mode not in modes:
                 if self._autotp_switch is None:
                     raise RuntimeError(f"this parallel module was built from a plan and graph alone and runs the "
-                                       f"model in {_mode(self.graph_modes)} mode only; build it with "
-                                       f"autotp.parallelize to switch it to {_mode(mode)} mode")
+                                       f"model in {describe_modes(self.graph_modes)} mode only; build it with "
+                                       f"autotp.parallelize to switch it to {describe_modes(mode)} mode")
                 modes[mode] = self._autotp_switch.graph_for(self, mode)
             self.graph = modes[mode][0]  # recompiles forward
             self.graph_modes = mode

@@ -251,7 +251,7 @@ class PipelineModule(nn.Module):
         given (no collective); a loss that cannot be so weighed is refused on every rank alike where
         its micro-batches hold unequal counts."""
         tm = self._token_mean
-        if tm is None:
+        if tm is None or (tm.exact and not self.holds_last_stage):  # only the last stage weighs its losses
             return None
         c = self.plan.pipeline.chosen
         every = tm.counts(self._inputs(args, kwargs, replica=False), c.dp * c.micro_batches)
