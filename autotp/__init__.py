@@ -15,13 +15,11 @@ The package follows the pipeline, each stage importing only the ones before it:
 - ``parallel``, ``cli``: the faces, which put the stages together
 """
 
-from cost_models import OptimizerSpec
-
 from autotp.parallel import parallelize
+from autotp.planning.costs.program import Collective
 from autotp.planning.errors import MemoryBudgetError, PlanError
-from autotp.planning.plan import Plan, load_plan
 from autotp.planning.planner import plan
-from autotp.planning.program import Collective
+from autotp.planning.result.plan import Plan, load_plan
 from autotp.planning.rules import register_rule, unregister_rule
 from autotp.planning.rules.check import check_rule
 from autotp.runtime.module import ParallelModule
@@ -31,6 +29,7 @@ from autotp.weights import checkpoint
 from autotp.weights.initialize import init_weights
 from autotp.weights.loading import load_weights
 from autotp.weights.meta import meta_init
+from cost_models import OptimizerSpec
 
 __all__ = ["capture", "CaptureError", "OpGraph", "OpNode", "TensorInfo", "plan", "Plan", "PlanError", "load_plan",
            "Collective", "MemoryBudgetError", "parallelize", "ParallelModule", "checkpoint", "load_weights", "meta_init", "init_weights",

@@ -19,15 +19,11 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from cost_models import optimizer_spec
-from cost_models.devices import profile_for_device
-
 from autotp.mesh import MeshSpec
-from autotp.planning.costing import MODES
+from autotp.planning.costs.costing import MODES
+from autotp.planning.costs.recompute import check_recompute
 from autotp.planning.errors import PlanError
-from autotp.planning.plan import Plan
-from autotp.planning.planner import resolve_hardware
-from autotp.planning.recompute import check_recompute
+from autotp.planning.result.plan import Plan
 from autotp.runtime.agreement import agreed_plan, dropout_seed
 from autotp.runtime.devices import check_rank_devices
 from autotp.runtime.guard import DEFAULT_INPUT_CHECKS
@@ -36,6 +32,8 @@ from autotp.tracing.export import capture
 from autotp.tracing.loss import WithLoss
 from autotp.weights.meta import unfillable_state
 from autotp.words import with_article
+from cost_models import optimizer_spec, resolve_hardware
+from cost_models.devices import profile_for_device
 
 __all__ = ["parallelize", "default_hardware"]
 
@@ -175,10 +173,10 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
 
 
 def _parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, plan: Plan) -> Any:
-    """A pipeline x tensor plan's stages of this rank (:mod:`autotp.runtime.pipeline`): the model captured
+    """A pipeline x tensor plan's stages of this rank (:mod:`autotp.runtime.pipeline.module`): the model captured
     at the plan's micro-batch size (the example inputs' first rows), as the plan was."""
     from autotp.planning.planner import _batch_size, _first_rows
-    from autotp.runtime.pipeline import build_pipeline_module, mesh_problem
+    from autotp.runtime.pipeline.module import build_pipeline_module, mesh_problem
 
     c = plan.pipeline.chosen
     problem = mesh_problem(c, mesh)

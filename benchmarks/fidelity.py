@@ -50,6 +50,7 @@ import time
 import torch
 
 import autotp
+import cost_models
 from benchmarks.runtime import CFG, build
 from examples.ranks import run_ranks
 
@@ -136,7 +137,7 @@ def predicted_now_s(planned: dict, profile, devices: list, batch: int, seq: int)
     """Each plan's predicted step with the profile's links and the device measured
     just before and just after the steps (the mean of the two predictions): what the cost model
     says once the host's drift in speed since the profile is taken out."""
-    from autotp.planning.costing import CostModel
+    from autotp.planning.costs.costing import CostModel
     from autotp.planning.planner import predicted_time
     from autotp.profiling.hardware import device_spec
 
@@ -169,7 +170,7 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "autotp.cli", "profile", "--nproc", "2", "-b", "64K", "-e", "256M",
                         "-f", "4", "-n", "5", "-w", "2", "--no-held-out", "-o", path], check=True,
                        stdout=subprocess.DEVNULL)
-    profile = autotp.planning.planner.resolve_hardware(path)
+    profile = cost_models.resolve_hardware(path)
     planned = plans(profile, args.batch, args.seq)
     load_before = os.getloadavg()[0]
     measured = run_ranks(_measure, 2, {k: p.to_json() for k, p in planned.items()}, args.batch, args.seq,

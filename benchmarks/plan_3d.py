@@ -4,7 +4,7 @@ For the Llama 3 shapes (bf16 weights, AdamW, sequences of 8192 tokens, 2048 of t
 16M-token batch of the Llama 3 paper) on the built-in ``h100-sxm`` profile, each row runs
 ``autotp.plan(model, devices, inputs, pipeline=True)`` (the model on the meta device) and prices,
 with the same units and cost model, the hand configuration a team would write
-(``autotp.planning.pipeline_search.price_layout``). It prints both layouts, their predicted steps,
+(``autotp.planning.search.pipeline_search.price_layout``). It prints both layouts, their predicted steps,
 the ratio autotp / hand (goal <= 1.0: never worse than a configuration the search could have
 chosen) and the search's wall time on this machine (goal <= 60 s per row).
 
@@ -55,7 +55,7 @@ def row(name: str) -> dict:
     import torch
 
     import autotp
-    from autotp.planning.pipeline_search import Layout, price_layout
+    from autotp.planning.search.pipeline_search import Layout, price_layout
     from examples import models as M
 
     shape, devices, hand, source = ROWS[name]
@@ -82,8 +82,8 @@ def row(name: str) -> dict:
 def _units(model, ids, plan, tp, b, seen):
     """The units of a plan on (tp,) at micro-batch b, made as the search makes them."""
     import autotp
-    from autotp.planning.pipeline_search import units_of_plan
     from autotp.planning.planner import plan_graph
+    from autotp.planning.search.pipeline_search import units_of_plan
     from autotp.tracing.repeats import find_stacks
 
     stack = max(find_stacks(model), key=lambda s: s.count)

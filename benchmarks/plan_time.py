@@ -50,10 +50,11 @@ def one(name: str, variant: str, solver_limit_s: float) -> dict:
 
     import autotp
     from autotp.mesh import MeshSpec
-    from autotp.planning.costing import CostModel
-    from autotp.planning.planner import plan_graph, predicted_time, resolve_hardware
-    from autotp.planning.solver import solve
-    from autotp.planning.strategies import all_strategies
+    from autotp.planning.choices.strategies import all_strategies
+    from autotp.planning.costs.costing import CostModel
+    from autotp.planning.planner import plan_graph, predicted_time
+    from autotp.planning.solve.solver import solve
+    from cost_models import resolve_hardware
     from examples import models as M
 
     shape, mesh = CONFIGS[name]

@@ -1,7 +1,8 @@
 """Cost models of autotp, in seconds and bytes: pure numbers, no torch, no autotp.
 
 - ``hardware``: ``HardwareProfile`` (device roofline figures, links per collective kind),
-  JSON in and out, built-in profiles (``load_profile``, ``builtin_profile_names``).
+  JSON in and out, built-in profiles (``load_profile``, ``builtin_profile_names``), and the
+  hardware a plan is priced with (``resolve_hardware``: a name, a file, a profile or the default).
 - ``communication``: alpha-beta time of a collective with nccl-tests' bus factors; which
   link a mesh axis uses.
 - ``compute``: roofline time of a kernel.
@@ -27,6 +28,7 @@ from cost_models.communication import (
 from cost_models.compute import compute_time_s
 from cost_models.devices import profile_for_device
 from cost_models.hardware import (
+    DEFAULT_HARDWARE,
     CollectiveCost,
     CostSegment,
     DeviceSpec,
@@ -34,7 +36,9 @@ from cost_models.hardware import (
     LinkSpec,
     ProfileError,
     builtin_profile_names,
+    hardware_origin,
     load_profile,
+    resolve_hardware,
 )
 from cost_models.memory import OPTIMIZER_STATES, ModelStateBytes, OptimizerSpec, model_state_bytes, optimizer_spec
 
@@ -42,6 +46,7 @@ __all__ = [
     "COLLECTIVE_KINDS",
     "CollectiveCost",
     "CostSegment",
+    "DEFAULT_HARDWARE",
     "DeviceSpec",
     "HardwareProfile",
     "LinkSpec",
@@ -55,9 +60,11 @@ __all__ = [
     "collective_factor",
     "collective_time_s",
     "compute_time_s",
+    "hardware_origin",
     "load_profile",
     "model_state_bytes",
     "optimizer_spec",
+    "resolve_hardware",
     "profile_for_device",
     "send_time_s",
 ]

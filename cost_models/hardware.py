@@ -71,7 +71,7 @@ from typing import Any
 from cost_models.communication import LINK_NAMES, axis_link_name
 from cost_models.device import DeviceSpec, interpolate_rate
 from cost_models.links import CollectiveCost, CostSegment, LinkSpec
-from cost_models.validation import ProfileError, _FrozenMap, _within, _number, _object, _freeze_json, _thaw_json
+from cost_models.validation import ProfileError, _freeze_json, _FrozenMap, _number, _object, _thaw_json, _within
 
 __all__ = ["SCHEMA", "CollectiveCost", "CostSegment", "DeviceSpec", "HardwareProfile", "LinkSpec",
            "ProfileError", "builtin_profile_names", "interpolate_rate", "load_profile"]
@@ -226,3 +226,28 @@ def load_profile(name_or_path: str | os.PathLike | HardwareProfile) -> HardwareP
         return HardwareProfile.from_json(text)
     except ProfileError as e:
         raise ProfileError(e.field, f"{e.problem} (in {where})") from None
+
+
+# the profile autotp.plan and the CLI use when none is named
+DEFAULT_HARDWARE = "h100-sxm"
+
+
+def resolve_hardware(hardware: Any) -> HardwareProfile:
+    """A built-in profile name, a path to a profile JSON, a HardwareProfile, or None (the default)."""
+    if hardware is None:
+        hardware = DEFAULT_HARDWARE
+    if isinstance(hardware, HardwareProfile):
+        return hardware
+    return load_profile(hardware)
+
+
+def hardware_origin(hardware: Any) -> str:
+    """Where a profile came from, for the report: the default, a built-in profile or a file."""
+    if hardware is None:
+        return ("the default of autotp.plan and the CLI (no hardware given: --hardware or hardware= names another "
+                "profile or a profile file)")
+    if isinstance(hardware, HardwareProfile):
+        return "given as a HardwareProfile"
+    if isinstance(hardware, str) and hardware in builtin_profile_names():
+        return "built-in profile, given"
+    return f"profile file {str(hardware)!r}, given"

@@ -44,8 +44,8 @@ def test_device_now_prices_each_plan_as_the_planner_does_with_that_device():
     step; with a device half as fast at matmuls every prediction grows."""
     import dataclasses
 
-    from autotp.planning.planner import resolve_hardware
     from autotp.profiling.device import DeviceMeasurement
+    from cost_models import resolve_hardware
 
     profile = resolve_hardware("cpu-gloo")
     dev = profile.device
@@ -207,9 +207,7 @@ def _documented_matrix() -> dict[tuple[str, str], str]:
 
 @pytest.mark.slow  # the whole language-model matrix: about an hour on 2 cores
 def test_every_cell_of_the_documented_habits_matrix_is_what_a_run_sees():
-    from benchmarks import habits, zoo
-
-    from benchmarks import zoo_vision
+    from benchmarks import habits, zoo, zoo_vision
 
     documented = _documented_matrix()
     assert documented, "docs/benchmarks.md has no habits table"

@@ -20,7 +20,7 @@ _MODULES = sorted(m.name for m in pkgutil.walk_packages(autotp.__path__, "autotp
 
 
 def test_every_module_is_listed():
-    assert {"autotp.tracing.export", "autotp.planning.solver", "autotp.planning.tying", "autotp.profiling.fit"} <= set(_MODULES)
+    assert {"autotp.tracing.export", "autotp.planning.solve.solver", "autotp.planning.choices.tying", "autotp.profiling.fit"} <= set(_MODULES)
 
 
 @pytest.mark.parametrize("name", _MODULES)

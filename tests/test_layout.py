@@ -86,16 +86,23 @@ def test_imports_run_down_the_pipeline():
 
 def test_the_check_sees_an_upward_import():
     """The rule above would catch a planning module that imported the runtime."""
-    assert _rank(stage("autotp.runtime.rewrite")) > _rank(stage("autotp.planning.plan"))
+    assert _rank(stage("autotp.runtime.rewrite")) > _rank(stage("autotp.planning.result.plan"))
     assert stage("autotp.placement") == "base" and stage("autotp.parallel") == "face"
-    assert ("autotp.runtime.rewrite", "autotp.planning.plan") in GRAPH.edges  # the graph holds real edges
+    assert ("autotp.runtime.rewrite", "autotp.planning.result.plan") in GRAPH.edges  # the graph holds real edges
 
 
 def test_the_shared_words_import_no_stage():
     assert [(m, t) for m in BASE if m in GRAPH for t in GRAPH.successors(m) if stage(t) != "base"] == []
 
 
-@pytest.mark.parametrize("package", sorted(STAGES) + ["planning.rules"])
+PACKAGES = sorted(".".join(p.parent.relative_to(PACKAGE).parts) for p in PACKAGE.rglob("__init__.py") if p.parent != PACKAGE)
+
+
+def test_every_stage_is_a_package():
+    assert set(STAGES) <= set(PACKAGES)
+
+
+@pytest.mark.parametrize("package", PACKAGES)
 def test_each_package_says_what_goes_in_and_out_and_lists_its_modules(package):
     module = importlib.import_module(f"autotp.{package}")
     doc = module.__doc__ or ""
@@ -105,3 +112,14 @@ def test_each_package_says_what_goes_in_and_out_and_lists_its_modules(package):
         p.name for p in folder.iterdir() if p.is_dir() and (p / "__init__.py").exists())
     missing = [m for m in own if f"``{m}``" not in doc and f"``{m}/``" not in doc and f":mod:`.{m}`" not in doc]
     assert missing == [], f"autotp.{package}'s docstring does not name {missing}"
+
+
+def test_a_module_stays_a_few_hundred_lines():
+    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > 550}
+    assert long == {}, f"modules over 550 lines: {long}"
+
+
+def test_planning_holds_its_steps_in_subpackages():
+    """Beside the entry (``planner``) and its errors, planning's modules live in the subpackage of their step."""
+    flat = sorted(p.stem for p in (PACKAGE / "planning").glob("*.py") if p.stem != "__init__")
+    assert flat == ["errors", "planner"]

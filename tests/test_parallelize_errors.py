@@ -197,7 +197,7 @@ def _three_rank_cases(rank, world):
 
 
 def _three_rank_outcomes(mesh, world):
-    from autotp.planning.plan import Plan
+    from autotp.planning.result.plan import Plan
 
     model, inputs = models.mlp()
     try:  # a budget just above the minimum (132 kB today) makes the plan shard the hidden dim

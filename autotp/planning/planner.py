@@ -1,4 +1,4 @@
-"""``autotp.plan``: capture → strategies → costing → ILP → :class:`~autotp.planning.plan.Plan`.
+"""``autotp.plan``: capture → strategies → costing → ILP → :class:`~autotp.planning.result.plan.Plan`.
 
 >>> import torch, autotp
 >>> plan = autotp.plan(torch.nn.Linear(64, 64), (8,), (torch.randn(4, 64),), hardware="h100-sxm",
@@ -13,30 +13,38 @@ import time
 from typing import Any, Collection, Mapping, Optional, Sequence
 
 import torch
-from cost_models import HardwareProfile, builtin_profile_names, load_profile, optimizer_spec
 
 from autotp.mesh import MeshSpec
 from autotp.placement import Strategy, format_placements, parse_placements, piece_sizes
-from autotp.planning.costing import MODES, CostModel, MemoryParts
-from autotp.planning.explain import ExplainContext
+from autotp.planning.choices.strategies import all_strategies, stored_strategy
+from autotp.planning.choices.tying import tie
+from autotp.planning.costs.costing import MODES, CostModel, MemoryParts
+from autotp.planning.costs.program import Collective, LocalCopy, program
+from autotp.planning.costs.recompute import check_recompute, layer_chains, recompute_saved_bytes, recomputed_nodes
 from autotp.planning.errors import MemoryBudgetError
-from autotp.planning.mesh_search import mesh_shapes, search_meshes
-from autotp.planning.plan import MemoryPerDevice, NodeChoice, Plan, PlannedInput, PredictedTime, SolveStats, UnevenSplit, module_choices
-from autotp.planning.program import Collective, LocalCopy, program
-from autotp.planning.recompute import check_recompute, layer_chains, recompute_saved_bytes, recomputed_nodes
+from autotp.planning.result.explain import ExplainContext
+from autotp.planning.result.plan import (
+    MemoryPerDevice,
+    NodeChoice,
+    Plan,
+    PlannedInput,
+    PredictedTime,
+    SolveStats,
+    UnevenSplit,
+    module_choices,
+)
 from autotp.planning.rules.gradients import partial_gradient_variants
-from autotp.planning.solver import solve
-from autotp.planning.strategies import all_strategies, stored_strategy
-from autotp.planning.tying import tie
+from autotp.planning.search.mesh_search import mesh_shapes, search_meshes
+from autotp.planning.solve.solver import solve
 from autotp.tracing.dynamic import requirements
 from autotp.tracing.export import capture
-from autotp.tracing.loss import WithLoss
 from autotp.tracing.graph import BUFFER, INPUT, OpGraph
 from autotp.tracing.heap import old_objects_frozen
+from autotp.tracing.loss import WithLoss
+from cost_models import HardwareProfile, hardware_origin, optimizer_spec, resolve_hardware
 
-__all__ = ["plan", "plan_graph", "resolve_hardware", "parse_bytes"]
+__all__ = ["plan", "plan_graph", "parse_bytes"]
 
-DEFAULT_HARDWARE = "h100-sxm"
 _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 10**3, "KIB": 2**10, "M": 2**20, "MB": 10**6, "MIB": 2**20,
           "G": 2**30, "GB": 10**9, "GIB": 2**30, "T": 2**40, "TB": 10**12, "TIB": 2**40}
 
@@ -60,27 +68,6 @@ def parse_bytes(value: Any) -> Optional[float]:
         if unit in _UNITS and number > 0:
             return number * _UNITS[unit]
     raise ValueError(f"memory budget {value!r}: expected bytes as a number or a string such as '40GB' or '16GiB'")
-
-
-def resolve_hardware(hardware: Any) -> HardwareProfile:
-    """A built-in profile name, a path to a profile JSON, a HardwareProfile, or None (the default)."""
-    if hardware is None:
-        hardware = DEFAULT_HARDWARE
-    if isinstance(hardware, HardwareProfile):
-        return hardware
-    return load_profile(hardware)
-
-
-def hardware_origin(hardware: Any) -> str:
-    """Where a profile came from, for the report: the default, a built-in profile or a file."""
-    if hardware is None:
-        return ("the default of autotp.plan and the CLI (no hardware given: --hardware or hardware= names another "
-                "profile or a profile file)")
-    if isinstance(hardware, HardwareProfile):
-        return "given as a HardwareProfile"
-    if isinstance(hardware, str) and hardware in builtin_profile_names():
-        return "built-in profile, given"
-    return f"profile file {str(hardware)!r}, given"
 
 
 def _pinned_nodes(graph: OpGraph, pins: Mapping[str, str]) -> dict[str, str]:
@@ -144,8 +131,8 @@ def predicted_time(graph: OpGraph, chosen: Mapping[str, Strategy], spec: MeshSpe
                    recomputed: Collection[str] = (), rep: Optional[Mapping[str, str]] = None) -> PredictedTime:
     """Seconds of one step under ``chosen``: every node's compute (and the forward again of the
     ``recomputed`` nodes), and every collective and local copy the program runs
-    (:func:`autotp.planning.program.program`, or ``steps`` if given), each priced by ``cost``.
-    ``rep``: the tied nodes' representatives (:func:`autotp.planning.tying.tie`), which compute
+    (:func:`autotp.planning.costs.program.program`, or ``steps`` if given), each priced by ``cost``.
+    ``rep``: the tied nodes' representatives (:func:`autotp.planning.choices.tying.tie`), which compute
     alike under one strategy: priced once each."""
     colls, copies = steps if steps is not None else program(graph, chosen, spec, cost.train, recomputed)
     seconds: dict[tuple, float] = {}
@@ -251,7 +238,7 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
         buffer_placements={n.param_fqn: format_placements(chosen[n.name].output) for n in graph.nodes
                            if n.role == BUFFER and any(p.kind != "R" for p in chosen[n.name].output)},
     )
-    if explainable:  # what plan.explain solves again with (autotp.planning.explain); never saved
+    if explainable:  # what plan.explain solves again with (autotp.planning.result.explain); never saved
         def solve_again(pins: dict[str, str]) -> Plan:
             return plan_graph(graph, spec, profile, mode, budget, time_limit_s, pin=pins, optimizer=optimizer,
                               recompute=recompute, keep=keep, explainable=False)
@@ -282,7 +269,7 @@ def plan(model: torch.nn.Module, mesh: Any, example_inputs: Any, hardware: Any =
     device count such as ``64``: the mesh is then chosen too, the plan of least predicted step over
     the shapes of that many devices (one axis, or two with the second inside a node as the profile's
     ``devices_per_node`` allows), each candidate in ``plan.mesh_search`` and the report
-    (:mod:`autotp.planning.mesh_search`);
+    (:mod:`autotp.planning.search.mesh_search`);
     ``hardware`` a built-in profile name, a profile JSON path or a ``HardwareProfile`` (default
     ``"h100-sxm"``, whatever the machine: the report says so); ``mode`` ``"train"`` (the model traced in
     the mode it is in) or ``"inference"`` (traced in eval mode, no backward priced); ``memory_budget`` bytes per device
@@ -295,18 +282,18 @@ def plan(model: torch.nn.Module, mesh: Any, example_inputs: Any, hardware: Any =
     ``"sgd_momentum"``, ``"sgd"``, ``"adafactor"`` (none counted) or a ``cost_models.OptimizerSpec``
     (state dtype, fp32 master weights of mixed precision). ``recompute``: None (default) lets the
     planner recompute layers of repeated blocks when memory is short, where that costs less than
-    sharding more (:mod:`autotp.planning.recompute`); True recomputes every repeated layer, False none.
+    sharding more (:mod:`autotp.planning.costs.recompute`); True recomputes every repeated layer, False none.
     ``loss_fn``: a function of the model's output and the targets (``F.cross_entropy``), planned
     with the model (:class:`autotp.tracing.loss.WithLoss`): its tensors are priced and split, and
     the example inputs then end with the targets (positionally, or ``targets=`` in a dict).
     ``pipeline``: with a device count in train mode, price three-dimensional layouts too, pipeline
     stages of the model's stack of layers times data times tensor parallelism, with micro-batches,
-    schedule, ZeRO stage and recompute (:mod:`autotp.planning.pipeline_search`); the plan returned
+    schedule, ZeRO stage and recompute (:mod:`autotp.planning.search.pipeline_search`); the plan returned
     is the chosen layout's tensor-parallel plan of one micro-batch, with ``plan.pipeline`` saying
     the rest. ``pipeline`` may also be a dict of layout fields the search keeps to (``pp``, ``dp``,
     ``tp``, ``schedule``, ``stages_per_rank``, ``micro_batches``, ``zero``, ``recompute``), e.g.
     ``{"pp": 2, "tp": 2}``: the best layout that has them. ``parallelize`` runs such a plan's
-    stages where the layout is pipeline x tensor (dp 1; :mod:`autotp.runtime.pipeline`).
+    stages where the layout is pipeline x tensor (dp 1; :mod:`autotp.runtime.pipeline.module`).
     """
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: expected one of {MODES}")
@@ -320,7 +307,7 @@ def plan(model: torch.nn.Module, mesh: Any, example_inputs: Any, hardware: Any =
         raise ValueError(f"pipeline=True chooses recompute itself and plans static sizes; given recompute={recompute!r}, "
                          f"dynamic_dims={dynamic_dims!r}: leave both out")
     if devices is not None:
-        mesh_shapes(devices)  # a device count: the mesh is chosen too (autotp/planning/mesh_search.py)
+        mesh_shapes(devices)  # a device count: the mesh is chosen too (autotp/planning/search/mesh_search.py)
     else:
         MeshSpec.of(mesh)  # reject a bad mesh before the (slow) capture
     profile = resolve_hardware(hardware)
@@ -360,10 +347,10 @@ def _plan_layout(model: torch.nn.Module, devices: int, example_inputs: Any, prof
                  memory_budget: Any, time_limit_s: float, pin: Optional[Mapping[str, str]], optimizer: Any,
                  only: Optional[Mapping[str, Any]] = None) -> Plan:
     """``autotp.plan(..., pipeline=True)``: the model captured at each micro-batch size the search
-    needs, planned on each tensor axis once, every layout priced (autotp/planning/pipeline_search.py)."""
+    needs, planned on each tensor axis once, every layout priced (autotp/planning/search/pipeline_search.py)."""
     import dataclasses  # noqa: PLC0415
 
-    from autotp.planning.pipeline_search import search_layouts, units_of_plan  # noqa: PLC0415
+    from autotp.planning.search.pipeline_search import search_layouts, units_of_plan  # noqa: PLC0415
     from autotp.tracing.repeats import find_stacks  # noqa: PLC0415
 
     t0 = time.perf_counter()

@@ -17,13 +17,9 @@ which it asks the planner for, with every weight kept where it is).
 - ``batch_norm``    batch norm on a split batch or split space: statistics all-reduced inside
 - ``losses``        cross-entropy on logits split by vocabulary: two all-reduces of per-row numbers
 - ``recompute``     recomputed layers as checkpointed submodules
-- ``pipeline``      a three-dimensional plan's stages of this rank under a pipelining schedule, with
-                    a data axis (gradient all-reduce, or FSDP2 for ZeRO): ``PipelineModule.step``
+- ``pipeline/``     a three-dimensional plan's stages of this rank under a pipelining schedule, with
+                    a data axis: ``PipelineModule.step`` (its package docstring lists its modules)
 - ``bucket_reducer`` a data axis's gradients under ZeRO 0 averaged in DDP's buckets, during the backward
-- ``token_counts``  a loss that averages over valid targets, weighed across micro-batches by their
-                    counts, as one process weighs it
-- ``stage_graphs``  the rewritten graph cut into stage graphs, and the values crossing the cuts
-- ``stage_units``   a stage's layers as submodules, for recompute and FSDP2's per-layer units
 - ``generation``    ``generate()``: its graphs (prompt and token; encoder, first and later decoder step),
                     planned with the caches split like the attention, and the decoding loop
 - ``static_cache``  copies of a Hugging Face model whose KV cache is a set of buffers, to trace

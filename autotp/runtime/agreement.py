@@ -14,8 +14,8 @@ import torch
 
 from autotp.mesh import MeshSpec
 from autotp.planning.errors import MemoryBudgetError, PlanError
-from autotp.planning.plan import Plan
 from autotp.planning.planner import plan_graph
+from autotp.planning.result.plan import Plan
 from autotp.runtime.rewrite import has_active_dropout
 
 __all__ = ["agreed_plan", "dropout_seed", "from_first_rank"]

@@ -1,7 +1,7 @@
 """Gradients averaged over a data axis as PyTorch's DDP averages them: in buckets, during the backward.
 
 :class:`BucketReducer` holds the parameters of a rank's pipeline stages under ZeRO 0. Their
-buckets are :func:`autotp.planning.buckets.assign_buckets`' (about 25 MiB each, the parameters in
+buckets are :func:`autotp.planning.costs.buckets.assign_buckets`' (about 25 MiB each, the parameters in
 reverse order of registration, one stage and dtype per bucket), the same the step's pricing reads.
 A ``post_accumulate_grad_hook`` on each parameter counts its gradient's accumulations; under
 ``torch.distributed.pipelining`` each micro-batch's backward accumulates into ``.grad``, so a
@@ -29,7 +29,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from autotp.planning.buckets import assign_buckets
+from autotp.planning.costs.buckets import assign_buckets
 
 __all__ = ["Bucket", "BucketReducer"]
 
@@ -51,7 +51,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class BucketReducer:
     """The gradients of ``stages`` (one sequence of parameters per stage, in registration order)
     averaged over ``group`` in buckets of ``bucket_bytes`` (default
-    :data:`autotp.planning.buckets.BUCKET_BYTES`), each launched during the backward once
+    :data:`autotp.planning.costs.buckets.BUCKET_BYTES`), each launched during the backward once
     its parameters have been accumulated ``accumulations`` times per stage holding them (module
     docstring). Each rank's gradients are divided by ``divide_by`` before they are summed over the
     group. ``launched_in_backward`` counts the last step's all-reduces launched during its backward

@@ -2,7 +2,7 @@
 
 Each module is a graph node of the rewritten model (``call_module``), so printing the graph shows
 every collective the plan pays for. Forward and backward follow the table in
-:mod:`autotp.planning.redistribute`; all of them use ``torch.distributed``'s functional collectives (the
+:mod:`autotp.planning.costs.redistribute`; all of them use ``torch.distributed``'s functional collectives (the
 ones ``CommDebugMode`` counts).
 """
 
@@ -25,7 +25,7 @@ _reduce_scatter_dim0 = getattr(funcol, "reduce_scatter_single", None) or funcol.
 
 def _gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     # concatenating along dim 0 of the moved tensors is concatenating along ``dim``
-    # one copy each way unless ``dim`` is leading (autotp.planning.redistribute.step_copies prices them)
+    # one copy each way unless ``dim`` is leading (autotp.planning.costs.redistribute.step_copies prices them)
     if dim == 0:  # the collective's own output: no view of anything (see _Step.forward)
         return funcol.wait_tensor(_all_gather_dim0(x.contiguous(), 0, group))
     front = x.movedim(dim, 0).contiguous()
@@ -102,7 +102,7 @@ class _Step(torch.autograd.Function):
 
 
 class RedistributeStep(nn.Module):
-    """One axis of a redistribution ``src → dst`` on a mesh axis (see :mod:`autotp.planning.redistribute`).
+    """One axis of a redistribution ``src → dst`` on a mesh axis (see :mod:`autotp.planning.costs.redistribute`).
     ``sizes``: for an uneven split (``src`` or ``dst``), each rank's length along its dim."""
 
     def __init__(self, src: Placement, dst: Placement, axis_name: str, group: dist.ProcessGroup,

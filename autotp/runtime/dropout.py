@@ -27,7 +27,7 @@ What this does not give: the mask a single-device run draws (its generator walks
 in one order; each rank here draws only its piece), so a run with dropout on equals a single
 device in distribution, not value by value. The call count lives in the module, not in its
 ``state_dict``: a resumed run starts the count again. A layer the plan recomputes
-(:mod:`autotp.planning.recompute`) sets the count back for its second run and draws the same masks; a
+(:mod:`autotp.planning.costs.recompute`) sets the count back for its second run and draws the same masks; a
 forward that the user's own code runs twice for one step draws new ones. Under ``torch.compile`` the module runs eagerly (a graph
 break at each active dropout). With dropout off (``eval()``, ``p=0``) the module is the plain op
 and runs are exact.

@@ -4,7 +4,7 @@ The parallel module's own graph is the model's forward without a cache. To gener
 model on the meta device get a static cache of ``max_cache_len`` positions for the prompts' batch,
 its tensors registered as buffers of the copies (:mod:`autotp.runtime.static_cache`). Traced, each
 is a graph like any other whose caches are buffers written in place, and the planner stores each
-cache by the kv heads its attention reads (:mod:`autotp.planning.strategies`). On the first call
+cache by the kv heads its attention reads (:mod:`autotp.planning.choices.strategies`). On the first call
 for a batch size and cache length, :class:`CacheGraphs` traces and plans, every weight kept where it
 is stored:
 
@@ -49,11 +49,15 @@ from autotp.runtime.agreement import agreed_plan, dropout_seed, from_first_rank
 from autotp.runtime.devices import mesh_device, wrong_device
 from autotp.runtime.generate_options import GenerateOptions
 from autotp.runtime.state import buffer_piece, build_graph, put
-from autotp.runtime.static_cache import (CACHE_PREFIX, check_key_value_cache, with_encoder_decoder_cache,
-                                         with_static_cache)
+from autotp.runtime.static_cache import (
+    CACHE_PREFIX,
+    check_key_value_cache,
+    with_encoder_decoder_cache,
+    with_static_cache,
+)
 from autotp.tracing.export import capture
-from autotp.tracing.refusals import CaptureError
 from autotp.tracing.graph import BUFFER
+from autotp.tracing.refusals import CaptureError
 
 __all__ = ["CACHE_PREFIX", "CacheGraphs", "GenerateOptions", "generate"]
 

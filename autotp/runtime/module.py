@@ -31,7 +31,7 @@ import torch.fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from autotp.planning.plan import Plan
+from autotp.planning.result.plan import Plan
 from autotp.runtime.agreement import agreed_plan, dropout_seed
 from autotp.runtime.guard import SizeNotTraced
 from autotp.runtime.rewrite import GraphRewrite
@@ -90,8 +90,8 @@ class ModeSwitch:
         model in ``modes`` (True: train, False: eval, or the mix it was built in), traced on the example
         inputs (``example_inputs``: others, such as a call's inputs at a size the first trace
         specialized)."""
-        from autotp.tracing.export import capture
         from autotp.mesh import MeshSpec
+        from autotp.tracing.export import capture
 
         if self.skeleton is None:
             raise RuntimeError(f"this parallel module runs the model in {describe_modes(module.graph_modes)} mode only: "

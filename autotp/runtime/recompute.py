@@ -1,6 +1,6 @@
 """Activation recompute at run time: each recomputed layer of a plan as one checkpointed submodule.
 
-The planner chooses the layers (:mod:`autotp.planning.recompute`); the rewrite moves each one's
+The planner chooses the layers (:mod:`autotp.planning.costs.recompute`); the rewrite moves each one's
 nodes, collectives included, into a :class:`Recompute` run under
 ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, run to the layer's end (checkpoint's
 early stop off, so the collectives after its last saved tensor run again as the plan lists them); a
@@ -18,7 +18,7 @@ import torch.fx
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from autotp.runtime.dropout import SeededAttention, SharedRandom, ShardedDropout
+from autotp.runtime.dropout import SeededAttention, ShardedDropout, SharedRandom
 
 __all__ = ["Layer", "Recompute", "RecomputeContext", "apply_recompute", "group_layers"]
 
@@ -128,7 +128,7 @@ def group_layers(gm: torch.fx.GraphModule, layer_of: dict[torch.fx.Node, str], n
         order = {n: j for j, n in enumerate(gm.graph.nodes)}
         last_input = max(inputs, key=order.__getitem__, default=None)
         # the call goes where the layer starts, or after the last thing it reads if that comes later
-        # (autotp.planning.recompute._layer made sure nothing it reads depends on it)
+        # (autotp.planning.costs.recompute._layer made sure nothing it reads depends on it)
         if last_input is not None and any(order[u] < order[last_input] for n in outputs for u in n.users
                                           if u not in inside):
             raise NotImplementedError(f"layer {path} cannot be recomputed as one call: a node outside it reads "

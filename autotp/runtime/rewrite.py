@@ -4,9 +4,9 @@ The graph reads the parallel module's parameters (DTensors with the planned plac
 model's own names: :mod:`autotp.runtime.module` registers them) and runs every op on the local shard
 (shape arguments rewritten to local shapes, a row-split embedding as a masked lookup, dropout with
 masks that follow the shards: :mod:`autotp.runtime.dropout`), the layers the plan recomputes run under
-``torch.utils.checkpoint`` (:mod:`autotp.planning.recompute`), and it holds
+``torch.utils.checkpoint`` (:mod:`autotp.planning.costs.recompute`), and it holds
 the plan's collectives as ``call_module`` nodes (:mod:`autotp.runtime.collectives`), placed exactly where
-:mod:`autotp.planning.program` says. Nothing else communicates: DTensor is the format of the parameters,
+:mod:`autotp.planning.costs.program` says. Nothing else communicates: DTensor is the format of the parameters,
 not the engine that runs the ops. Before any of it the graph checks its inputs against the
 example inputs it was built for (:mod:`autotp.runtime.guard`).
 """
@@ -25,10 +25,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autotp import ops
 from autotp.placement import Placement, dim_pieces, local_shape, piece_range, piece_sizes
-from autotp.planning.plan import Plan
-from autotp.planning.program import OUTPUT, reads
-from autotp.planning.recompute import recomputed_nodes
-from autotp.planning.redistribute import conversion, fused_axes, reduced_axes
+from autotp.planning.costs.program import OUTPUT, reads
+from autotp.planning.costs.recompute import recomputed_nodes
+from autotp.planning.costs.redistribute import conversion, fused_axes, reduced_axes
+from autotp.planning.result.plan import Plan
 from autotp.planning.rules.blocks import cut_blocks, local_cut_arguments, slice_range
 from autotp.planning.rules.convolutions import GROUPED, local_groups
 from autotp.planning.rules.losses import class_dim, class_split_axes
@@ -37,9 +37,9 @@ from autotp.planning.rules.reductions import reduced_dims
 from autotp.runtime.batch_norm import ShardedBatchNorm
 from autotp.runtime.collectives import GradAllReduce, MaskedEmbedding, RedistributeStep, to_local
 from autotp.runtime.devices import mesh_device, on_mesh_device
-from autotp.runtime.dropout import RANDOM_OPS, SeededAttention, SharedRandom, ShardedDropout, attention_dropout_p
-from autotp.runtime.losses import VocabParallelCrossEntropy
+from autotp.runtime.dropout import RANDOM_OPS, SeededAttention, ShardedDropout, SharedRandom, attention_dropout_p
 from autotp.runtime.guard import MASK_DTYPES, InputGuard, InputSpec, SameOnEveryRank, as_traced_dtype
+from autotp.runtime.losses import VocabParallelCrossEntropy
 from autotp.runtime.recompute import apply_recompute
 from autotp.runtime.shards import block_index
 from autotp.tracing.aliasing import writes_first_argument
@@ -107,7 +107,7 @@ class GraphRewrite:
              value_key: str | None = None) -> torch.fx.Node:
         """The local value of ``producer`` as a consumer needing placements ``q`` sees it.
 
-        Reads of the same value (``value_key``: :func:`autotp.planning.program.read_key`) with the same ``q``
+        Reads of the same value (``value_key``: :func:`autotp.planning.costs.program.read_key`) with the same ``q``
         share one redistribution, and with the same ``grad_axes`` one gradient reduction.
         """
         value = base if base is not None else self.local[producer]

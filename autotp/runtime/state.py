@@ -16,8 +16,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autotp.placement import Placement, local_shape
+from autotp.planning.result.plan import Plan
 from autotp.runtime.devices import mesh_device
-from autotp.planning.plan import Plan
 from autotp.runtime.rewrite import GraphRewrite, constant_name
 from autotp.runtime.shards import as_dtensor, local_shard
 from autotp.tracing.graph import BUFFER, OpGraph

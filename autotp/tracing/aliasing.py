@@ -17,7 +17,7 @@ allows no redistribution there); so is every read on the way to a view made befo
 read after it. A view is an op in ``autotp.ops.VIEW`` or any ATen op whose schema returns its
 first argument's storage (``narrow``, ``diagonal``, ``view.dtype``).
 
-Reads of one value with the same placements share one redistribution (:mod:`autotp.planning.program`); a
+Reads of one value with the same placements share one redistribution (:mod:`autotp.planning.costs.program`); a
 read after a write into the value's storage must not reuse one made before it. :func:`read_versions`
 counts, per read, the writes into its storage between the value and the read, and the reads that
 share carry that count in their key.

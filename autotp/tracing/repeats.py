@@ -17,7 +17,7 @@ layer's values than the one before it, the module is traced with dynamic dims, o
 not come out as a full trace's) the model is traced whole; the graph is then the same, only slower.
 The unrolled graph has no exported program (``OpGraph.exported`` is None): it is for planning;
 :func:`autotp.parallelize` traces the whole model for its rewrite, and
-:meth:`autotp.planning.plan.Plan.check_matches` compares the two.
+:meth:`autotp.planning.result.plan.Plan.check_matches` compares the two.
 """
 
 from __future__ import annotations

@@ -143,8 +143,8 @@ def full_tensor(value: torch.Tensor, placements=None) -> torch.Tensor:
     own = placements if placements is not None else placements_of(value)
     if not any(_dtensor_cannot_size(p) for p in own):
         return value.full_tensor()
-    from autotp.runtime.collectives import _gather_uneven
     from autotp.placement import piece_sizes
+    from autotp.runtime.collectives import _gather_uneven
     from autotp.runtime.shards import block_index
 
     mesh = value.device_mesh
@@ -243,7 +243,7 @@ def full_state_dict(module: nn.Module, rank: Optional[int] = 0) -> dict[str, tor
     at most one whole tensor beyond its shards (and the gather's own pieces while it runs), never
     the whole model.
 
-    A pipeline module (:class:`autotp.runtime.pipeline.PipelineModule`) holds its stages' part of the
+    A pipeline module (:class:`autotp.runtime.pipeline.module.PipelineModule`) holds its stages' part of the
     model only: each stage's tensors are gathered whole over its own mesh, then sent over the
     pipeline axis to ``rank`` (to every rank when None). The whole model then arrives on the CPU,
     every stage's tensors, under the model's names (a weight two stages hold, once).

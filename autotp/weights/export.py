@@ -264,7 +264,7 @@ def _give_the_modules_save_pretrained() -> None:
     """``save_pretrained`` as a method of both parallel module kinds: defined here, where the weights
     are, since the runtime that defines the classes imports nothing from this stage."""
     from autotp.runtime.module import ParallelModule
-    from autotp.runtime.pipeline import PipelineModule
+    from autotp.runtime.pipeline.module import PipelineModule
 
     _method.__name__ = _method.__qualname__ = "save_pretrained"
     ParallelModule.save_pretrained = _method  # type: ignore[attr-defined]

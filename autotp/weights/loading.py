@@ -354,7 +354,7 @@ def _copy_piece(sliced: Any, ranges: tuple, local: torch.Tensor, uploads: "_Uplo
     if not multi:
         uploads.copy(local, sliced[tuple(slice(a, b) for ((a, b),) in ranges)])
         return
-    (d,) = multi  # a blocked split cuts one dim (autotp.planning.strategies refuses a dim split twice)
+    (d,) = multi  # a blocked split cuts one dim (autotp.planning.choices.strategies refuses a dim split twice)
     start = 0
     for lo, hi in ranges[d]:
         uploads.copy(local.narrow(d, start, hi - lo), sliced[tuple(slice(a, b) for ((a, b),) in ranges[:d])

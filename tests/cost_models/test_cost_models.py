@@ -27,12 +27,17 @@ from cost_models import (
     builtin_profile_names,
     collective_factor,
     collective_time_s,
+    communication,
+    compute,
     compute_time_s,
+    device,
+    hardware,
+    links,
     load_profile,
+    memory,
     model_state_bytes,
     optimizer_spec,
 )
-from cost_models import communication, compute, device, hardware, links, memory
 
 PACKAGE_DIR = Path(cost_models.__file__).parent
 GiB = 2**30
@@ -304,10 +309,10 @@ def test_backward_of_a_memory_bound_op_is_priced_on_its_bytes():
     """autotp's costing: the backward of an op without FLOPs moves the output's gradient, each float
     input twice (saved input read, gradient written) and each integer input once; one with FLOPs
     is BACKWARD_FLOP_RATIO kernels like its forward."""
-    from autotp.planning.costing import BACKWARD_FLOP_RATIO, CostModel
-    from autotp.tracing.graph import OP, OpNode, TensorInfo
     from autotp.mesh import MeshSpec
     from autotp.placement import R, Strategy
+    from autotp.planning.costs.costing import BACKWARD_FLOP_RATIO, CostModel
+    from autotp.tracing.graph import OP, OpNode, TensorInfo
 
     profile = HardwareProfile.from_dict(profile_dict())  # 1e11 B/s, 5 us per kernel
     cost = CostModel(MeshSpec.of((1,)), profile, "train")

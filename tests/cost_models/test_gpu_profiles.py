@@ -122,7 +122,7 @@ class _Convs(nn.Module):
 def test_the_planner_prices_a_float32_convolution_at_the_tf32_rate():
     from autotp.mesh import MeshSpec
     from autotp.placement import R, Strategy
-    from autotp.planning.costing import CostModel
+    from autotp.planning.costs.costing import CostModel
     from autotp.tracing.export import capture
 
     graph = capture(_Convs(), (torch.randn(8, 64, 56, 56),), dynamic_dims=False)

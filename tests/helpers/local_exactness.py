@@ -18,10 +18,9 @@ import torch.nn.functional as F
 import autotp
 from autotp import ops
 from autotp.placement import Strategy, local_shape
-from autotp.planning.strategies import node_strategies
+from autotp.planning.choices.strategies import node_strategies
 from autotp.planning.rules.convolutions import GROUPED, local_groups
 from autotp.planning.rules.inner import inner_collectives
-
 
 aten = torch.ops.aten
 

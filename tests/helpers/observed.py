@@ -7,7 +7,7 @@ bytes) and not by count alone:
 
 - the mesh axis is named from the process group the op runs on (``mesh.get_group(axis)``);
 - the bytes are those of the tensor the collective spans on its axis, as
-  :func:`autotp.planning.program.collectives` counts them: an all_reduce's and a reduce_scatter's input,
+  :func:`autotp.planning.costs.program.collectives` counts them: an all_reduce's and a reduce_scatter's input,
   an all_gather's output, an all_to_all's input times the axis size.
 
 Dispatch modes are per thread, so each rank of ``examples.ranks.run_threads`` records its own
@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from examples.models import output_tensor as tensor_of  # noqa: F401 - the tests read outputs through it
-
 
 # functional op name -> autotp kind; the kinds whose plan bytes are the op's input times the axis size
 _KINDS = {

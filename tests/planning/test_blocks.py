@@ -9,7 +9,6 @@ state_dict values unchanged.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import transformers
@@ -18,8 +17,8 @@ from torch import nn
 import autotp
 from autotp.placement import S, Strategy
 from examples.ranks import run_threads
-from tests.helpers.exactness import assert_step_matches_one_process
 from tests.helpers.blocks import SEQ, Logits, activation_collectives_per_layer, gpt2
+from tests.helpers.exactness import assert_step_matches_one_process
 
 FAST = "h100-sxm"
 
@@ -98,7 +97,7 @@ def test_a_cut_into_blocks_is_what_finds_them():
             q, k, v = self.proj(x).split(64, dim=-1)
             return self.out(torch.cat([q * k, k, v], dim=-1))
 
-    from autotp.planning.strategies import node_strategies
+    from autotp.planning.choices.strategies import node_strategies
 
     for model, blocked in ((Unfused(), False), (Fused(), True)):
         g = autotp.capture(model, (torch.randn(4, 64),))
@@ -169,9 +168,9 @@ def test_a_blocked_plan_round_trips_through_json_and_reports_its_blocks():
 
 
 def _checkpoint_round_trip(rank, world, graph, plan, model, other, directory, unsharded):
-    import autotp
     from torch.distributed.device_mesh import init_device_mesh
 
+    import autotp
     from autotp.runtime.module import build_parallel_module
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
@@ -209,7 +208,7 @@ def test_blocked_weights_survive_a_dcp_checkpoint(tmp_path):
 def test_no_blocks_on_a_dynamic_dim():
     """A cut of a dim whose size varies has no fixed blocks: neither a blocked split nor a cut of one
     is offered there (the example's block count would be wrong at other sizes)."""
-    from autotp.planning.strategies import node_strategies
+    from autotp.planning.choices.strategies import node_strategies
 
     class CutSequence(nn.Module):
         def __init__(self):

@@ -16,12 +16,12 @@ import autotp
 from autotp import ops
 from autotp.mesh import MeshSpec
 from autotp.placement import R, S
+from autotp.planning.choices.strategies import node_strategies
+from autotp.planning.costs.program import collectives
 from autotp.planning.planner import plan_graph
-from autotp.planning.program import collectives
 from autotp.planning.rules.check import check_rule
-from autotp.planning.strategies import node_strategies
-from tests.helpers.profiles import h100_without_tf32
 from tests.helpers.local_exactness import capture_graph, check_every_strategy, full_values, nodes_of, strategy_texts
+from tests.helpers.profiles import h100_without_tf32
 
 aten = torch.ops.aten
 

@@ -1,6 +1,6 @@
-"""DTensor's op-strategy registry behind ``autotp/planning/dtensor_rules.py``.
+"""DTensor's op-strategy registry behind ``autotp/planning/choices/dtensor_rules.py``.
 
-What the adapter must do (autotp/planning/strategies.py, autotp/planning/dtensor_rules.py docstrings):
+What the adapter must do (autotp/planning/choices/strategies.py, autotp/planning/choices/dtensor_rules.py docstrings):
 
 - an op no own rule covers gets the registry's strategies, filtered to those exact on local shards,
   and every one of them passes the check of tests/planning/test_strategies.py ("local execution is exact":
@@ -22,13 +22,18 @@ import torch.nn.functional as F
 
 import autotp
 from autotp.placement import R, Strategy
-from autotp.planning import dtensor_rules
-from autotp.planning.strategies import all_strategies, axis_choices, node_strategies
-
+from autotp.planning.choices import dtensor_rules
+from autotp.planning.choices.strategies import all_strategies, axis_choices, node_strategies
 from examples import models as M
 from examples.ranks import run_ranks
-from tests.helpers.local_exactness import Ops, SelfAttention, check_every_strategy, check_strategy, full_values, strategy_tensors
-
+from tests.helpers.local_exactness import (
+    Ops,
+    SelfAttention,
+    check_every_strategy,
+    check_strategy,
+    full_values,
+    strategy_tensors,
+)
 
 
 def test_the_registry_is_usable_with_the_pinned_torch():

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import autotp
 from autotp.mesh import MeshSpec
 from autotp.placement import R, S, Strategy
-from autotp.planning.costing import CostModel
+from autotp.planning.costs.costing import CostModel
 from autotp.planning.planner import predicted_time
 from cost_models import load_profile
 

@@ -1,4 +1,4 @@
-"""The memory a plan predicts (autotp/planning/saved.py, costing.py, solver.py): what autograd saves,
+"""The memory a plan predicts (autotp/planning/costs/saved.py, costing.py, solver.py): what autograd saves,
 the copies readers keep, the phases of a step and the forward of an inference plan, each against a
 measurement or a hand count."""
 
@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 import autotp
-import autotp.planning.ilp
+import autotp.planning.solve.ilp
 from autotp.planning.planner import plan_graph
-from autotp.planning.solver import MEMORY_MARGIN
+from autotp.planning.solve.solver import MEMORY_MARGIN
 from examples.models import tiny_llama
 
 
@@ -65,7 +65,7 @@ def test_activations_are_what_autograd_saves(name):
 
 
 class _Unlisted(nn.Module):
-    """atan and erf are in neither table of autotp/planning/saved.py; each backward reads its input."""
+    """atan and erf are in neither table of autotp/planning/costs/saved.py; each backward reads its input."""
 
     def __init__(self):
         super().__init__()
@@ -210,7 +210,7 @@ def test_the_least_a_budget_error_states_is_a_budget_a_plan_fits(blocks):
 def test_a_least_solve_the_time_limit_stops_before_any_plan_is_solved_again(monkeypatch):
     """A minimizing solve stopped before it found a plan (a large two-axis ILP spends its 2 s in
     presolve) has no peak to state: it is solved again for longer, never stated as 0 bytes."""
-    from autotp.planning import solver
+    from autotp.planning.solve import solver
     from tests.helpers.properties import Case, build
 
     case = Case(blocks=("mlp", "mlp"), dim=8, heads=1, head_dim=4, batch=1, seq=8, mesh=(4,), mode="train", slack=0.0,
@@ -238,7 +238,7 @@ def test_a_solve_the_time_limit_stops_before_any_plan_is_no_plan(monkeypatch):
     """Stopped before it found a plan, the solver leaves every variable at 0: read as a choice, that
     was strategy 0 everywhere, a plan far over the budget, returned with no error. It is a solver
     failure that says to raise the time limit."""
-    from autotp.planning import ilp, solver
+    from autotp.planning.solve import ilp, solver
     from tests.helpers.properties import Case, build
 
     case = Case(blocks=("mlp", "mlp"), dim=8, heads=1, head_dim=4, batch=1, seq=8, mesh=(4,), mode="train", slack=0.0,

@@ -1,4 +1,4 @@
-"""A device count instead of a mesh (autotp/planning/mesh_search.py): the plan of least predicted step
+"""A device count instead of a mesh (autotp/planning/search/mesh_search.py): the plan of least predicted step
 over the shapes of that many devices, each planned as a mesh given directly would be."""
 
 import dataclasses
@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 
 import autotp
-from autotp.planning.mesh_search import mesh_shapes, search_meshes
-from autotp.planning.plan import PredictedTime
 from autotp.planning.planner import plan_graph
+from autotp.planning.result.plan import PredictedTime
+from autotp.planning.search.mesh_search import mesh_shapes, search_meshes
 from cost_models import load_profile
 from examples import models as M
 
@@ -36,7 +36,7 @@ def _fake(shape, compute_s, communication_s, peak=1.0):
 
 
 def test_the_search_keeps_the_fastest_and_says_why_the_others_lost(monkeypatch):
-    from autotp.planning import mesh_search
+    from autotp.planning.search import mesh_search
 
     monkeypatch.setattr(mesh_search, "replace", lambda obj, **kw: SimpleNamespace(chosen=obj, **kw))
     times = {(16,): (1.0, 5.0), (2, 8): (1.0, 1.0), (4, 4): (1.5, 1.2), (8, 2): (3.0, 1.0)}
@@ -56,7 +56,7 @@ def test_the_search_keeps_the_fastest_and_says_why_the_others_lost(monkeypatch):
     assert [c.shape for c in out.mesh_search][-2:] == [(8, 2), (16,)]
     assert out.mesh_search[-2].why == "no plan fits the memory budget (least 2.0 GiB)"
     # a shape whose solve found no plan in its time is listed with the solver's words
-    from autotp.planning.ilp import SolverError
+    from autotp.planning.solve.ilp import SolverError
 
     def timed_out(shape):
         if shape == (4, 4):

@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 import autotp
+import autotp.planning.planner
 from autotp.mesh import MeshSpec
 from autotp.placement import R, Rg, S, Strategy, parse_placements
-from autotp.planning.costing import INFEASIBLE_S, CostModel
-import autotp.planning.planner
+from autotp.planning.costs.costing import INFEASIBLE_S, CostModel
 from autotp.planning.planner import plan_graph
 from autotp.tracing.graph import TensorInfo
 from cost_models import load_profile

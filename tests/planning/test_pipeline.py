@@ -1,4 +1,4 @@
-"""Three-dimensional layouts on paper (autotp/planning/stages.py, autotp/planning/pipeline_search.py):
+"""Three-dimensional layouts on paper (autotp/planning/search/stages.py, autotp/planning/search/pipeline_search.py):
 a plan read by layer, the stack cut into balanced stages, each layout priced, the fastest that fits
 chosen and reported, and a profile's links moving the choice."""
 
@@ -11,16 +11,16 @@ import re
 
 import pytest
 import torch
-from cost_models import LinkSpec, collective_time_s, load_profile
 
 import autotp
-from autotp.planning import buckets
-from autotp.planning.buckets import BUCKET_BYTES
+from autotp.planning.costs import buckets
+from autotp.planning.costs.buckets import BUCKET_BYTES
 from autotp.planning.errors import PlanError
-from autotp.planning.pipeline_search import Layout, layouts, price_layout, units_of_plan
 from autotp.planning.planner import plan_graph
-from autotp.planning.stages import balanced_cut
+from autotp.planning.search.pipeline_search import Layout, layouts, price_layout, units_of_plan
+from autotp.planning.search.stages import balanced_cut
 from autotp.tracing.repeats import find_stacks
+from cost_models import LinkSpec, collective_time_s, load_profile
 from examples import models as M
 from examples.ranks import run_threads
 
@@ -244,7 +244,7 @@ def test_the_report_and_the_file_keep_the_layout(searched, tmp_path):
     # the mesh the report names is the one autotp.parallelize takes for the layout
     from types import SimpleNamespace
 
-    from autotp.runtime.pipeline import mesh_problem
+    from autotp.runtime.pipeline.module import mesh_problem
 
     found = re.search(r"init_device_mesh\(\.\.\., (\([0-9, ]+\)), mesh_dim_names=(\([a-z', ]+\))\) for autotp\.parallelize",
                       text)
@@ -286,7 +286,7 @@ def test_the_report_gives_the_layouts_memory_and_each_stack_once(searched):
 def test_alike_layers_are_shown_once_and_unlike_ones_apart():
     """A run of layers with the same rows is one row per module; a layer whose row differs (it
     recomputes) starts a run of its own, and rows outside any stack stay as they are."""
-    from autotp.planning.report import alike_layers
+    from autotp.planning.result.report import alike_layers
 
     rows = [["embed", "rowwise"]] + [[f"layers.{i}.mlp", "colwise", "yes" if i < 2 else ""] for i in range(5)] + [
         [f"layers.{i}", "replicate", "yes" if i < 2 else ""] for i in range(5)] + [["head", "colwise"]]

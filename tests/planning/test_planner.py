@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import collections
 import html.parser
-import re
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -21,9 +21,8 @@ import torch.distributed as dist
 
 import autotp
 from autotp.planning.planner import plan_graph, predicted_time
-from autotp.planning.solver import MEMORY_MARGIN
+from autotp.planning.solve.solver import MEMORY_MARGIN
 from cost_models import load_profile
-
 from examples import models as M
 
 FAST = "h100-sxm"
@@ -444,12 +443,12 @@ def test_predicted_time_equals_a_hand_count(mode):
 def _dp_tp_layout(graph, shape, profile=FAST, batch: int = 8):
     """The layout a person writes by hand: batch split over "dp" (every tensor with the batch dim
     S(0) there, everything else R), the planner free on "tp" only. Returns (chosen, predicted seconds)."""
-    from autotp.planning.costing import CostModel
     from autotp.mesh import MeshSpec
     from autotp.placement import R, S
-    from autotp.planning.solver import solve
-    from autotp.planning.strategies import all_strategies
-    from autotp.planning.tying import find_repeats
+    from autotp.planning.choices.strategies import all_strategies
+    from autotp.planning.choices.tying import find_repeats
+    from autotp.planning.costs.costing import CostModel
+    from autotp.planning.solve.solver import solve
 
     def on_dp(node, st) -> bool:
         tensors = list(zip(st.inputs, node.input_infos))
@@ -490,7 +489,7 @@ def test_two_axis_data_parallel_layout_reduces_gradients_over_dp():
     shard (stored and read split alike); a vector a norm on sequence shards reads whole, even where
     it is stored split over tp and gathered for use."""
     from autotp.mesh import MeshSpec
-    from autotp.planning.program import collectives, reads
+    from autotp.planning.costs.program import collectives, reads
 
     graph = _gpt_2d_graph()
     spec = MeshSpec.of((2, 4))
@@ -545,11 +544,11 @@ def test_ilp_objective_equals_the_predicted_step_time():
     """1 axis: the solver's objective for its own choice (summed over its variables) equals the step
     time the planner predicts by walking the plan's program (``test_predicted_time_equals_a_hand_count``
     checks that walk against a hand count)."""
-    from autotp.planning.costing import CostModel
     from autotp.mesh import MeshSpec
-    from autotp.planning.solver import solve
-    from autotp.planning.strategies import all_strategies
-    from autotp.planning.tying import find_repeats
+    from autotp.planning.choices.strategies import all_strategies
+    from autotp.planning.choices.tying import find_repeats
+    from autotp.planning.costs.costing import CostModel
+    from autotp.planning.solve.solver import solve
 
     graph = _graph("gpt")
     spec = MeshSpec.of((8,))
@@ -585,12 +584,12 @@ def test_ilp_pays_once_for_a_redistribution_two_readers_share():
     """fc1 rowwise makes y a partial sum; fc2 (colwise) and tanh (replicated) both read it whole. fc2
     works on shards, so its read carries a partial-gradient axis and tanh's does not, but both need
     the same all_reduce, which the program runs once: the objective must pay it once too."""
-    from autotp.planning.costing import CostModel
     from autotp.mesh import MeshSpec
     from autotp.placement import P, R, S
-    from autotp.planning.program import collectives
-    from autotp.planning.solver import solve
-    from autotp.planning.strategies import all_strategies
+    from autotp.planning.choices.strategies import all_strategies
+    from autotp.planning.costs.costing import CostModel
+    from autotp.planning.costs.program import collectives
+    from autotp.planning.solve.solver import solve
 
     graph = autotp.capture(_TwoReaders().to("meta"), (torch.randn(512, 1024, device="meta"),))
     spec = MeshSpec.of((2,))
@@ -618,10 +617,10 @@ def test_ilp_prices_the_gradient_reduction_of_the_chosen_read():
     """(2, 4) mesh, one Linear then sum. Choices left to the solver: the weight stored R,S(0) or R,R, the
     linear batch-over-dp with the weight split over tp or whole. Splitting wins (4x less compute); then the
     only backward collective is the dp all_reduce of the weight's tp shard: 4096 * 4096 * 4 / 4 bytes."""
-    from autotp.planning.costing import CostModel
     from autotp.mesh import MeshSpec
-    from autotp.planning.solver import solve
-    from autotp.planning.strategies import all_strategies
+    from autotp.planning.choices.strategies import all_strategies
+    from autotp.planning.costs.costing import CostModel
+    from autotp.planning.solve.solver import solve
 
     graph = autotp.capture(_LinearSum().to("meta"), (torch.randn(8192, 4096, device="meta"),))
     spec = MeshSpec.of((2, 4))
@@ -651,11 +650,11 @@ def test_two_axis_ilp_prices_the_plan_and_its_relaxation_is_tight():
     the 70B shape's solve took 18-28 s instead of 2."""
     import pulp
 
-    from autotp.planning import solver as S
-    from autotp.planning.costing import CostModel
     from autotp.mesh import MeshSpec
-    from autotp.planning.strategies import all_strategies
-    from autotp.planning.tying import find_repeats
+    from autotp.planning.choices.strategies import all_strategies
+    from autotp.planning.choices.tying import find_repeats
+    from autotp.planning.costs.costing import CostModel
+    from autotp.planning.solve import solver as S
 
     model, inputs = M.tiny_gpt(batch=4, seq=512, n_layer=2, dim=512, n_head=8, vocab=1024, device="meta")
     graph = autotp.capture(model, inputs)
@@ -683,11 +682,11 @@ def test_a_frozen_layer_in_a_stack_is_priced_apart_from_its_trainable_siblings()
     gradient all_reduce is priced, the frozen one's is not. A frozen weight must not share variables
     with a trainable one (it has no gradient to reduce), and the objective must equal what the plan's
     program runs."""
-    from autotp.planning.costing import CostModel
     from autotp.mesh import MeshSpec
-    from autotp.planning.solver import solve
-    from autotp.planning.strategies import all_strategies
-    from autotp.planning.tying import find_repeats
+    from autotp.planning.choices.strategies import all_strategies
+    from autotp.planning.choices.tying import find_repeats
+    from autotp.planning.costs.costing import CostModel
+    from autotp.planning.solve.solver import solve
 
     model = torch.nn.Sequential(*(torch.nn.Linear(256, 256, bias=False) for _ in range(3))).to("meta")
     model[1].weight.requires_grad_(False)

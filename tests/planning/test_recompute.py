@@ -1,4 +1,4 @@
-"""Activation recompute chosen by the planner (autotp.planning.recompute, the ILP's recompute rows) and the
+"""Activation recompute chosen by the planner (autotp.planning.costs.recompute, the ILP's recompute rows) and the
 optimizer whose state the memory counts.
 
 - the planner recomputes layers only where memory is short, and then the plan fits a budget that no
@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import autotp
+from autotp.planning.costs.recompute import layer_chains
 from autotp.planning.planner import plan_graph
-from autotp.planning.recompute import layer_chains
 from examples.models import tiny_llama
 from examples.ranks import run_threads
 from tests.helpers.observed import CollectiveLog, assert_as_planned, planned
@@ -39,7 +39,7 @@ def _activation_bytes(graph, names):
     keeps is tested against autograd's saved tensors in tests/planning/test_memory.py)."""
     from autotp.mesh import MeshSpec
     from autotp.placement import R, Strategy
-    from autotp.planning.costing import CostModel
+    from autotp.planning.costs.costing import CostModel
     from cost_models import load_profile
 
     cost = CostModel(MeshSpec.of((1,)), load_profile("h100-sxm"), "train", graph=graph)
@@ -88,8 +88,8 @@ def test_forced_recompute_frees_and_costs_what_the_layers_hold(llama):
     assert again.memory.recompute_saved_bytes == freed - live_again > 0
     assert keep.memory.activations_bytes - again.memory.activations_bytes == freed - live_again
     # the forward of every op in the four layers runs again (one rank: no collectives)
-    from autotp.planning.costing import CostModel
     from autotp.mesh import MeshSpec
+    from autotp.planning.costs.costing import CostModel
     from cost_models import load_profile
 
     cost = CostModel(MeshSpec.of((1,)), load_profile("h100-sxm"), "train")
@@ -144,8 +144,8 @@ def test_recompute_wins_over_sharding_where_links_are_slow(llama):
 def _run_recompute(rank, world, graph, plan, model, x):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.runtime.recompute import Recompute
     from autotp.runtime.module import build_parallel_module
+    from autotp.runtime.recompute import Recompute
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     pm = build_parallel_module(graph, plan, mesh, model)
@@ -291,8 +291,8 @@ def test_the_recompute_search_says_what_the_time_limit_left_unsolved(llama, monk
     """The search over recompute counts stops at the deadline with a plan in hand; the plan's status
     says how many counts went unsolved, where a search that ran its course (or that the bound from
     below ended) says nothing of the kind."""
-    from autotp.planning import recompute_counts
-    from autotp.planning import solver
+    from autotp.planning.costs import recompute_counts
+    from autotp.planning.solve import solver
 
     tries = [{0: 1}, {0: 2}, {0: 4}]
     solved = []

@@ -91,7 +91,7 @@ def test_a_wrong_rule_is_caught_by_the_check():
 def test_without_a_rule_the_op_runs_replicated_with_a_warning(caplog):
     model = Experts()
     graph = autotp.capture(model, (torch.randn(2, 4, 32),))
-    with caplog.at_level(logging.WARNING, logger="autotp.planning.strategies"):
+    with caplog.at_level(logging.WARNING, logger="autotp.planning.choices.strategies"):
         plan = _plan(graph)
     assert any(OP in r.getMessage() and "runs replicated" in r.getMessage() for r in caplog.records)
     assert all(plan.strategy(n.name).inputs == ((R,), (R,)) for n in graph.ops() if n.target == OP)
@@ -267,7 +267,7 @@ class Extrema(torch.nn.Module):
 
 
 def test_argmax_and_argmin_split_the_kept_dims_only_and_are_exact():
-    from autotp.planning.strategies import node_strategies
+    from autotp.planning.choices.strategies import node_strategies
     from tests.helpers.local_exactness import capture_graph, check_every_strategy, full_values, strategy_texts
 
     x = torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(0))

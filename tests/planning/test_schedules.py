@@ -1,11 +1,11 @@
-"""Pipeline schedules (autotp/planning/schedules.py): orders per rank, and the step they take,
+"""Pipeline schedules (autotp/planning/search/schedules.py): orders per rank, and the step they take,
 checked against spans and held activations worked out by hand."""
 
 import random
 
 import pytest
 
-from autotp.planning.schedules import held_bytes, orders, simulate, timeline
+from autotp.planning.search.schedules import held_bytes, orders, simulate, timeline
 
 
 def test_one_f_one_b_by_hand():

@@ -10,7 +10,6 @@ itself on full tensors; nothing of autotp's runtime is used to run the pieces.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.fx
@@ -20,10 +19,20 @@ import torch.nn.functional as F
 import autotp
 from autotp import ops
 from autotp.placement import R, S, Strategy
-from autotp.planning.strategies import node_strategies
-
+from autotp.planning.choices.strategies import node_strategies
 from examples import models as M
-from tests.helpers.local_exactness import Ops, SelfAttention, capture_graph, check_every_strategy, check_strategy, full_values, nodes_of, partial_bool, strategy_tensors, strategy_texts
+from tests.helpers.local_exactness import (
+    Ops,
+    SelfAttention,
+    capture_graph,
+    check_every_strategy,
+    check_strategy,
+    full_values,
+    nodes_of,
+    partial_bool,
+    strategy_tensors,
+    strategy_texts,
+)
 
 aten = torch.ops.aten
 

@@ -11,13 +11,12 @@ import torch
 
 import autotp
 from autotp.mesh import MeshSpec
-from autotp.planning.costing import CostModel
+from autotp.planning.choices.strategies import all_strategies
+from autotp.planning.choices.tying import find_repeats, tie
+from autotp.planning.costs.costing import CostModel
 from autotp.planning.planner import plan_graph
-from autotp.planning.solver import solve
-from autotp.planning.strategies import all_strategies
-from autotp.planning.tying import find_repeats, tie
+from autotp.planning.solve.solver import solve
 from cost_models import load_profile
-
 from examples import models as M
 
 

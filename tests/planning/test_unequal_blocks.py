@@ -18,8 +18,8 @@ import autotp
 from autotp.placement import Placement, S, Strategy, block_permutation, local_shape, parse_placements
 from autotp.planning.planner import plan_graph
 from examples.ranks import run_threads
-from tests.helpers.exactness import assert_step_matches_one_process
 from tests.helpers.blocks import Logits, activation_collectives_per_layer
+from tests.helpers.exactness import assert_step_matches_one_process
 
 
 def test_unequal_blocks_print_parse_and_order_the_pieces():
@@ -191,7 +191,7 @@ def test_unequal_blocks_do_not_move_to_another_mesh_axis():
     """Each axis size orders the pieces its own way (block_permutation), so a move of unequal blocks
     from one axis to another is no plain step: it is refused (and never priced), while a gather or a
     slice on one axis with the other axis split elsewhere converts."""
-    from autotp.planning.redistribute import conversion, is_convertible
+    from autotp.planning.costs.redistribute import conversion, is_convertible
 
     u = S(0, (32, 8, 8))
     assert block_permutation(u, 2, 48) != block_permutation(u, 4, 48)

@@ -74,7 +74,7 @@ def test_pieces_are_whole_units_dealt_as_torch_chunk_deals_them():
 
 
 def test_a_head_view_keeps_a_split_only_in_whole_heads():
-    from autotp.planning.strategies import node_strategies
+    from autotp.planning.choices.strategies import node_strategies
 
     g = autotp.capture(Block(heads=3), (torch.randn(2, 4, 48),))
     view = next(n for n in g.nodes if n.target == "aten.view.default")
@@ -100,8 +100,8 @@ def test_uneven_heads_run_exactly(world, heads):
 def _round_trip(rank, world, graph, plan, model, directory, safetensors_dir):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.weights import checkpoint
     from autotp.runtime.module import build_parallel_module
+    from autotp.weights import checkpoint
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     # a copy per rank: threaded ranks would otherwise share the replicated tensors, which the rewrite
@@ -174,9 +174,8 @@ def _gpt2_tiny(heads: int):
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_fused_qkv_with_uneven_heads_splits_whole_heads_of_each_block(world):
     """GPT-2's c_attn (q|k|v cut with split) with 5 heads: each rank holds whole heads of q, k and v."""
-    from tests.helpers.blocks import Logits
-
     from autotp.planning.planner import plan_graph
+    from tests.helpers.blocks import Logits
 
     model = Logits(_gpt2_tiny(5))
     ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
@@ -228,8 +227,8 @@ def _gloo_step(rank, world, plan_json, heads):
     """On a gloo process: the model (same seed), parallelized with the plan made in the parent."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.weights.checkpoint import full_tensor
     from autotp.runtime.shards import placements_of
+    from autotp.weights.checkpoint import full_tensor
 
     torch.manual_seed(0)
     model, x = Block(heads=heads), torch.randn(2, 8, heads * 16)

@@ -12,6 +12,7 @@ switched to eval, computes with the running statistics the step left.
 from __future__ import annotations
 
 import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -19,9 +20,9 @@ import torch.nn.functional as F
 
 import autotp
 from autotp.placement import P, S
+from autotp.planning.choices.strategies import node_strategies
 from autotp.planning.planner import plan_graph
 from autotp.planning.rules.norms import channel_axes, stat_axes
-from autotp.planning.strategies import node_strategies
 from autotp.runtime.batch_norm import ShardedBatchNorm
 from examples.ranks import run_threads
 from tests.helpers.local_exactness import _assemble, _local

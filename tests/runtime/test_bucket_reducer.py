@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autotp.planning.buckets import assign_buckets, exposed_all_reduce_s
+from autotp.planning.costs.buckets import assign_buckets, exposed_all_reduce_s
 from autotp.runtime.bucket_reducer import BucketReducer
 from examples.ranks import run_threads
 

@@ -87,7 +87,7 @@ def test_a_model_s_own_cache_is_split_like_its_attention_and_decodes_as_one_proc
 def test_only_buffers_outside_the_state_dict_may_be_split():
     """A cache (non-persistent) may be stored split; running statistics (in the state dict, saved
     and loaded whole) stay whole."""
-    from autotp.planning.strategies import all_strategies
+    from autotp.planning.choices.strategies import all_strategies
 
     norm = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)).eval()
     graph = autotp.capture(norm, (torch.randn(4, 8),), training=False)

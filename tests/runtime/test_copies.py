@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotp.placement import P, R, S
-from autotp.planning.redistribute import conversion_steps, step_copies
+from autotp.planning.costs.redistribute import conversion_steps, step_copies
 from autotp.runtime.collectives import RedistributeStep
 
 _COPY_OPS = ("aten.clone.", "aten.cat.", "aten.stack.", "aten.copy.", "aten.copy_.", "aten._to_copy.")
@@ -110,8 +110,8 @@ def test_the_functional_all_reduce_clones_its_input(two_fake_ranks):
     input: one copy kernel of the input's bytes, which the profiler sees inside the collective."""
     from torch.profiler import ProfilerActivity, profile
 
+    from autotp.planning.costs.redistribute import all_reduce_copies
     from autotp.runtime.collectives import GradAllReduce
-    from autotp.planning.redistribute import all_reduce_copies
 
     x = torch.randn(4, 8, 16)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
@@ -129,9 +129,9 @@ def test_the_functional_all_reduce_clones_its_input(two_fake_ranks):
 
 
 def test_a_gradient_reduction_prices_its_clone():
-    from autotp.planning.costing import CostModel
-    from autotp.tracing.graph import TensorInfo
     from autotp.mesh import MeshSpec
+    from autotp.planning.costs.costing import CostModel
+    from autotp.tracing.graph import TensorInfo
     from cost_models import load_profile
 
     cost = CostModel(MeshSpec.of((2,)), load_profile("cpu-gloo"), "train")
@@ -143,9 +143,9 @@ def test_a_gradient_reduction_prices_its_clone():
 def test_a_gather_on_a_later_dim_costs_more_than_on_the_first():
     """The cost model sees the copies: the same all_gather costs more on a non-leading dim, by
     exactly the two copy kernels, and nothing more on the first dim."""
-    from autotp.planning.costing import CostModel
-    from autotp.tracing.graph import TensorInfo
     from autotp.mesh import MeshSpec
+    from autotp.planning.costs.costing import CostModel
+    from autotp.tracing.graph import TensorInfo
     from cost_models import load_profile
 
     cost = CostModel(MeshSpec.of((2,)), load_profile("cpu-gloo"), "inference")

@@ -1,4 +1,4 @@
-"""Pipeline stages at run time (autotp.runtime.pipeline): a plan made with ``pipeline=`` run as stages
+"""Pipeline stages at run time (autotp.runtime.pipeline.module): a plan made with ``pipeline=`` run as stages
 under torch.distributed.pipelining's schedules, against one process.
 
 The default suite cuts a graph into stages and runs them one after the other on one rank (the
@@ -250,9 +250,9 @@ def _cut_on_one_rank(model, example, plan, stack: str):
     ``plan`` cuts them: ``(stages, whole graph module, rewrite, unit of each node)``. Called in a rank."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.planning.stages import unit_of_nodes
+    from autotp.planning.search.stages import unit_of_nodes
+    from autotp.runtime.pipeline.stage_graphs import split_stages, stage_of_units
     from autotp.runtime.rewrite import GraphRewrite
-    from autotp.runtime.stage_graphs import split_stages, stage_of_units
     from autotp.runtime.state import register_state
 
     graph = autotp.capture(model, example)
@@ -291,7 +291,7 @@ def test_stages_run_one_after_the_other_compute_the_whole_graph():
                 owners.setdefault(n, []).append(s.index)
         # each layer as a unit FSDP2 can hold (what a data axis under ZeRO 1 or 3 runs): the layer's nodes
         # and the parameters only it reads moved into a submodule; the stages compute the same
-        from autotp.runtime.stage_units import group_stage_layers, model_name
+        from autotp.runtime.pipeline.stage_units import group_stage_layers, model_name
 
         layers = [f"model.layers.{i}" for i in range(4)]
         for s in stages:
@@ -375,7 +375,7 @@ def test_data_parallel_replicas_equal_one_process(name, pp, dp, tp, zero, recomp
     if zero:  # FSDP2 holds each parameter sharded over the data axis
         assert all("Shard" in str(p) for p in results[0][0]["placements"].values()), results[0][0]["placements"]
         # ... each layer one unit, the rest of its stage another, run as the search prices it
-        # (autotp/planning/pipeline_search.py): under ZeRO 1 each unit gathers once a step and
+        # (autotp/planning/search/pipeline_search.py): under ZeRO 1 each unit gathers once a step and
         # reduce-scatters once; under ZeRO 3 it gathers for each micro-batch's forward and backward and
         # reduce-scatters after each backward
         m = plan.pipeline.chosen.micro_batches
@@ -433,7 +433,7 @@ def test_inference_through_stages_that_draw_dropout_masks_is_refused():
     would apply it to inference whatever eval() says, so it refuses, before any rank runs anything."""
     from types import SimpleNamespace
 
-    from autotp.runtime.pipeline import PipelineModule
+    from autotp.runtime.pipeline.module import PipelineModule
 
     with pytest.raises(NotImplementedError, match=r"ShardedDropout: dropout.*mode='inference'"):
         PipelineModule.forward(SimpleNamespace(_draws=["ShardedDropout"]), input_ids=torch.zeros(2, 4))

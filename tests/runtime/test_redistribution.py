@@ -1,7 +1,7 @@
 """Every redistribution on a (2, 2) mesh gives each rank the shard it must hold, forward and backward.
 
 For every pair of placements ``src -> dst`` over R, P, S(0) and S(1) on both axes, four threaded
-ranks run the runtime's steps (:func:`autotp.planning.redistribute.conversion_steps`, executed by
+ranks run the runtime's steps (:func:`autotp.planning.costs.redistribute.conversion_steps`, executed by
 :class:`autotp.runtime.collectives.RedistributeStep`) on their piece of a known tensor, and the result is
 compared with the piece ``dst`` names, cut from the full tensor by ``autotp.runtime.shards.local_shard``
 (axis 0 splits first, then axis 1 splits each piece: DTensor's layout). A partial source holds the
@@ -50,8 +50,8 @@ def _every_pair(rank, world):
     """Each pair's result and input gradient on this rank (judged by the test, which sees all ranks)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    from autotp.planning.costs.redistribute import conversion_steps, is_convertible
     from autotp.runtime.collectives import RedistributeStep
-    from autotp.planning.redistribute import conversion_steps, is_convertible
 
     mesh = init_device_mesh("cpu", MESH, mesh_dim_names=("dp", "tp"))
     coordinate = mesh.get_coordinate()
@@ -111,7 +111,7 @@ def _simulate(src, dst, mesh, full):
     import math
 
     from autotp.placement import Placement
-    from autotp.planning.redistribute import conversion_steps
+    from autotp.planning.costs.redistribute import conversion_steps
     from autotp.runtime.shards import local_shard
 
     coords = list(itertools.product(*(range(n) for n in mesh)))
@@ -141,7 +141,7 @@ def test_every_redistribution_on_a_3d_mesh_lands_on_the_pieces_dst_names():
     holding the piece ``dst`` names (partial results judged by their sums); no step gathers or
     splits a dim that a later axis splits."""
     from autotp.placement import Placement
-    from autotp.planning.redistribute import conversion_steps, is_convertible
+    from autotp.planning.costs.redistribute import conversion_steps, is_convertible
     from autotp.runtime.shards import local_shard
 
     mesh = (2, 2, 2)

@@ -1,5 +1,5 @@
 """A loss that averages over valid targets, weighed across micro-batches as one process weighs it
-(autotp/runtime/token_counts.py): found in the traced graph, counted from the inputs alone, and the
+(autotp/runtime/pipeline/token_counts.py): found in the traced graph, counted from the inputs alone, and the
 weighed micro-batch losses sum to the batch's loss. The pipeline step that uses it runs in
 tests/runtime/test_pipeline_runtime.py (a right-padded batch with ignored labels)."""
 
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import autotp
-from autotp.runtime.pipeline import PipelineModule
-from autotp.runtime.token_counts import scale_factors, token_mean
+from autotp.runtime.pipeline.module import PipelineModule
+from autotp.runtime.pipeline.token_counts import scale_factors, token_mean
 
 
 class _Classifier(nn.Module):

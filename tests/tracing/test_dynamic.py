@@ -230,8 +230,9 @@ def test_greedy_generation_under_inference_mode_equals_one_process():
 
 
 def _with_given_plans(rank, world, static_plan, dynamic_plan):
-    import autotp
     from torch.distributed.device_mesh import init_device_mesh
+
+    import autotp
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     model = models.tiny_llama(n_layer=1)[0]
@@ -309,7 +310,7 @@ def test_a_slice_to_a_dynamic_length_is_not_the_whole_dim():
     """``pos[:T]`` equals ``pos`` at the example's T = 16 only: with T dynamic, splitting the sliced dim
     on both sides would give each rank 8 rows of ``pos`` for 4 rows of ``x`` at T = 8."""
     import autotp
-    from autotp.planning.strategies import all_strategies
+    from autotp.planning.choices.strategies import all_strategies
 
     choices = {}
     for dynamic_dims in (None, False):

@@ -47,8 +47,8 @@ __all__ = ["AxisChoice", "Rule", "BUILTIN", "register_rule", "unregister_rule", 
 Rule = Callable[[OpNode, int], Iterable[tuple[Sequence[Any], Any]]]
 
 # autotp's own rules by op name (a rule returning None leaves the node to the ones after); views,
-# pointwise ops, splits and factories are found by kind (autotp.planning.strategies), every other op in
-# DTensor's registry (autotp.planning.dtensor_rules).
+# pointwise ops, splits and factories are found by kind (autotp.planning.choices.strategies), every other op in
+# DTensor's registry (autotp.planning.choices.dtensor_rules).
 BUILTIN: dict[str, Callable[[OpNode, int], Optional[list[AxisChoice]]]] = {
     **contractions.RULES, **pointwise.RULES, **reductions.RULES, **joins.RULES, **indexing.RULES, **losses.RULES,
     **convolutions.RULES, **norms.RULES,

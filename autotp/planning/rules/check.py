@@ -50,8 +50,8 @@ def check_rule(op: Any, example_args: Sequence[Any], n: int = 2, seed: int = 0) 
     ``example_args`` are the op's positional arguments (tensors and plain values). Returns the
     strategies checked; raises :class:`RuleNotExact` naming each one whose pieces do not give the
     op's output (or whose pieces the op refuses), with the error."""
+    from autotp.planning.choices.strategies import node_strategies
     from autotp.planning.rules.inner import inner_collectives
-    from autotp.planning.strategies import node_strategies
     from autotp.tracing.export import capture
 
     args = tuple(example_args)

@@ -10,10 +10,10 @@ be smaller (the hidden states a token dispatch copies ``k`` times), or that is g
 for other readers anyway (then it costs nothing more).
 
 For each such strategy this adds a copy whose output is ``Rg`` on the axis: the value is ``R``, its
-gradient partial. The costs keep it consistent (:meth:`autotp.planning.costing.CostModel.edge_s`): every
+gradient partial. The costs keep it consistent (:meth:`autotp.planning.costs.costing.CostModel.edge_s`): every
 reader of an ``Rg`` output must return a partial gradient there (a whole one added to partial sums
 would be counted once per rank), a graph output is returned with a whole gradient, and the
-gradient reductions move to the reads of the node's own inputs (:mod:`autotp.planning.solver`).
+gradient reductions move to the reads of the node's own inputs (:mod:`autotp.planning.solve.solver`).
 
 Only training plans have them, and only nodes where they can lower the cost: one floating-point
 output that carries a gradient and is not a graph output, not an in-place op, every reader able to
@@ -61,7 +61,7 @@ def _may_pass(graph: OpGraph, node: OpNode, outputs: frozenset) -> bool:
 
 def partial_gradient_variants(graph: OpGraph, mesh_ndim: int, rep: Mapping[str, str],
                               strategies: Mapping[str, Sequence[Strategy]]) -> dict[str, list[Strategy]]:
-    """``strategies`` (per representative, as :func:`autotp.planning.tying.tie` groups the nodes) with, for the
+    """``strategies`` (per representative, as :func:`autotp.planning.choices.tying.tie` groups the nodes) with, for the
     nodes that may use them, a copy of each strategy replicated on an axis whose output is ``Rg``
     there, after the strategies it had. Tied nodes get them only if every node of the tie may."""
     outputs = frozenset(graph.outputs)

@@ -7,7 +7,7 @@ the elements of its piece that its piece of the mask selects), and along a dim t
 cover with the mask whole. The values must be one value (broadcast to every selected element):
 otherwise the k-th selected element takes the k-th value, and a rank cannot tell which are its
 own. Partial sums of ``x`` and the values together give partial sums. Integer indices alone are
-left to DTensor's rule (:mod:`autotp.planning.dtensor_rules`); a mask beside integer indices or another
+left to DTensor's rule (:mod:`autotp.planning.choices.dtensor_rules`); a mask beside integer indices or another
 mask runs whole (each index becomes a list of positions, and the lists pair up element by element:
 a rank's share of one list does not pair with another's).
 """

@@ -12,8 +12,8 @@ this way). The output is the loss itself, the same on every rank.
 dim split (no class weights, no label smoothing: each needs another sum over the classes).
 :func:`class_split_axes` says which mesh axes a strategy splits the classes over, and
 :func:`loss_collectives` what they run: the cost model prices them with the op
-(:meth:`autotp.planning.costing.CostModel.node_compute_s`), the program lists them
-(:func:`autotp.planning.program.program`), and the rewrite runs the op as
+(:meth:`autotp.planning.costs.costing.CostModel.node_compute_s`), the program lists them
+(:func:`autotp.planning.costs.program.program`), and the rewrite runs the op as
 :class:`autotp.runtime.losses.VocabParallelCrossEntropy`.
 """
 

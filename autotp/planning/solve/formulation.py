@@ -1,5 +1,5 @@
 """The ILP's variables, its choice rows and the seconds of a plan: one strategy per node, the
-redistributions between them, the gradient reductions. :mod:`autotp.planning.solver` adds the memory row
+redistributions between them, the gradient reductions. :mod:`autotp.planning.solve.solver` adds the memory row
 and activation recompute and solves it.
 
 Formulation (all costs in seconds, memory in bytes; ``r`` ranges over representative nodes after
@@ -50,10 +50,10 @@ from typing import Any, Mapping, Optional, Sequence
 import pulp
 
 from autotp.placement import Placement, Strategy, plain
-from autotp.planning.costing import INFEASIBLE_S, CostModel
-from autotp.planning.followers import merge_followers
-from autotp.planning.recompute import Layer
-from autotp.planning.redistribute import fused_axes, reduced_axes
+from autotp.planning.choices.followers import merge_followers
+from autotp.planning.costs.costing import INFEASIBLE_S, CostModel
+from autotp.planning.costs.recompute import Layer
+from autotp.planning.costs.redistribute import fused_axes, reduced_axes
 from autotp.tracing.aliasing import pinned_reads, read_versions
 from autotp.tracing.graph import OpGraph
 
@@ -101,7 +101,7 @@ class Formulation:
         self.step_terms: list = []
         self.mem_step: dict[str, list[float]] = {}
         self.memory_needed = False
-        # the gathered copies readers keep for the backward (autotp.planning.saved): bytes on a
+        # the gathered copies readers keep for the backward (autotp.planning.costs.saved): bytes on a
         # redistribution's variable, or folded into a node's choices (root -> bytes per strategy)
         self.copy_terms: list[tuple[float, pulp.LpVariable]] = []
         self.copy_mem: dict[str, list[float]] = {}
@@ -249,7 +249,7 @@ class Formulation:
     def _copies(self, pairs: Sequence[tuple[str, str]], k: int, outs: list, ins: list) -> dict[tuple, float]:
         """Per (output placement, requirement): the bytes the readers in ``pairs`` keep beyond their
         producers' outputs when they keep input ``k`` for the backward (a gathered copy:
-        :meth:`autotp.planning.costing.CostModel.copy_bytes`); empty where they keep nothing."""
+        :meth:`autotp.planning.costs.costing.CostModel.copy_bytes`); empty where they keep nothing."""
         saved = self.cost.kept.saved_reads if self.cost.kept is not None else ()
         infos = Counter(self.graph[v].input_infos[k] for _, v in pairs if (v, k) in saved)  # tied layers read alike
         kept: dict[tuple, float] = defaultdict(float)
@@ -472,7 +472,7 @@ _R = Placement("R")
 def _redistribution(p: tuple, requirement: tuple) -> tuple:
     """``(p, (q, fused))``: the redistribution from ``p`` that a read needing ``(q, grad_axes)``
     runs. Its steps depend on the gradient axes only where a gather absorbs the reduction
-    (:func:`autotp.planning.redistribute.fused_axes`); the program shares reads with the same one."""
+    (:func:`autotp.planning.costs.redistribute.fused_axes`); the program shares reads with the same one."""
     q, axes = requirement
     if q is None:
         return p, requirement

@@ -3,20 +3,20 @@
 ``autotp.plan(model, 64, inputs, pipeline=True)`` prices every layout of 64 devices as
 ``pp × dp × tp`` (ranks numbered row-major over ``(pp, dp, tp)``: the tensor axis holds neighbouring
 ranks and stays inside a node, ``tp`` dividing the profile's ``devices_per_node``), for every
-micro-batch size of a few, every schedule (:mod:`autotp.planning.schedules`), ZeRO stage and
+micro-batch size of a few, every schedule (:mod:`autotp.planning.search.schedules`), ZeRO stage and
 recompute choice, and keeps the layout of least predicted step that fits the memory budget:
 
 1. **One ILP per (tp, micro-batch).** The model is captured at the micro-batch's size and
    planned by the ILP on the tensor axis ``(tp,)`` with no memory bound (its fastest layout per
    layer: TP, sequence parallelism, where the batch splits). Layers of the stack are tied in the
    ILP, so every stage of a pipeline gets the same layer plan: identical stages are planned once.
-   :func:`autotp.planning.stages.unit_costs` reads that plan by unit (before the stack, each layer,
+   :func:`autotp.planning.search.stages.unit_costs` reads that plan by unit (before the stack, each layer,
    after it).
 2. **Stages.** The stack is cut into ``pp * v`` stages balanced by predicted time
-   (:func:`autotp.planning.stages.balanced_cut`), the embedding in the first, the head and loss in
+   (:func:`autotp.planning.search.stages.balanced_cut`), the embedding in the first, the head and loss in
    the last; stage ``s`` runs on pipeline rank ``s % pp``.
 3. **Data parallelism, priced per stage on its link, as the runtime runs it**: ZeRO 0 (gradients
-   all-reduced once per step in DDP's buckets, :mod:`autotp.planning.buckets`: each launched during
+   all-reduced once per step in DDP's buckets, :mod:`autotp.planning.costs.buckets`: each launched during
    the last micro-batch's backward once its gradients are made, so all but the last bucket's
    all-reduce can hide behind that backward's compute), or FSDP2 with each layer one unit and the
    rest of the stage another, parameters, gradients and optimizer state split over the data axis at the
@@ -28,7 +28,7 @@ recompute choice, and keeps the layout of least predicted step that fits the mem
    counted, the rest is; ZeRO 1's reduce-scatter after the last backward is exposed, as is ZeRO
    0's last bucket (and whatever of the others the last backward cannot hide).
 4. **The step**: the schedule's orders replayed with each stage's forward and backward seconds and
-   the sends between stages on the pipeline axis's link (:func:`autotp.planning.schedules.simulate`),
+   the sends between stages on the pipeline axis's link (:func:`autotp.planning.search.schedules.simulate`),
    plus each rank's once-per-step reductions, and the all-reduce over the pipeline axis of each
    weight that stages on two ranks hold (an embedding tied to the head). Memory per rank: its
    stages' state, the gradients they accumulate over the step's micro-batches (whole under ZeRO 0
@@ -37,26 +37,25 @@ recompute choice, and keeps the layout of least predicted step that fits the mem
    schedule frees them before the first backward); or, at the optimizer's step, state and gradients.
 
 Each candidate carries why it lost to the chosen one: memory, the bubble, communication or compute.
-``autotp.parallelize`` runs the chosen layout (:mod:`autotp.runtime.pipeline`; docs/limits.md says what it leaves out).
+``autotp.parallelize`` runs the chosen layout (:mod:`autotp.runtime.pipeline.module`; docs/limits.md says what it leaves out).
 """
 
 from __future__ import annotations
 
 import dataclasses
-
 import math
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from cost_models import HardwareProfile, axis_link_name, collective_time_s, send_time_s
-
-from autotp.planning.buckets import assign_buckets, exposed_all_reduce_s
-from autotp.planning.costing import CostModel
-from autotp.planning.schedules import held_bytes, timeline as step_timeline
-from autotp.planning.stages import UnitCost, balanced_cut, unit_costs
+from autotp.planning.costs.buckets import assign_buckets, exposed_all_reduce_s
+from autotp.planning.costs.costing import CostModel
+from autotp.planning.search.schedules import held_bytes
+from autotp.planning.search.schedules import timeline as step_timeline
+from autotp.planning.search.stages import UnitCost, balanced_cut, unit_costs
 from autotp.tracing.graph import PARAMETER
 from autotp.units import format_bytes
+from cost_models import HardwareProfile, axis_link_name, collective_time_s, send_time_s
 
 __all__ = ["Layout", "StageChoice", "PipelineChoice", "price_layout", "layouts", "layout_mesh", "search_layouts",
            "units_of_plan"]
@@ -274,7 +273,7 @@ def _prepare(layout: Layout, plan_units: _Units, profile: HardwareProfile) -> _P
             sizes = [plan_units.parameters[n][1] for n in ordered]
             buckets = [sum(sizes[j] for j in b) for b in assign_buckets(sizes)]
             step_end = exposed_all_reduce_s(buckets, lambda b: collective_time_s(dp_link, "all_reduce", b, dp), b_comp)
-        elif dp > 1:  # FSDP2 as the runtime runs it (autotp/runtime/stage_units.py): each layer of the stage one
+        elif dp > 1:  # FSDP2 as the runtime runs it (autotp/runtime/pipeline/stage_units.py): each layer of the stage one
             # unit, the rest of the stage (what comes before or after the stack) another; at the
             # optimizer's step every state sharded over the data axis
             at_step, o, t = (p + g) / dp, o / dp, t / dp
@@ -314,7 +313,7 @@ def _prepare(layout: Layout, plan_units: _Units, profile: HardwareProfile) -> _P
     peak = max(max(sum(state[k] + grads[k] for k in ks) + held[r] + sum(transient[k] for k in ks),
                    sum(state[k] + opt_step[k] for k in ks)) for r, ks in enumerate(mine))
     # a weight stages on several ranks hold (an embedding tied to the head): after the backward, its
-    # gradient summed over the pipeline axis, every rank of it taking part (autotp.runtime.pipeline)
+    # gradient summed over the pipeline axis, every rank of it taking part (autotp.runtime.pipeline.module)
     shard = dp if dp > 1 and layout.zero else 1  # ZeRO 1 and 3 hold a replica's piece of the gradient
     tied_s = sum(collective_time_s(pp_link, "all_reduce", plan_units.parameters[n][1] / shard, pp)
                  for n, ranks in holders.items() if len(ranks) > 1)

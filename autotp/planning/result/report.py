@@ -16,13 +16,13 @@ import re
 from collections import Counter, defaultdict
 from typing import TYPE_CHECKING
 
-from autotp.planning.explain import explain_replicated
-from autotp.planning.pipeline_search import layout_mesh
+from autotp.planning.result.explain import explain_replicated
+from autotp.planning.search.pipeline_search import layout_mesh
 from autotp.tracing.dynamic import in_input_terms
 from autotp.units import format_bytes
 
 if TYPE_CHECKING:
-    from autotp.planning.plan import Plan
+    from autotp.planning.result.plan import Plan
 
 __all__ = ["render"]
 
@@ -346,7 +346,7 @@ def _html(plan: "Plan") -> str:
 
 def render(plan: "Plan", fmt: str = "text", explain: bool = False) -> str:
     """``fmt``: "text" (the table a person reads), "json" (the saved plan) or "html"; ``explain``: the
-    text ends with why the replicated modules are (:func:`autotp.planning.explain.explain_replicated`)."""
+    text ends with why the replicated modules are (:func:`autotp.planning.result.explain.explain_replicated`)."""
     if fmt == "text":
         if explain:
             why = explain_replicated(plan)

@@ -15,13 +15,13 @@ parameter, buffer or input is alive anyway and counts nothing here. A ``reshape`
 :func:`kept_storages` reads this off a graph once: the nodes whose output storage the backward
 keeps, and the extra bytes an op keeps beside its inputs and output (the attention's log-sum-exp,
 per output element). The cost model prices a node's activations as its output's local bytes at
-its chosen placement when it is kept (:meth:`autotp.planning.costing.CostModel.node_memory`), and
+its chosen placement when it is kept (:meth:`autotp.planning.costs.costing.CostModel.node_memory`), and
 the backward's first gradients as twice each returned tensor (its gradient, and the one the first
 backward op makes of the same size: a logits-sized pair where the loss is outside). A reader that
 reads a kept input at another placement than its producer made keeps that copy too (a gathered
 input): :attr:`KeptStorages.saved_reads` lists those reads, and the cost model counts the copy's
 bytes beyond its source once per value and placement
-(:meth:`autotp.planning.costing.CostModel.copies_bytes`).
+(:meth:`autotp.planning.costs.costing.CostModel.copies_bytes`).
 
 >>> import torch, autotp
 >>> class MLP(torch.nn.Module):

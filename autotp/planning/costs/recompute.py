@@ -1,14 +1,14 @@
 """Activation recompute, as the planner sees it: which layers may recompute their activations.
 
-A chain of tied layers (:func:`autotp.planning.tying.find_chains`: ``layers.0`` … ``layers.31``) is where
+A chain of tied layers (:func:`autotp.planning.choices.tying.find_chains`: ``layers.0`` … ``layers.31``) is where
 recompute pays: every layer is alike, so the planner decides *how many* of a chain's ``L`` layers
-recompute (an integer ``k`` in the ILP, :mod:`autotp.planning.solver`), and the first ``k`` do. The first
+recompute (an integer ``k`` in the ILP, :mod:`autotp.planning.solve.solver`), and the first ``k`` do. The first
 ones, because backward reaches them last: by then the activations of every later layer are freed,
 so the one layer being recomputed never adds to the peak unless every layer recomputes.
 
 A recomputed layer keeps, of its activations, only those read outside it (the layer's output, which
 is the next layer's input); in the backward it runs its forward again, compute and forward
-collectives both (:func:`autotp.planning.program.program` lists those as phase ``"recompute"``). The runtime
+collectives both (:func:`autotp.planning.costs.program.program` lists those as phase ``"recompute"``). The runtime
 runs each recomputed layer as one checkpointed submodule (:mod:`autotp.runtime.recompute`).
 
 >>> import torch, autotp
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-from autotp.planning.tying import find_chains
+from autotp.planning.choices.tying import find_chains
 from autotp.tracing.aliasing import storage_roots, writes_in_place
 from autotp.tracing.graph import OpGraph
 
@@ -41,7 +41,7 @@ class Layer:
 def layer_chains(graph: OpGraph, chains_found: Sequence[Sequence[str]] | None = None) -> list[list[Layer]]:
     """The chains of tied layers that can recompute: each layer carries a gradient somewhere and can
     run as one call (nothing it reads from outside is computed from its own nodes). ``chains_found``:
-    :func:`autotp.planning.tying.find_chains`' answer, if already at hand."""
+    :func:`autotp.planning.choices.tying.find_chains`' answer, if already at hand."""
     paths_of = [tuple(paths) for paths in (find_chains(graph) if chains_found is None else chains_found)]
     wanted = {path for paths in paths_of for path in paths}
     members: dict[str, list[str]] = {path: [] for path in wanted}
@@ -100,8 +100,10 @@ def check_recompute(recompute: object) -> None:
 def recompute_saved_bytes(chains: Sequence[Sequence[Layer]], layers: Mapping[int, int],
                           activations: Mapping[str, float]) -> float:
     """Activation bytes per device that recomputing the first ``layers[g]`` layers of each chain ``g``
-    frees (:func:`autotp.planning.recompute_counts.freed_bytes`)."""
-    from autotp.planning.recompute_counts import freed_bytes  # noqa: PLC0415 - a module of numbers, no import cycle
+    frees (:func:`autotp.planning.costs.recompute_counts.freed_bytes`)."""
+    from autotp.planning.costs.recompute_counts import (  # noqa: PLC0415 - a module of numbers, no import cycle
+        freed_bytes,
+    )
 
     total = 0.0
     for g, k in layers.items():

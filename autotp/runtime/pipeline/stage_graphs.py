@@ -1,7 +1,7 @@
 """A rewritten graph cut into pipeline stages, and the values that cross the cuts.
 
 :func:`split_stages` cuts the whole graph, rewritten for the tensor-parallel sub-mesh, where a
-plan's stages end (:mod:`autotp.runtime.pipeline` says how): each node goes with the unit it was
+plan's stages end (:mod:`autotp.runtime.pipeline.module` says how): each node goes with the unit it was
 emitted for, a parameter's read with every stage that reads it. A stage's graph receives what
 crosses the cut in front of it and returns what crosses the cut after it.
 :func:`planned_values` gives the shape, dtype and gradient of each crossing value from the plan
@@ -19,7 +19,7 @@ import torch.fx
 from torch import nn
 
 from autotp.runtime.devices import mesh_device
-from autotp.runtime.stage_units import reads_state
+from autotp.runtime.pipeline.stage_units import reads_state
 
 __all__ = ["StageGraph", "attribute", "example_values", "planned_values", "split_stages",
            "stage_of_units"]
@@ -40,7 +40,7 @@ class StageGraph:
 
 def stage_of_units(stages: Sequence[Any], n_layers: int) -> list[int]:
     """The stage of each unit (0 before the stack, ``1 + i`` layer ``i``, ``n_layers + 1`` after),
-    from the plan's :class:`autotp.planning.pipeline_search.StageChoice` list."""
+    from the plan's :class:`autotp.planning.search.pipeline_search.StageChoice` list."""
     of = [-1] * (n_layers + 2)
     for s in stages:
         for i in range(s.first_layer, s.end_layer):

@@ -58,9 +58,8 @@ def search_meshes(devices: int, devices_per_node: int, plan_on: Callable[[tuple[
     """``plan_on(shape)`` for each of :func:`mesh_shapes`; the plan of least predicted step, carrying
     every candidate, best first. Raises the least-demanding :class:`MemoryBudgetError` when no shape
     has a plan that fits."""
+    from autotp.planning.solve.ilp import SolverError  # noqa: PLC0415
     from cost_models import axis_link_name  # noqa: PLC0415 - numbers only
-
-    from autotp.planning.ilp import SolverError  # noqa: PLC0415
 
     planned: list[tuple[tuple[int, ...], Any, Optional[Exception]]] = []
     for shape in mesh_shapes(devices):

@@ -12,7 +12,7 @@ the plan's collectives.
 
 Where to find an op's rules: a rule the user registered (:func:`autotp.register_rule`) first,
 then autotp's own (:mod:`autotp.planning.rules`, by op family), then DTensor's op-strategy registry
-(:mod:`autotp.planning.dtensor_rules`, the one module that reads DTensor internals, filtering the
+(:mod:`autotp.planning.choices.dtensor_rules`, the one module that reads DTensor internals, filtering the
 registry's answer to what is exact on local shards); an op neither knows is run replicated,
 with one warning per op kind. Own rules stay for the ops they cover because the registry's
 versions of those do not fit a runtime that runs each aten op on local pieces, or miss options:
@@ -26,7 +26,7 @@ know and pins the difference; every strategy from either source is checked exact
 (tests/planning/test_strategies.py, tests/planning/test_dtensor_rules.py).
 
 >>> import torch, autotp
->>> from autotp.planning.strategies import node_strategies
+>>> from autotp.planning.choices.strategies import node_strategies
 >>> g = autotp.capture(torch.nn.Linear(4, 8, bias=False), (torch.randn(2, 4),))
 >>> [str(s) for s in node_strategies(g, g.ops()[0], (2,))]
 ['(R, R) -> R', '(R, S(0)) -> S(1)', '(S(1), S(1)) -> P', '(S(0), R) -> S(0)', '(P, R) -> P']
@@ -41,14 +41,20 @@ from typing import Iterable, Optional, Sequence
 from autotp import ops
 from autotp.placement import R, S, Strategy, dim_divisor
 from autotp.planning.rules import BUILTIN, user_choices
-from autotp.tracing.aliasing import storage_roots, writes_in_place
-from autotp.tracing.graph import BUFFER, PARAMETER, OpGraph, OpNode
-from autotp.planning.rules.blocks import (block_counts, blocked_variants, cut_choices, parameter_variants, slice_range,
-                                 static_cut)
+from autotp.planning.rules.blocks import (
+    block_counts,
+    blocked_variants,
+    cut_choices,
+    parameter_variants,
+    slice_range,
+    static_cut,
+)
 from autotp.planning.rules.common import AxisChoice, divisible
 from autotp.planning.rules.pointwise import pointwise_choices
-from autotp.planning.rules.uneven import unit_counts, uneven_choices
+from autotp.planning.rules.uneven import uneven_choices, unit_counts
 from autotp.planning.rules.views import SPLITS, dim_map, split_choices, view_choices
+from autotp.tracing.aliasing import storage_roots, writes_in_place
+from autotp.tracing.graph import BUFFER, PARAMETER, OpGraph, OpNode
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +173,7 @@ def _choices(node: OpNode, n: int, warned: Optional[_Warned], graph: Optional[Op
     if len(node.inputs) == 1 and t in SPLITS:
         return split_choices(node, n)
     if graph is not None:
-        from autotp.planning.dtensor_rules import registry_axis_choices  # imports torch.distributed.tensor
+        from autotp.planning.choices.dtensor_rules import registry_axis_choices  # imports torch.distributed.tensor
 
         choices = registry_axis_choices(graph, node, n)
         if choices is not None:

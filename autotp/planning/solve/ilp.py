@@ -1,6 +1,6 @@
 """Running a PuLP problem: HiGHS (through ``highspy``) first, CBC as the fallback.
 
-The planner's formulation lives in :mod:`autotp.planning.solver`; this module only hands a built problem to
+The planner's formulation lives in :mod:`autotp.planning.solve.solver`; this module only hands a built problem to
 the solvers, with the options every solve uses (one thread, the relative gap ``MIP_GAP``, a time
 limit) and HiGHS' banner kept off stdout. ``AUTOTP_SOLVER_LOG=1`` shows the solver's log.
 """

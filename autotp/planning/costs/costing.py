@@ -17,10 +17,10 @@
   share a redistribution, the runtime adds their gradients at the placement they read, before the
   redistribution's backward: a gathered tensor's at full size, priced at the shard's. Pricing that
   exactly needs the additions keyed by redistribution, as the collectives are.)
-* An edge costs the collectives of :mod:`autotp.planning.redistribute` between the producer's output
+* An edge costs the collectives of :mod:`autotp.planning.costs.redistribute` between the producer's output
   placement and the placement the consumer needs, forward and (in train mode, for tensors that
   carry gradients) backward, and the local copies the runtime makes around them
-  (:func:`autotp.planning.redistribute.step_copies`: a step on a dim other than the first rearranges the
+  (:func:`autotp.planning.costs.redistribute.step_copies`: a step on a dim other than the first rearranges the
   tensor on each rank), each priced as a memory-bound kernel.
 * A **gradient reduction** is the backward ``all_reduce`` of a tensor that is replicated on an
   axis where a consumer works on shards: each rank then holds only a partial gradient. One
@@ -43,17 +43,28 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Mapping, Optional, Sequence, Union
 
-from cost_models import (HardwareProfile, OptimizerSpec, collective_time_s, compute_time_s, model_state_bytes,
-                         optimizer_spec)
-
 from autotp.mesh import MeshSpec
 from autotp.ops import CONVOLUTIONS
 from autotp.placement import Placement, R, Strategy, axis_divisor, plain, shard_divisor
+from autotp.planning.costs.redistribute import (
+    all_reduce_copies,
+    conversion,
+    is_convertible,
+    reorder_copies,
+    step_bytes,
+    step_copies,
+)
+from autotp.planning.costs.saved import forward_liveness, kept_storages
 from autotp.planning.rules.inner import inner_collectives
-from autotp.planning.saved import forward_liveness, kept_storages
 from autotp.tracing.graph import BUFFER, PARAMETER, OpGraph, OpNode, TensorInfo, dtype_bytes
-from autotp.planning.redistribute import (all_reduce_copies, conversion, is_convertible, reorder_copies, step_bytes,
-                                 step_copies)
+from cost_models import (
+    HardwareProfile,
+    OptimizerSpec,
+    collective_time_s,
+    compute_time_s,
+    model_state_bytes,
+    optimizer_spec,
+)
 
 __all__ = ["CostModel", "MemoryParts", "BACKWARD_FLOP_RATIO", "MODES"]
 
@@ -107,7 +118,7 @@ class CostModel:
         # one conversion per (shape, src, dst, partial-gradient axes), shared by the time and memory figures
         self._conversion = lru_cache(maxsize=None)(
             lambda shape, src, dst, axes: conversion(shape, src, dst, self.mesh.shape, axes))
-        # what the backward of the graph keeps (autotp.planning.saved); without a graph, every output
+        # what the backward of the graph keeps (autotp.planning.costs.saved); without a graph, every output
         # that needs a gradient is priced as kept (an upper bound)
         self.kept = kept_storages(graph) if graph is not None and self.train else None
         self._returned = frozenset(graph.outputs) if graph is not None else frozenset()
@@ -176,7 +187,7 @@ class CostModel:
 
     def grad_reduce_s(self, info: TensorInfo, placements: Sequence[Placement], axis: int) -> float:
         """Backward all_reduce over ``axis`` of the gradient of a tensor held with ``placements``, and
-        the clone of the gradient it reduces into (:func:`autotp.planning.redistribute.all_reduce_copies`)."""
+        the clone of the gradient it reduces into (:func:`autotp.planning.costs.redistribute.all_reduce_copies`)."""
         if not self.train:
             return 0.0
         return self._grad_reduce_cached(info, tuple(placements), axis)
@@ -303,7 +314,7 @@ class CostModel:
 
     def forward_peak_bytes(self, graph: OpGraph, chosen: Mapping[str, Strategy]) -> float:
         """The most bytes of op outputs alive at once in a forward without autograd, under the
-        strategies ``chosen`` (:func:`autotp.planning.saved.forward_liveness`)."""
+        strategies ``chosen`` (:func:`autotp.planning.costs.saved.forward_liveness`)."""
         return forward_liveness(graph).peak(lambda r: self.alive_bytes(graph[r], chosen[r]))
 
     def copy_bytes(self, info: TensorInfo, produced: Sequence[Placement], read: Optional[Sequence[Placement]]) -> float:

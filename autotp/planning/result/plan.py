@@ -18,20 +18,19 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional
 
-from cost_models import HardwareProfile, OptimizerSpec
-
 from autotp import ops
 from autotp.mesh import MeshSpec
 from autotp.placement import Strategy, dim_divisor, format_placements
+from autotp.planning.costs.program import Collective
 from autotp.planning.errors import PlanError
-from autotp.planning.explain import ExplainContext, explain
-from autotp.planning.mesh_search import MeshCandidate
-from autotp.planning.pipeline_search import PipelineChoice
-from autotp.planning.program import Collective
-from autotp.planning.report import render
+from autotp.planning.result.explain import ExplainContext, explain
+from autotp.planning.result.report import render
+from autotp.planning.search.mesh_search import MeshCandidate
+from autotp.planning.search.pipeline_search import PipelineChoice
 from autotp.tracing.dynamic import Divisibility, DynamicDim
-from autotp.tracing.graph import BUFFER, INPUT, OpGraph, PARAMETER
+from autotp.tracing.graph import BUFFER, INPUT, PARAMETER, OpGraph
 from autotp.words import with_article
+from cost_models import HardwareProfile, OptimizerSpec
 
 __all__ = ["Plan", "PlannedInput", "PredictedTime", "MemoryPerDevice", "SolveStats", "ModuleChoice", "load_plan"]
 
@@ -182,10 +181,10 @@ class Plan:
     hardware_source: str = "given"
     # buffers by name -> placements, for those the plan stores split (a KV cache by heads); others are whole
     buffer_placements: Mapping[str, str] = field(default_factory=dict)
-    # given a device count, the mesh shapes the search planned, best first (autotp/planning/mesh_search.py)
+    # given a device count, the mesh shapes the search planned, best first (autotp/planning/search/mesh_search.py)
     mesh_search: tuple[MeshCandidate, ...] = ()
     # pipeline=True: the layout chosen in three dimensions, its stages and the candidates priced
-    # (autotp/planning/pipeline_search.py); this plan is then its stages' tensor-parallel plan
+    # (autotp/planning/search/pipeline_search.py); this plan is then its stages' tensor-parallel plan
     pipeline: Optional[PipelineChoice] = None
     _strategies: Mapping[str, Strategy] = field(default=None, repr=False)  # type: ignore[assignment]
     # the captured graph and the planner's arguments, for explain() (a plan made in this process)
@@ -241,7 +240,7 @@ class Plan:
 
     def explain(self, module: str):
         """Why ``module`` is split as it is: each placement its largest weight could have, with the step
-        time, collectives and memory of the best plan that stores it so (:mod:`autotp.planning.explain`)."""
+        time, collectives and memory of the best plan that stores it so (:mod:`autotp.planning.result.explain`)."""
         return explain(self, module)
 
     def storage_pins(self, graph: OpGraph) -> dict[str, str]:
@@ -346,7 +345,7 @@ class Plan:
             for placements, info in zip(strat.inputs, node.input_infos):
                 self._check_even(node.name, node.target, placements, info.shape, mesh)
         if self.recompute:
-            from autotp.planning.recompute import layer_chains
+            from autotp.planning.costs.recompute import layer_chains
 
             layers = {layer.path for chain in layer_chains(graph) for layer in chain}
             unknown = [path for path in self.recompute if path not in layers]

@@ -1,4 +1,4 @@
-"""The ILP that picks one strategy per node: :mod:`autotp.planning.formulation` builds its choice rows and
+"""The ILP that picks one strategy per node: :mod:`autotp.planning.solve.formulation` builds its choice rows and
 prices each plan's seconds (compute, redistributions, gradient reductions); here are the memory
 row and activation recompute, and the solve.
 
@@ -6,7 +6,7 @@ In the same notation (``r`` a representative node, ``m_r`` the nodes it stands f
 
 * **memory**: one row per phase of a step where the memory peaks, each ``≤ budget``: the
   backward's start, ``Σ_r m_r Σ_s start(r,s) x[r,s]`` (parameters, optimizer state, the activations
-  the backward keeps, :mod:`autotp.planning.saved`, and the first gradients: no parameter's
+  the backward keeps, :mod:`autotp.planning.costs.saved`, and the first gradients: no parameter's
   gradient exists yet), and in training the optimizer's step, ``Σ_r m_r Σ_s step(r,s) x[r,s]``
   (parameters, optimizer state, every gradient, the step's temporaries; no activation). A peak is
   the larger of the two, and both at most the budget is the peak at most the budget. Added only
@@ -15,14 +15,14 @@ In the same notation (``r`` a representative node, ``m_r`` the nodes it stands f
   that states the least peak of any plan (a solve minimizing the larger row, with all layers but
   one recomputing and with none, each with the plan's time limit and solved again for longer where
   that stops it before it proves the least) plus the margin: the least budget a plan fits.
-* **recompute** (training; :mod:`autotp.planning.recompute`): per chain ``g`` of ``L`` tied layers, how many
+* **recompute** (training; :mod:`autotp.planning.costs.recompute`): per chain ``g`` of ``L`` tied layers, how many
   layers ``k_g`` recompute their activations (the first ``k_g``). With ``k_g`` fixed the problem
   stays linear and as tight as without: the objective adds ``k_g`` times the layer's forward
   seconds per root strategy and ``k_g`` times the forward part of each redistribution read inside
   the layer (on its product or shared-read variable); the backward's row takes ``k_g`` times the
   activations the layer need not keep (all but those read outside it) off, and adds one layer's
   activations back when every layer recomputes (that layer runs again while all others still hold
-  their inputs). The counts are searched outside the ILP (:mod:`autotp.planning.recompute_counts`): one exact solve
+  their inputs). The counts are searched outside the ILP (:mod:`autotp.planning.costs.recompute_counts`): one exact solve
   per count, from the least that can fit the budget upwards. (A count as an integer variable with
   exact products ``v = k x`` left the LP bound 30% below the optimum on a 2-layer Llama, and the
   solve 20 times slower than without recompute.) Only when the budget binds: a plan that fits
@@ -42,13 +42,13 @@ from typing import Mapping, Optional, Sequence
 import pulp
 
 from autotp.placement import Strategy
-from autotp.planning.costing import CostModel
+from autotp.planning.costs.costing import CostModel
+from autotp.planning.costs.recompute import Layer
+from autotp.planning.costs.recompute_counts import all_but_one, candidates, freed_bytes, least_bytes, search
+from autotp.planning.costs.saved import forward_liveness
 from autotp.planning.errors import MemoryBudgetError
-from autotp.planning.formulation import OBJECTIVE_SCALE, Formulation
-from autotp.planning.ilp import MIP_GAP, SolverError, solve_with_first_solver
-from autotp.planning.recompute import Layer
-from autotp.planning.recompute_counts import all_but_one, candidates, freed_bytes, least_bytes, search
-from autotp.planning.saved import forward_liveness
+from autotp.planning.solve.formulation import OBJECTIVE_SCALE, Formulation
+from autotp.planning.solve.ilp import MIP_GAP, SolverError, solve_with_first_solver
 from autotp.tracing.graph import OpGraph
 from autotp.units import format_bytes, format_bytes_pair
 
@@ -219,7 +219,7 @@ class _Problem(Formulation):
         return found
 
     def _forward_steps(self) -> list[dict[str, list[float]]]:
-        """In inference, the forward's fullest steps (:func:`autotp.planning.saved.forward_liveness`;
+        """In inference, the forward's fullest steps (:func:`autotp.planning.costs.saved.forward_liveness`;
         the :data:`FORWARD_STEPS` fullest with every tensor whole): per step, per root, the bytes
         its strategies leave alive then."""
         if self.cost.train:
@@ -317,7 +317,7 @@ class _Problem(Formulation):
         return sum(min(v) for v in self._layer_parts(g)[0].values())
 
     def least_bytes(self, counts: Mapping[int, int]) -> float:
-        """The least memory any plan needs with ``counts`` (:func:`autotp.planning.recompute_counts.least_bytes`
+        """The least memory any plan needs with ``counts`` (:func:`autotp.planning.costs.recompute_counts.least_bytes`
         at the backward's start; the optimizer's step needs at least its own least)."""
         return max(least_bytes(self.mem, {g: self._layer_parts(g) for g in self.chains}, self.lengths, counts),
                    sum(min(v) for v in self.mem_step.values()))
@@ -443,7 +443,7 @@ def _objective_s(f: _Problem) -> float:
 
 
 def _with_recompute(f: _Problem, deadline: float, budget: Optional[float], unconstrained_s: float) -> tuple:
-    """The best plan over recompute counts (:func:`autotp.planning.recompute_counts.search`), one exact solve each,
+    """The best plan over recompute counts (:func:`autotp.planning.costs.recompute_counts.search`), one exact solve each,
     from the least count that can fit, and how many counts the deadline left unsolved. ``unconstrained_s`` plus the cheapest forward of the layers
     recomputed bounds a count's plan from below."""
 

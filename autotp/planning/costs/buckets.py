@@ -6,7 +6,7 @@ backward makes the last layer's gradients first), each bucket closed once it hol
 or more, or where the next parameter belongs elsewhere (another stage or dtype). Each bucket's
 all-reduce is launched as soon as its last gradient is made, during the backward, one after the
 other. The runtime (:mod:`autotp.runtime.bucket_reducer`) and the pricing
-(:mod:`autotp.planning.pipeline_search`) both read this module, so what is priced is what runs.
+(:mod:`autotp.planning.search.pipeline_search`) both read this module, so what is priced is what runs.
 
 >>> assign_buckets([10, 10, 10, 10], bucket_bytes=20)
 ((3, 2), (1, 0))

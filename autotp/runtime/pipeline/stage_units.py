@@ -1,6 +1,6 @@
 """A pipeline stage's layers as units: the submodules its recompute and FSDP2 wrap.
 
-A stage's graph (:mod:`autotp.runtime.pipeline`) is one flat ``torch.fx`` graph. The layout's
+A stage's graph (:mod:`autotp.runtime.pipeline.module`) is one flat ``torch.fx`` graph. The layout's
 recompute and FSDP2 (ZeRO 1 and 3 over the data axis) both need each layer of the stack as a module
 the graph calls: :func:`group_stage_layers` moves each layer's nodes there
 (:func:`autotp.runtime.recompute.group_layers`), with the parameters and buffers only that layer
@@ -44,7 +44,7 @@ def _state_of_one_layer(gm: torch.fx.GraphModule, layer_of: Mapping[torch.fx.Nod
 def group_stage_layers(sg: torch.fx.GraphModule, origin: Mapping[str, str], unit: Mapping[str, int],
                        layer_paths: Sequence[str], recompute: bool, with_state: bool) -> None:
     """Each layer of the stack in the stage's graph ``sg`` moved into a submodule its graph calls
-    (``origin``, ``unit``: as for :func:`autotp.runtime.stage_graphs.split_stages`): a ``Recompute``
+    (``origin``, ``unit``: as for :func:`autotp.runtime.pipeline.stage_graphs.split_stages`): a ``Recompute``
     where the layout recomputes, else a ``Layer``. ``with_state``: the parameters and buffers only that layer reads move with it
     (FSDP2 then shards each layer as a unit); they are named ``autotp_pipeline_..._i.body.<name in the
     model>`` (:func:`model_name` reads the model's name back)."""

@@ -3,7 +3,7 @@
 This is the only module of autotp that reads ``torch.distributed.tensor`` internals (the sharding
 propagator, ``OpSchema``, ``OpStrategy``, ``DTensorSpec``, the single-mesh-dim strategy functions),
 so a PyTorch upgrade that moves them touches this file alone. It answers one question for
-:mod:`autotp.planning.strategies`: which single-axis choices does DTensor know for this op node, on an
+:mod:`autotp.planning.choices.strategies`: which single-axis choices does DTensor know for this op node, on an
 axis of ``n`` ranks?
 
 How: the op's ``OpOverload`` is found from the node's target name, and its arguments are the

@@ -10,7 +10,7 @@ the loss on the last stage, the gradients on every stage's shards) and a forward
 
 How a graph becomes stages: the whole graph is rewritten once for the tensor-parallel sub-mesh;
 each node of the result goes with the unit it was emitted for (before the stack, a layer, after
-it: :func:`autotp.planning.stages.unit_of_nodes`), a parameter's read with every stage that reads
+it: :func:`autotp.planning.search.stages.unit_of_nodes`), a parameter's read with every stage that reads
 it, and the units with the stage that runs them. A stage's graph receives what crosses the cut in front of
 it and returns what crosses the cut after it: every value made at or before the stage and read
 after it (the residual stream; a mask or rotary table made before the stack, passed on by the
@@ -43,14 +43,20 @@ import torch
 import torch.fx
 from torch import nn
 
-from autotp.planning.pipeline_search import layout_mesh
+from autotp.planning.search.pipeline_search import layout_mesh
 from autotp.runtime.bucket_reducer import BucketReducer
 from autotp.runtime.devices import mesh_device, wrong_device
-from autotp.runtime.stage_graphs import (StageGraph, attribute, example_values, planned_values,
-                                         split_stages, stage_of_units)
-from autotp.runtime.stage_units import fsdp_units, group_stage_layers, model_name, shard_over_replicas
+from autotp.runtime.pipeline.stage_graphs import (
+    StageGraph,
+    attribute,
+    example_values,
+    planned_values,
+    split_stages,
+    stage_of_units,
+)
+from autotp.runtime.pipeline.stage_units import fsdp_units, group_stage_layers, model_name, shard_over_replicas
+from autotp.runtime.pipeline.token_counts import TokenMean, scale_factors, token_mean
 from autotp.runtime.state import put
-from autotp.runtime.token_counts import TokenMean, scale_factors, token_mean
 
 __all__ = ["PipelineModule", "build_pipeline_module", "mesh_problem", "SCHEDULES"]
 
@@ -246,7 +252,7 @@ class PipelineModule(nn.Module):
 
     def _loss_factors(self, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
         """What this replica's micro-batches' mean losses are multiplied by so that their sum over the
-        micro-batches and replicas is one process's loss (:mod:`autotp.runtime.token_counts`), or None
+        micro-batches and replicas is one process's loss (:mod:`autotp.runtime.pipeline.token_counts`), or None
         where the model's loss is no mean over valid targets. Every rank counts the whole batch it is
         given (no collective); a loss that cannot be so weighed is refused on every rank alike where
         its micro-batches hold unequal counts."""
@@ -378,7 +384,7 @@ def build_pipeline_module(graph: Any, plan: Any, mesh: Any, model: nn.Module, ex
     device mesh with axes named ``pp`` and ``tp`` (``(pp, tp)``: the plan's stages by the tensor
     axis), from ``graph``, the model captured at the plan's micro-batch size, and ``example_flat``,
     one micro-batch of inputs, flat in the graph's order."""
-    from autotp.planning.stages import unit_of_nodes
+    from autotp.planning.search.stages import unit_of_nodes
     from autotp.runtime.rewrite import GraphRewrite
     from autotp.runtime.state import register_state
 

@@ -25,10 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from autotp.planning.costing import CostModel
-from autotp.planning.program import program
-from autotp.planning.recompute import recomputed_nodes
 from autotp.placement import Strategy
+from autotp.planning.costs.costing import CostModel
+from autotp.planning.costs.program import program
+from autotp.planning.costs.recompute import recomputed_nodes
 from autotp.tracing.graph import BUFFER, INPUT, PARAMETER, OpGraph
 
 __all__ = ["UnitCost", "unit_costs", "balanced_cut"]

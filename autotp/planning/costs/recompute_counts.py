@@ -1,6 +1,6 @@
 """How many layers of each stack recompute: the counts worth trying and the search over them.
 
-With the counts fixed the planner's ILP stays linear (:meth:`autotp.planning.solver._Problem.fix_recompute`);
+With the counts fixed the planner's ILP stays linear (:meth:`autotp.planning.solve.solver._Problem.fix_recompute`);
 this module chooses the counts to solve for and keeps the best plan. It knows a layer only by the
 per-strategy figures the solver hands it (``parts``: per root, the bytes a layer keeps and the bytes
 recompute frees), never the graph.

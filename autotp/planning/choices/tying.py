@@ -144,7 +144,7 @@ def find_repeats(graph: OpGraph) -> dict[str, str]:
 
 def find_chains(graph: OpGraph) -> list[tuple[str, ...]]:
     """The module paths of every chain of tied layers (two or more), in graph order: the layers
-    that activation recompute may choose (:mod:`autotp.planning.recompute`).
+    that activation recompute may choose (:mod:`autotp.planning.costs.recompute`).
 
     >>> import torch, autotp
     >>> m = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
 from autotp.placement import format_placements
+from autotp.planning.choices.strategies import all_strategies
 from autotp.planning.errors import MemoryBudgetError, PlanError
-from autotp.planning.strategies import all_strategies
 from autotp.tracing.graph import OpGraph
 from autotp.units import format_bytes
 
 if TYPE_CHECKING:
-    from autotp.planning.plan import Plan
+    from autotp.planning.result.plan import Plan
 
 __all__ = ["Alternative", "Explanation", "ExplainContext", "explain", "explain_replicated"]
 

@@ -6,7 +6,7 @@ tensor replicated on that axis while working on shards there, or while its own o
 is partial, ``Rg``). Reads of one producer with the same
 ``q`` share one redistribution, and reads that also share ``grad_axes`` share one gradient
 reduction; where the read gathers on a gradient axis, the gather's backward reduce-scatters the
-partial gradient instead (:func:`autotp.planning.redistribute.fused_axes`); where the producer's output is
+partial gradient instead (:func:`autotp.planning.costs.redistribute.fused_axes`); where the producer's output is
 ``Rg``, no reduction runs there: the producer passes the partial gradient on to its own inputs. The runtime executes exactly this
 program: :func:`collectives` lists its collectives and :func:`local_copies` the copy kernels around
 them, so the plan's collectives are the ones that run and its predicted time prices both.
@@ -19,11 +19,18 @@ from typing import Collection, Mapping, Optional
 
 from autotp.mesh import MeshSpec
 from autotp.placement import Placement, R, Strategy, shard_divisor
+from autotp.planning.costs.redistribute import (
+    all_reduce_copies,
+    conversion,
+    fused_axes,
+    reduced_axes,
+    reorder_copies,
+    step_bytes,
+    step_copies,
+)
+from autotp.planning.rules.inner import inner_collectives
 from autotp.tracing.aliasing import read_versions
 from autotp.tracing.graph import OpGraph, OpNode
-from autotp.planning.rules.inner import inner_collectives
-from autotp.planning.redistribute import (all_reduce_copies, conversion, fused_axes, reduced_axes, reorder_copies, step_bytes,
-                                 step_copies)
 from autotp.units import format_bytes
 
 __all__ = ["Read", "Collective", "LocalCopy", "read_key", "reads", "collectives", "local_copies", "program", "OUTPUT"]
@@ -74,8 +81,8 @@ class Collective:
 @dataclass(frozen=True)
 class LocalCopy:
     """One copy kernel on each rank around a redistribution over ``mesh_axis`` of node ``at``:
-    ``bytes`` read plus written (:func:`autotp.planning.redistribute.step_copies`, and for a gradient reduction
-    :func:`autotp.planning.redistribute.all_reduce_copies`)."""
+    ``bytes`` read plus written (:func:`autotp.planning.costs.redistribute.step_copies`, and for a gradient reduction
+    :func:`autotp.planning.costs.redistribute.all_reduce_copies`)."""
 
     phase: str
     mesh_axis: str
@@ -109,7 +116,7 @@ def collectives(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, 
 
 def local_copies(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, train: bool) -> list[LocalCopy]:
     """The copy kernels the redistributions and gradient reductions run on each rank
-    (:func:`autotp.planning.redistribute.step_copies`), forward then backward, in program order."""
+    (:func:`autotp.planning.costs.redistribute.step_copies`), forward then backward, in program order."""
     return program(graph, chosen, mesh, train)[1]
 
 
@@ -117,7 +124,7 @@ def program(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, trai
             recomputed: Collection[str] = ()) -> tuple[list[Collective], list[LocalCopy]]:
     """Both lists of one step at once: :func:`collectives` and :func:`local_copies`.
 
-    ``recomputed``: the nodes of layers that recompute (:mod:`autotp.planning.recompute`); a redistribution
+    ``recomputed``: the nodes of layers that recompute (:mod:`autotp.planning.costs.recompute`); a redistribution
     first read by one of them runs again in the backward, its forward collectives and copies listed
     once more with phase ``"recompute"``."""
     rec: list[Collective] = []
@@ -187,7 +194,7 @@ def program(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, trai
         if reduce_axes and key not in done_reduce:
             done_reduce.add(key)
             for a in reduce_axes:
-                # the largest piece the other axes leave (autotp.planning.costing.CostModel.grad_reduce_s)
+                # the largest piece the other axes leave (autotp.planning.costs.costing.CostModel.grad_reduce_s)
                 size = info.nbytes / shard_divisor(info.shape, [pl for b, pl in enumerate(r.placements) if b != a],
                                                    [n for b, n in enumerate(mesh.shape) if b != a])
                 bwd.append(Collective("all_reduce", "backward", mesh.axis_names[a], size, r.producer))

@@ -1,0 +1,9 @@
+"""What an op can take: a traced graph in, each node's strategies (placements of its inputs and
+output on every mesh axis) out, with the nodes that share variables found.
+
+- ``strategies``     per node, the strategies it can take on each mesh axis: the user's rules, the
+                     op families' rules (``autotp/planning/rules/``), DTensor's for the rest
+- ``dtensor_rules``  DTensor's op-strategy registry, behind one adapter, for the ops left over
+- ``followers``      views merged into the op they follow, before the integer program
+- ``tying``          repeated layers found, to share one set of the integer program's variables
+"""
