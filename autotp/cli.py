@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --devices, train mode: price pipeline stages x data x tensor parallel layouts too "
                         "(micro-batches, schedule, ZeRO stage, recompute); the report lists them and names the mesh "
                         "autotp.parallelize runs the saved plan on, ('pp', 'tp') or ('pp', 'dp', 'tp') "
-                        "(docs/guide.md, \"Pipeline stages, data and tensor parallelism\")")
+                        "(docs/pipelines.md#pipeline-stages-data-and-tensor-parallelism-priced-together)")
     p.add_argument("--axis-names", default=None, help="comma-separated axis names (default tp, or dp,tp for 2 axes)")
     p.add_argument("--hardware", default=None,
                    help=f"built-in profile name ({', '.join(builtin_profile_names())}) or a profile JSON path "

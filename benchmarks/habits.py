@@ -7,7 +7,7 @@ calls ``autotp.parallelize`` itself (threads of one process, their traces taken 
 ``tests/helpers/turns.py``; the pipeline on 2 gloo processes), under a plan made with a memory budget
 5% above the least one, so that the plan must shard. A cell says ``exact`` (with the largest
 difference, as a fraction of the largest reference value), ``WRONG`` with the first value that
-differs, or the error raised, whose text docs/limits.md names. Columns:
+differs, or the error raised, whose text a Limits section of docs/ names. Columns:
 
 * ``padded``: a training step on a right-padded batch (row 2 holds 9 tokens of 16, its
   ``attention_mask`` zero after them) with the padding's labels ``-100``: the model's own loss and

@@ -189,11 +189,11 @@ def test_the_habits_matrix_runs_its_padded_and_bf16_columns_on_a_representative_
 
 
 def _documented_matrix() -> dict[tuple[str, str], str]:
-    """docs/benchmarks.md's habits table, by (row, column header): each cell's verdict (its text before
+    """docs/coverage.md's habits table, by (row, column header): each cell's verdict (its text before
     the figures in brackets)."""
     import pathlib
 
-    text = (pathlib.Path(__file__).parent.parent / "docs" / "benchmarks.md").read_text()
+    text = (pathlib.Path(__file__).parent.parent / "docs" / "coverage.md").read_text()
     section = text.split("## Habits: the zoo as a matrix", 1)[1].split("\n## ", 1)[0]
     cells: dict[tuple[str, str], str] = {}
     for table in section.split("\n\n"):
@@ -210,7 +210,7 @@ def test_every_cell_of_the_documented_habits_matrix_is_what_a_run_sees():
     from benchmarks import habits, zoo, zoo_vision
 
     documented = _documented_matrix()
-    assert documented, "docs/benchmarks.md has no habits table"
+    assert documented, "docs/coverage.md has no habits table"
     by_header = {v: k for k, v in habits.HEADERS.items()}
     archs = {a.name: a for a in zoo.ARCHS}
     entries = {e.name: e for e in zoo_vision.ENTRIES}

@@ -57,7 +57,7 @@ class GenerateOptions:
             if name in given and given.pop(name) != plain:
                 raise NotImplementedError(f"generate({name}=...): autotp's generate runs greedy decoding or sampling, "
                                           f"one sequence per prompt; {name} other than {plain!r} is not supported "
-                                          f"(docs/limits.md)")
+                                          f"(docs/serving.md#limits)")
         unknown = sorted(set(given) - _TAKEN)
         if unknown:
             raise TypeError(f"generate() got {', '.join(unknown)}, which autotp's generate does not take; it takes "
@@ -67,7 +67,8 @@ class GenerateOptions:
         if merged.guidance_scale not in (None, 1.0):
             where = "given" if "guidance_scale" in given else "the model's generation_config asks for it"
             raise NotImplementedError(f"guidance_scale={merged.guidance_scale} ({where}): classifier-free guidance "
-                                      f"is not supported by autotp's generate (docs/limits.md); leave it at None")
+                                      f"is not supported by autotp's generate (docs/serving.md#limits); leave it at "
+                                      f"None")
         new = given.get("max_new_tokens")
         if new is None:
             new = merged.max_new_tokens if merged.max_new_tokens is not None else merged.max_length - prompt_len

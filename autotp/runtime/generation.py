@@ -180,8 +180,8 @@ def _untraceable(skeleton: nn.Module, err: CaptureError) -> NotImplementedError:
     return NotImplementedError(
         f"generate() of {type(skeleton).__name__}: autotp could not trace its forward over a static KV cache "
         f"(transformers' StaticCache, traced once for the prompt and once for a decoded token){why}; autotp's "
-        f"generate does not support this model (docs/limits.md). The parallel module's forward is unaffected. "
-        f"The trace's error: {type(cause).__name__}: {text}")
+        f"generate does not support this model (docs/serving.md#limits). The parallel module's forward is "
+        f"unaffected. The trace's error: {type(cause).__name__}: {text}")
 
 
 def _position_limit(module: nn.Module, config: Any, max_cache_len: Optional[int]) -> Optional[int]:

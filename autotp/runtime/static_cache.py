@@ -69,7 +69,7 @@ def check_key_value_cache(skeleton: nn.Module) -> None:
             f"generate() of {type(skeleton).__name__}: its layers {named}{more} keep a convolution or recurrent "
             f"(state-space, linear-attention) state in transformers' cache, beside attention keys and values; "
             f"autotp's generate holds attention keys and values only (a static cache split by heads), so it does "
-            f"not generate with this model (docs/limits.md). The parallel module's forward is unaffected")
+            f"not generate with this model (docs/serving.md#limits). The parallel module's forward is unaffected")
 
 
 def _text_config(model: nn.Module) -> Any:
@@ -184,7 +184,7 @@ def with_encoder_decoder_cache(skeleton: nn.Module, batch: int, max_cache_len: i
     if not all(getattr(layer, "is_initialized", False) for layer in cache.cross_attention_cache.layers):
         raise NotImplementedError(f"{type(skeleton).__name__}: its decoder did not fill a cross-attention cache of "
                                   f"transformers' EncoderDecoderCache, which autotp's generate splits; this model "
-                                  f"cannot generate with autotp (docs/limits.md)")
+                                  f"cannot generate with autotp (docs/serving.md#limits)")
     slots = (_register(decoder, cache.self_attention_cache, f"{CACHE_PREFIX}self_", device)
              + _register(decoder, cache.cross_attention_cache, f"{CACHE_PREFIX}cross_", device))
 

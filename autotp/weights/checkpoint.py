@@ -181,7 +181,7 @@ def _check_sizable(module: nn.Module) -> None:
             f"this pipeline module runs under FSDP2 (ZeRO {module.plan.pipeline.chosen.zero}) and its plan splits "
             f"{', '.join(odd[:3])}{' and more' if len(odd) > 3 else ''} unevenly (whole heads the tensor axis does not "
             f"divide, or unequal blocks), which a checkpoint cannot size yet: plan with pipeline={{'zero': 0}}, or a "
-            f"tensor axis that divides the heads (docs/limits.md)")
+            f"tensor axis that divides the heads (docs/pipelines.md#what-the-runtime-does-not-do)")
 
 
 def _dtensor_cannot_size(p) -> bool:

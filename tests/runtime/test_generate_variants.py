@@ -171,7 +171,7 @@ def test_a_cache_of_convolution_or_recurrent_states_is_refused_by_its_layers(nam
         check_key_value_cache(model)
     message = str(err.value)
     assert f"{type(model).__name__}: its layers {layers} keep a convolution or recurrent" in message, message
-    assert "autotp's generate holds attention keys and values only" in message and "docs/limits.md" in message
+    assert "autotp's generate holds attention keys and values only" in message and "docs/serving.md#limits" in message
 
 
 def test_a_cache_of_keys_and_values_alone_is_not_refused():

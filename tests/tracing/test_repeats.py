@@ -152,7 +152,8 @@ def test_unrolled_capture_time_does_not_grow_with_depth():
 
 
 class MiddleDiffers(nn.Module):
-    """Layer 2 of 5 branches on its index: the three traced layers cannot show it (docs/limits.md)."""
+    """Layer 2 of 5 branches on its index: the three traced layers cannot show it
+    (docs/training.md#ops-and-constructs-capture-refuses-or-does-not-know)."""
 
     def __init__(self) -> None:
         super().__init__()

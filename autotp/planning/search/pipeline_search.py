@@ -37,7 +37,8 @@ recompute choice, and keeps the layout of least predicted step that fits the mem
    schedule frees them before the first backward); or, at the optimizer's step, state and gradients.
 
 Each candidate carries why it lost to the chosen one: memory, the bubble, communication or compute.
-``autotp.parallelize`` runs the chosen layout (:mod:`autotp.runtime.pipeline.module`; docs/limits.md says what it leaves out).
+``autotp.parallelize`` runs the chosen layout (:mod:`autotp.runtime.pipeline`; docs/pipelines.md#limits says what
+it leaves out).
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ class Solution:
 
 FORWARD_STEPS = 8  # the forward's fullest steps an inference plan's memory row bounds
 # The share of the budget a plan leaves free: the predicted peak is at most budget x (1 - margin).
-# benchmarks/memory.py measures the prediction at 0.98-1.02 of the peak on CPU (docs/benchmarks.md),
+# benchmarks/memory.py measures the prediction at 0.98-1.02 of the peak on CPU (docs/memory.md#figures),
 # where the count is exact storage bytes; a CUDA caching allocator rounds each block up (to 512 B, large ones to
 # 2 MiB) and its free pieces fragment, which that count does not see.
 MEMORY_MARGIN = 0.05

@@ -28,7 +28,7 @@ shards (ZeRO 1 and 3), each layer of the stack one unit (moved into a submodule 
 layout's recompute runs each layer of a stage under ``torch.utils.checkpoint``
 (:mod:`autotp.runtime.recompute`). A rank allocates its stages' shards only (the others' stay on meta)
 and runs nothing to build: the shapes each stage sends and receives are the plan's. What it leaves
-out is in docs/limits.md; a weight read by two stages (an embedding tied to the head) is held by
+out is in docs/pipelines.md#limits; a weight read by two stages (an embedding tied to the head) is held by
 both and its gradients summed over the pipeline axis after the step (an all-reduce the search
 prices).
 """
@@ -344,7 +344,8 @@ class PipelineModule(nn.Module):
                 f"this pipeline module's stages were planned in train mode and draw random masks "
                 f"({', '.join(self._draws)}: dropout); its forward would apply them to inference. Run inference on "
                 f"a module from autotp.parallelize(model, mesh, inputs, mode='inference') (no pipeline stages), or "
-                f"plan the model with its dropout probabilities at 0 (docs/limits.md)")
+                f"plan the model with its dropout probabilities at 0 "
+                f"(docs/pipelines.md#what-the-runtime-does-not-do)")
         inputs = self._inputs(args, kwargs)
         factors = self._loss_factors(args, kwargs)
         out = self._schedule(None, False).step(**inputs)
