@@ -13,11 +13,13 @@ import torch.nn.functional as F
 
 import autotp
 from autotp.placement import S
+from autotp.runtime.guard import DEFAULT_INPUT_CHECKS
 from autotp.planning.planner import plan_graph
 from autotp.runtime.module import build_parallel_module
 from autotp.tracing.loss import WithLoss
 from examples.models import tiny_llama
 from tests.helpers.fake_device import DEVICE, DEVICE_MISMATCH, fake_ranks, fake_tensors
+from tests.helpers.host_reads import HostReads
 
 
 def _cross_entropy(logits, targets):
@@ -59,16 +61,23 @@ def test_a_train_step_with_the_vocabulary_split_loss_stays_on_the_device():
     assert out == DEVICE and grads == {DEVICE}
 
 
-class _ZerosOnTheHost:
-    """``torch`` as a module of autotp sees it, but ``zeros_like`` makes its zeros on the CPU: the
-    mistake of a tensor made with no ``device=``."""
+class _MadeOnTheHost:
+    """``torch`` as a module of autotp sees it, but the factory ``name`` makes its tensor on the CPU:
+    the mistake of a tensor made with no ``device=``."""
 
-    def __getattr__(self, name):
-        return getattr(torch, name)
+    def __init__(self, name):
+        self._name = name
 
-    @staticmethod
-    def zeros_like(t, **kwargs):
-        return torch.zeros(t.shape, dtype=t.dtype)
+    def __getattr__(self, attr):
+        made = getattr(torch, attr)
+        if attr != self._name:
+            return made
+
+        def on_the_host(*args, **kwargs):
+            kwargs.pop("device", None)
+            return made(*args, **kwargs).to("cpu")
+
+        return on_the_host
 
 
 def test_the_harness_fails_a_cpu_tensor_made_inside_the_runtime(monkeypatch):
@@ -76,7 +85,7 @@ def test_the_harness_fails_a_cpu_tensor_made_inside_the_runtime(monkeypatch):
     import autotp.runtime.losses as losses
 
     model, example = _llama_with_loss()
-    monkeypatch.setattr(losses, "torch", _ZerosOnTheHost())
+    monkeypatch.setattr(losses, "torch", _MadeOnTheHost("zeros_like"))
     with pytest.raises(Exception, match=DEVICE_MISMATCH):
         _step(model, example, pin={"lm_head.weight": "S(0)"})
 
@@ -112,3 +121,96 @@ def test_gpt2_dropout_masks_and_their_backward_stay_on_the_device():
     out, grads, plan = _step(model, (ids,), pin={"transformer.h.0.mlp.c_fc.weight": "S(1)"})
     assert out == DEVICE and grads == {DEVICE}
 
+
+
+# -- generate ----------------------------------------------------------------------------------------
+
+PROMPT = 8  # tokens of each of the 2 prompts
+CACHE = PROMPT + DEFAULT_INPUT_CHECKS + 1  # generate's cache: every call below fits it
+
+
+def _tiny_llama_for_generate():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
+    with autotp.meta_init():
+        return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="class")
+def generating():
+    """A tiny Llama's parallel module on the fake mesh, attention split by heads, with its cache graphs
+    (a prompt's, one token's) traced, planned and its cache pieces allocated for 2 prompts and CACHE
+    positions. The traces run before fake mode (``torch.export`` makes fake tensors of its own); the
+    pieces are made on the mesh's device there, as on a GPU, and a CPU one would meet the graph's."""
+    model = _tiny_llama_for_generate()
+    ids = torch.zeros(2, PROMPT, dtype=torch.int64, device=DEVICE)
+    pin = {f"model.layers.0.self_attn.{w}_proj.weight": "S(0)" for w in "qkv"}
+    with fake_ranks() as mesh:
+        plan = autotp.plan(model, (2,), (ids,), hardware="cpu-gloo", mode="inference", pin=pin)
+        pm = autotp.parallelize(model, mesh, (ids,), plan=plan)
+        graphs = pm._autotp_cache_graphs(2, CACHE, PROMPT)
+        yield pm, graphs
+
+
+def _prompts():
+    ids = torch.zeros(2, PROMPT, dtype=torch.int64, device=DEVICE)
+    return ids, torch.ones(2, PROMPT, dtype=torch.int64, device=DEVICE)
+
+
+def _steps(graphs):
+    """A list that the decode graph's calls append to."""
+    calls = []
+    graphs.graphs["token"].register_forward_pre_hook(lambda *_: calls.append(1))
+    return calls
+
+
+class TestGenerate:
+    def test_prefill_and_decode_steps_stay_on_the_device(self, generating):
+        """Greedy with a mask, the mask inferred by Hugging Face's code, and sampling seeded from the first
+        rank: the prompt's graph, every decode step and the loop between them make nothing on the CPU.
+        Reads of a value on the host (Hugging Face's checks of the special tokens, the loop's one read,
+        the input check's) are answered 0: fake tensors hold no value."""
+        pm, graphs = generating
+        cache = {n: b for n, b in pm.named_buffers() if n.startswith("autotp_kv_")}
+        assert cache and {b.device for b in cache.values()} == {DEVICE}
+        assert any(b.shape[1] == 1 for b in cache.values())  # 2 kv heads split over 2 ranks: one each
+        ids, mask = _prompts()
+        steps = _steps(graphs)
+        with fake_tensors(answer=0):
+            outs = [pm.generate(ids, attention_mask=mask, max_new_tokens=4, eos_token_id=None),
+                    pm.generate(ids, max_new_tokens=4, pad_token_id=0, eos_token_id=None),
+                    pm.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=True, top_k=5,
+                                eos_token_id=None)]
+        assert len(steps) == 3 * 3  # 3 decode steps a call, after the prompt's
+        assert [(o.device, tuple(o.shape)) for o in outs] == [(DEVICE, (2, PROMPT + 4))] * 3
+
+    def test_no_host_read_per_decoded_token(self, generating):
+        """Past the input check's first calls of the decode graph (``check_inputs``: 8), 6 new tokens make
+        the reads and copies to the host that 2 do, in any code (the harness's count: autotp's,
+        transformers' processors') and in autotp's (``HostReads``: also tensors made from host values)."""
+        pm, graphs = generating
+        ids, mask = _prompts()
+        seen = {}
+        assert pm.autotp_check_inputs == DEFAULT_INPUT_CHECKS
+        with fake_tensors(answer=0):
+            pm.generate(ids, attention_mask=mask, max_new_tokens=DEFAULT_INPUT_CHECKS + 1)
+        for n in (2, 6):
+            with fake_tensors(answer=0) as syncs, HostReads() as autotp_reads:
+                pm.generate(ids, attention_mask=mask, max_new_tokens=n)
+            seen[n] = (syncs.reads, syncs.copies, autotp_reads.reads, autotp_reads.made)
+        assert seen[2][0], "the loop's one read at the end of the call: the count sees reads"
+        assert seen[6] == seen[2], seen
+
+    def test_the_harness_fails_a_cpu_tensor_made_inside_generate(self, generating, monkeypatch):
+        """The pad tokens the loop puts after a finished sequence's end made on the CPU: generate raises.
+        (A CPU tensor handed to a graph, such as the mask over the cache, is refused by the graph's own
+        input check, naming it.)"""
+        import autotp.runtime.generation as generation
+
+        pm, _ = generating
+        ids, mask = _prompts()
+        monkeypatch.setattr(generation, "torch", _MadeOnTheHost("full_like"))
+        with fake_tensors(answer=0), pytest.raises(Exception, match=DEVICE_MISMATCH):
+            pm.generate(ids, attention_mask=mask, max_new_tokens=4)
