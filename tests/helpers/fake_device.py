@@ -58,7 +58,7 @@ def fake_ranks(world: int = 2, names: tuple[str, ...] = ("tp",), shape: tuple[in
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    dist.init_process_group(f"cpu:fake,{DEVICE.type}:fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         yield init_device_mesh(DEVICE.type, shape or (world,), mesh_dim_names=names)
     finally:

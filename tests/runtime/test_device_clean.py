@@ -166,7 +166,9 @@ def _steps(graphs):
     return calls
 
 
-class TestGenerate:
+class TestATinyLlamaOnTheFakeDevice:
+    """generate and autotp.checkpoint over one parallel module (the ``generating`` fixture)."""
+
     def test_prefill_and_decode_steps_stay_on_the_device(self, generating):
         """Greedy with a mask, the mask inferred by Hugging Face's code, and sampling seeded from the first
         rank: the prompt's graph, every decode step and the loop between them make nothing on the CPU.
@@ -214,3 +216,85 @@ class TestGenerate:
         monkeypatch.setattr(generation, "torch", _MadeOnTheHost("full_like"))
         with fake_tensors(answer=0), pytest.raises(Exception, match=DEVICE_MISMATCH):
             pm.generate(ids, attention_mask=mask, max_new_tokens=4)
+
+    def test_checkpoint_save_and_load_hand_and_make_tensors_on_the_device(self, generating, monkeypatch):
+        """DCP cannot write or read fake tensors (it gathers its plans as objects over the process group),
+        so it is stood in for where autotp calls it: every tensor handed to the writer is on the mesh's
+        device; the reader writes each given tensor in place, as DCP does, and the module's tensors stay
+        there. Neither copies to the host; full_state_dict copies each whole tensor to the host at one place."""
+        import autotp.weights.checkpoint as checkpoint
+
+        pm, _ = generating
+        dcp = _CheckpointStandIn()
+        monkeypatch.setattr(checkpoint, "dcp", dcp)
+        with fake_tensors(answer=1) as syncs:
+            autotp.checkpoint.save(pm, "unused")
+            autotp.checkpoint.load(pm, "unused")
+            held = {n: _local(t).device for n, t in pm.state_dict().items()}
+            copied = len(syncs.copies)
+            full = autotp.checkpoint.full_state_dict(pm)
+        assert set(dcp.saved) == set(dcp.loaded) == set(pm.state_dict()) and dcp.sharded
+        assert set(dcp.saved.values()) == set(dcp.loaded.values()) == set(held.values()) == {DEVICE}
+        assert copied == 0, syncs.copies
+        assert set(full) == set(pm.state_dict()) and {t.device.type for t in full.values()} == {"cpu"}
+        assert len(syncs.copies) == len(full) and len(set(syncs.copies)) == 1, syncs.copies
+        assert syncs.copies[0].startswith("weights/checkpoint.py")
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class _CheckpointStandIn:
+    """``torch.distributed.checkpoint`` as autotp's checkpoint module calls it: ``save`` records the device
+    of each tensor handed to it (of a DTensor, its local piece); ``load`` writes each given tensor's local
+    piece in place from the host, as DCP copies a file's values into them."""
+
+    def __init__(self):
+        self.saved, self.loaded, self.sharded = {}, {}, False
+
+    def save(self, state, checkpoint_id):
+        self.saved = {n: _local(t).device for n, t in state.items()}
+        self.sharded = any(hasattr(t, "to_local") and t.to_local().shape != t.shape for t in state.values())
+
+    def load(self, state, checkpoint_id):
+        for name, t in state.items():
+            _local(t).copy_(torch.zeros(_local(t).shape, dtype=t.dtype))
+            self.loaded[name] = _local(t).device
+
+
+# -- a pipeline stage --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pipelined():
+    """A tiny Llama cut in 2 stages (pp 2) under 1F1B, 2 micro-batches: the model on meta, its inputs
+    (labels: the loss weighed by valid targets) and the plan."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
+    with autotp.meta_init():
+        model = LlamaForCausalLM(config)
+    ids = torch.zeros(4, 8, dtype=torch.int64, device=DEVICE)
+    inputs = {"input_ids": ids, "labels": ids}
+    layout = {"pp": 2, "tp": 1, "dp": 1, "schedule": "1f1b", "micro_batches": 2}
+    return model, inputs, autotp.plan(model, 2, inputs, hardware="cpu-gloo", pipeline=layout)
+
+
+@pytest.mark.parametrize("rank", [pytest.param(0, marks=pytest.mark.slow), 1])  # the last stage by default
+def test_a_pipeline_stage_s_step_and_forward_stay_on_the_device(pipelined, rank):
+    """Rank 0 runs the first stage (forward, sends, receives gradients, backward), rank 1 the last
+    (receives, forward, the weighed loss, backward, sends), each a training step and a forward. The fake
+    process group answers every send and receive at once (a received tensor holds no value, as every fake
+    tensor); the schedule's warm-up vote reads a value on the host, answered 1 (static shapes, as every
+    rank votes)."""
+    model, inputs, plan = pipelined
+    with fake_ranks(names=("pp", "tp"), shape=(2, 1), rank=rank) as mesh:
+        pm = autotp.parallelize(model, mesh, inputs, plan=plan)
+        with fake_tensors(answer=1) as syncs:
+            loss = pm.step(**inputs)
+            out = pm(**inputs)
+            grads = {p.grad.device for p in pm.parameters()}
+    assert pm.stage_indices == (rank,) and grads == {DEVICE}
+    assert (loss is None and out is None) if rank == 0 else (loss.device == out.logits.device == DEVICE)
+    assert syncs.copies == [], syncs.copies
