@@ -1,8 +1,11 @@
 """The runtime makes nothing on the CPU for a mesh on another device: parallel modules over a fake
-process group of 2 (rank 0's view: every rank runs the same program), their mesh and tensors on the
-meta device, run with fake tensors (``tests/helpers/fake_device.py``). A tensor the runtime makes on
-the CPU meets the mesh's tensors in its next op and raises, as on a GPU; the first test shows the
-harness catches one. Fake tensors compute nothing: these check devices, not values.
+process group of 2 (one rank's view: rank 0's, or the last pipeline stage's), their mesh and tensors
+on the meta device, run with fake tensors (``tests/helpers/fake_device.py``). A tensor the runtime
+makes on the CPU meets the mesh's tensors in its next op and raises, as on a GPU; tests inject one
+into the loss and into generate's loop and see it caught. Covered: train and eval steps, batch norm,
+dropout, generate (prompt, decode steps, loop; no host read per token), a pipeline stage's step and
+forward, checkpoint save/load (DCP stood in) and full_state_dict. Fake tensors compute nothing: these
+check devices, not values.
 """
 
 from __future__ import annotations
