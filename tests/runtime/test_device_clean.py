@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 import autotp
 from autotp.placement import S
-from autotp.runtime.guard import DEFAULT_INPUT_CHECKS
 from autotp.planning.planner import plan_graph
+from autotp.runtime.guard import DEFAULT_INPUT_CHECKS
 from autotp.runtime.module import build_parallel_module
 from autotp.tracing.loss import WithLoss
 from examples.models import tiny_llama
