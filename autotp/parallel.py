@@ -122,7 +122,7 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
         raise PlanError(f"the plan is {with_article(plan.mode)} plan (made with mode={plan.mode!r}), and parallelize was asked "
                         f"for mode={mode!r}; leave mode out to use the plan as it is, or plan again with "
                         f"mode={mode!r}")
-    if isinstance(plan, Plan) and plan.pipeline is not None and (plan.pipeline.chosen.pp, plan.pipeline.chosen.dp) != (1, 1):
+    if isinstance(plan, Plan) and plan.pipeline is not None and not plan.pipeline.layout.plain:
         return _parallelize_pipeline(model, mesh, example_inputs, plan)
     check_inputs = _input_checks(check_inputs)
     spec = MeshSpec.of(mesh)
@@ -173,13 +173,13 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
 
 
 def _parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, plan: Plan) -> Any:
-    """A pipeline x tensor plan's stages of this rank (:mod:`autotp.runtime.pipeline.module`): the model captured
-    at the plan's micro-batch size (the example inputs' first rows), as the plan was."""
+    """This rank's stages of a layout with stages or replicas (:mod:`autotp.runtime.pipeline.module`): the
+    model captured at the plan's micro-batch size (the example inputs' first rows), as the plan was."""
     from autotp.planning.planner import _batch_size, _first_rows
-    from autotp.runtime.pipeline.module import build_pipeline_module, mesh_problem
+    from autotp.runtime.pipeline.module import build_pipeline_module
 
     c = plan.pipeline.chosen
-    problem = mesh_problem(c, mesh)
+    problem = plan.pipeline.layout.mesh_problem(mesh, c.describe())
     if problem:
         raise PlanError(problem)
     batch = _batch_size(example_inputs)
