@@ -6,6 +6,7 @@ for. It reads the plan and never solves (except for the graph of a mode not trac
 which it asks the planner for, with every weight kept where it is).
 
 - ``rewrite``       the exported graph and its plan -> one rank's ``torch.fx`` graph
+- ``interface``     ``Parallelized``: what ``parallelize`` returns, either kind (plan, layout, step, ...)
 - ``module``        ``ParallelModule``: one graph per mode, ``train``/``eval``, graphs for other sizes
 - ``state``         a rank's pieces of the model's tensors on the module, and graphs over them
 - ``agreement``     what every rank must hold the same (the plan, the dropout seed), from the first

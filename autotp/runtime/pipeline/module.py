@@ -47,6 +47,7 @@ from torch import nn
 from autotp.layout import DATA, PIPELINE, TENSOR
 from autotp.runtime.data_parallel import DataParallel
 from autotp.runtime.devices import mesh_device, wrong_device
+from autotp.runtime.interface import Parallelized, default_loss
 from autotp.runtime.pipeline.stage_graphs import (
     StageGraph,
     attribute,
@@ -95,20 +96,7 @@ class _LastStage(nn.Module):
         return torch.utils._pytree.tree_unflatten(flat, self.out_spec)
 
 
-def _default_loss(output: Any) -> torch.Tensor:
-    """The loss the model computes itself (``labels=`` given: ``output.loss``), or a scalar output."""
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, dict):
-        loss = output.get("loss")
-    if loss is None and isinstance(output, torch.Tensor) and output.ndim == 0:
-        loss = output
-    if loss is None:
-        raise ValueError("the model's output holds no loss: give step() a loss_fn(output, target), or trace the model "
-                         "with labels= so it computes its loss")
-    return loss
-
-
-class PipelineModule(nn.Module):
+class PipelineModule(Parallelized):
     """This rank's pipeline stages of a three-dimensional plan, and their schedule (module docstring).
 
     ``step(*inputs, target=None, loss_fn=None, **kw)`` runs one training step over the global batch
@@ -307,7 +295,7 @@ class PipelineModule(nn.Module):
         rebuilt = self.stages[-1].rebuild(output)
         if loss_fn is not None:
             return loss_fn(rebuilt, target)
-        value = _default_loss(rebuilt)
+        value = default_loss(rebuilt)
         if not weighed:
             return value
         factor = target.reshape(()).to(value.dtype)
@@ -449,7 +437,7 @@ def _token_mean(exported: Any, out_spec: Any) -> Optional[TokenMean]:
     n = len(list(next(n for n in exported.graph.nodes if n.op == "output").args[0]))
     try:
         indexed = torch.utils._pytree.tree_unflatten(list(range(n)), out_spec) if out_spec is not None else 0
-        at = _default_loss(indexed) if not isinstance(indexed, int) else indexed
+        at = default_loss(indexed) if not isinstance(indexed, int) else indexed
     except Exception:  # noqa: BLE001 - an output with no loss: nothing to weigh
         return None
     return token_mean(exported, at) if isinstance(at, int) else None
