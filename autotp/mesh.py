@@ -1,7 +1,9 @@
 """MeshSpec: the shape and axis names of a device mesh, from a ``DeviceMesh`` or a plain shape.
 
 Planning needs only the shape and the names, so a mesh may be given as ``(8,)`` or ``(2, 4)`` and
-no process is started.
+no process is started. A shape's default names are :func:`autotp.layout.plain_axis_names`: every axis
+of a plain mesh is planned by the ILP, whatever its name (``dp`` included; a data axis of replicas is
+a :class:`autotp.layout.Layout`'s).
 
 >>> MeshSpec.of((2, 4))
 MeshSpec(shape=(2, 4), axis_names=('dp', 'tp'), device_type=None)
@@ -13,12 +15,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from autotp.layout import plain_axis_names
 from autotp.words import with_article
 
 __all__ = ["MeshSpec"]
-
-_DEFAULT_NAMES = {1: ("tp",), 2: ("dp", "tp")}
-
 
 @dataclass(frozen=True)
 class MeshSpec:
@@ -55,7 +55,7 @@ class MeshSpec:
             shape = tuple(mesh)
             if not all(isinstance(n, int) and not isinstance(n, bool) for n in shape):
                 raise TypeError(f"mesh {mesh!r}: expected a DeviceMesh or a shape of ints such as (8,) or (2, 4)")
-            names = tuple(axis_names) if axis_names else _DEFAULT_NAMES.get(len(shape), tuple(f"axis{i}" for i in range(len(shape))))
+            names = tuple(axis_names) if axis_names else plain_axis_names(len(shape))
             return cls(shape, names)
         try:
             from torch.distributed.device_mesh import DeviceMesh
@@ -63,7 +63,6 @@ class MeshSpec:
             DeviceMesh = ()  # type: ignore[assignment]
         if isinstance(mesh, DeviceMesh):
             shape = tuple(int(n) for n in mesh.mesh.shape)
-            names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else _DEFAULT_NAMES.get(
-                len(shape), tuple(f"axis{i}" for i in range(len(shape))))
+            names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else plain_axis_names(len(shape))
             return cls(shape, names, mesh.device_type)
         raise TypeError(f"mesh is {with_article(type(mesh).__name__)}; expected a DeviceMesh or a shape such as (8,) or (2, 4)")

@@ -27,7 +27,8 @@ from autotp.planning.result.plan import Plan
 from autotp.runtime.agreement import agreed_plan, dropout_seed
 from autotp.runtime.devices import check_rank_devices
 from autotp.runtime.guard import DEFAULT_INPUT_CHECKS
-from autotp.runtime.module import ModeSwitch, ParallelModule, build_parallel_module, meta_copy
+from autotp.runtime.interface import Parallelized
+from autotp.runtime.module import ModeSwitch, build_parallel_module, meta_copy
 from autotp.tracing.export import capture
 from autotp.tracing.loss import WithLoss
 from autotp.weights.meta import unfillable_state
@@ -59,8 +60,10 @@ def _device_type(model: nn.Module) -> Optional[str]:
 def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional[Plan] = None, hardware: Any = None,
                 mode: Optional[str] = None, memory_budget: Any = None, dynamic_dims: Any = None,
                 optimizer: Any = "adamw", recompute: Optional[bool] = None,
-                check_inputs: Any = DEFAULT_INPUT_CHECKS, loss_fn: Any = None) -> ParallelModule:
-    """Return a module that computes what ``model`` computes, sharded over ``mesh`` as planned.
+                check_inputs: Any = DEFAULT_INPUT_CHECKS, loss_fn: Any = None) -> Parallelized:
+    """Return a module that computes what ``model`` computes, sharded over ``mesh`` as planned: a
+    :class:`autotp.runtime.interface.Parallelized`, a ``ParallelModule`` for a plan on a plain mesh,
+    a ``PipelineModule`` for a plan whose layout has pipeline stages or a data axis.
 
     ``mesh`` must be a ``DeviceMesh`` over a live process group (every rank calls this with the same
     model and inputs). On a CUDA mesh each process must be set to a GPU of its own
@@ -122,7 +125,7 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
         raise PlanError(f"the plan is {with_article(plan.mode)} plan (made with mode={plan.mode!r}), and parallelize was asked "
                         f"for mode={mode!r}; leave mode out to use the plan as it is, or plan again with "
                         f"mode={mode!r}")
-    if isinstance(plan, Plan) and plan.pipeline is not None and (plan.pipeline.chosen.pp, plan.pipeline.chosen.dp) != (1, 1):
+    if isinstance(plan, Plan) and plan.pipeline is not None and not plan.pipeline.layout.plain:
         return _parallelize_pipeline(model, mesh, example_inputs, plan)
     check_inputs = _input_checks(check_inputs)
     spec = MeshSpec.of(mesh)
@@ -172,14 +175,14 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
     return module if traced is None else module.train(training)
 
 
-def _parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, plan: Plan) -> Any:
-    """A pipeline x tensor plan's stages of this rank (:mod:`autotp.runtime.pipeline.module`): the model captured
-    at the plan's micro-batch size (the example inputs' first rows), as the plan was."""
+def _parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, plan: Plan) -> Parallelized:
+    """This rank's stages of a layout with stages or replicas (:mod:`autotp.runtime.pipeline.module`): the
+    model captured at the plan's micro-batch size (the example inputs' first rows), as the plan was."""
     from autotp.planning.planner import _batch_size, _first_rows
-    from autotp.runtime.pipeline.module import build_pipeline_module, mesh_problem
+    from autotp.runtime.pipeline.module import build_pipeline_module
 
     c = plan.pipeline.chosen
-    problem = mesh_problem(c, mesh)
+    problem = plan.pipeline.layout.mesh_problem(mesh, c.describe())
     if problem:
         raise PlanError(problem)
     batch = _batch_size(example_inputs)

@@ -35,7 +35,7 @@ SHAPES = {  # examples.models.hf_llama kwargs
     "70b": dict(n_layer=80, hidden=8192, ffn=28672, heads=64, kv_heads=8, vocab=128256),
     "405b": dict(n_layer=126, hidden=16384, ffn=53248, heads=128, kv_heads=8, vocab=128256),
 }
-# row: (shape, devices, hand layout as Layout fields, where it comes from)
+# row: (shape, devices, hand layout as Candidate fields, where it comes from)
 ROWS = {
     "8b-8": ("8b", 8, dict(pp=1, dp=8, tp=1, schedule="none", stages_per_rank=1, micro_batch_size=1, zero=3,
                            recompute=True), "torchtitan 8B: FSDP 8"),
@@ -55,7 +55,7 @@ def row(name: str) -> dict:
     import torch
 
     import autotp
-    from autotp.planning.search.pipeline_search import Layout, price_layout
+    from autotp.planning.search.pipeline_search import Candidate, price_layout
     from examples import models as M
 
     shape, devices, hand, source = ROWS[name]
@@ -71,7 +71,7 @@ def row(name: str) -> dict:
     # as published; where that does not fit the budget, with every layer recomputing, then with ZeRO 3 too
     for changed, note in (({}, ""), ({"recompute": True}, " +recompute"), ({"recompute": True, "zero": 3},
                                                                            " +recompute, zero 3")):
-        layout = Layout(**{**hand, **changed}, micro_batches=per_replica // hand["micro_batch_size"])
+        layout = Candidate(**{**hand, **changed}, micro_batches=per_replica // hand["micro_batch_size"])
         priced, _ = price_layout(layout, units, plan.hardware, plan.memory.budget_bytes)
         if priced.step_s is not None:
             break

@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autotp.planning.result.plan import Plan
 from autotp.runtime.agreement import agreed_plan, dropout_seed
 from autotp.runtime.guard import SizeNotTraced
+from autotp.runtime.interface import Parallelized, default_loss
 from autotp.runtime.rewrite import GraphRewrite
 from autotp.runtime.state import build_graph, put, register_state
 from autotp.tracing.graph import OpGraph
@@ -156,7 +157,7 @@ _MODEL_ATTRIBUTES = ("config", "generation_config", "name_or_path")
 _DEVICE = re.compile(r"device\(type='[^']*'(, index=\d+)?\)")
 
 
-class ParallelModule(torch.fx.GraphModule):
+class ParallelModule(torch.fx.GraphModule, Parallelized):
     """What ``autotp.parallelize`` returns (module docstring). Besides the ``GraphModule``, it has
     ``plan`` (the plan of the graph that runs now), ``plans`` (per mode, ``True`` for train, the plans
     made so far), ``graph_training`` (the mode of the graph that runs now: the top module's),
@@ -221,6 +222,16 @@ class ParallelModule(torch.fx.GraphModule):
         log.info("autotp: traced and planned again for inputs of shapes %s (a size the first trace specialized); "
                  "every weight and buffer stays where it is stored", key[1])
         return module(*args, **kwargs)
+
+    def step(self, *args: Any, target: Any = None, loss_fn: Optional[Any] = None, **kwargs: Any) -> torch.Tensor:
+        """One training step (:class:`autotp.runtime.interface.Parallelized`): the forward on the
+        inputs, the loss (``loss_fn(output, target)``, else the model's own: ``labels=`` given), its
+        backward; returns the loss, detached, on every rank, the gradients left on the parameters.
+        Collective, as the forward is."""
+        output = self(*args, **kwargs)
+        loss = loss_fn(output, target) if loss_fn is not None else default_loss(output)
+        loss.backward()
+        return loss.detach()
 
     def generate(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, **options: Any) -> torch.Tensor:
         """Generate as a Hugging Face model's ``generate`` does, with a KV cache split like the attention

@@ -17,7 +17,7 @@ from autotp.planning.costs import buckets
 from autotp.planning.costs.buckets import BUCKET_BYTES
 from autotp.planning.errors import PlanError
 from autotp.planning.planner import plan_graph
-from autotp.planning.search.pipeline_search import Layout, layouts, price_layout, units_of_plan
+from autotp.planning.search.pipeline_search import Candidate, layouts, price_layout, units_of_plan
 from autotp.planning.search.stages import balanced_cut
 from autotp.tracing.repeats import find_stacks
 from cost_models import LinkSpec, collective_time_s, load_profile
@@ -66,16 +66,16 @@ def test_a_weight_two_pipeline_ranks_hold_is_priced_as_its_gradient_all_reduce()
     untied = dataclasses.replace(pu, units=pu.units[:-1] + (dataclasses.replace(
         pu.units[-1], parameters=tuple(n for n in pu.units[-1].parameters if n != tied[0])),))
     prof = plan.hardware
-    for layout, shard in ((Layout(2, 1, 2, "1f1b", 1, 4, 1, 0, False), 1),
-                          (Layout(2, 2, 2, "1f1b", 1, 2, 1, 1, False), 2)):
+    for layout, shard in ((Candidate(2, 1, 2, "1f1b", 1, 4, 1, 0, False), 1),
+                          (Candidate(2, 2, 2, "1f1b", 1, 2, 1, 1, False), 2)):
         with_tie, _ = price_layout(layout, pu, prof, 1e18)
         without, _ = price_layout(layout, untied, prof, 1e18)
         link = prof.links["intra_node"]  # 8 devices in a node: every axis inside it
         expected = collective_time_s(link, "all_reduce", pu.parameters[tied[0]][1] / shard, 2)
         assert with_tie.step_s - without.step_s == pytest.approx(expected, rel=1e-9)
         assert with_tie.communication_s - without.communication_s == pytest.approx(expected, rel=1e-9)
-    one, _ = price_layout(Layout(1, 2, 2, "none", 1, 2, 1, 0, False), pu, prof, 1e18)
-    one_untied, _ = price_layout(Layout(1, 2, 2, "none", 1, 2, 1, 0, False), untied, prof, 1e18)
+    one, _ = price_layout(Candidate(1, 2, 2, "none", 1, 2, 1, 0, False), pu, prof, 1e18)
+    one_untied, _ = price_layout(Candidate(1, 2, 2, "none", 1, 2, 1, 0, False), untied, prof, 1e18)
     assert one.step_s == one_untied.step_s
 
 
@@ -122,7 +122,7 @@ def test_a_layout_priced_by_hand(llama_units, monkeypatch):
     units = pu.units
     grads = sum(v[1] for v in pu.parameters.values())
     assert grads < BUCKET_BYTES  # one bucket, ready when the backward ends: nothing hides it
-    one, _ = price_layout(Layout(1, 2, 2, "none", 1, 3, 1, 0, False), pu, prof, 1e18)
+    one, _ = price_layout(Candidate(1, 2, 2, "none", 1, 3, 1, 0, False), pu, prof, 1e18)
     per_mb = sum(u.forward_s + u.backward_s for u in units)
     link = prof.links["intra_node"]
     backward_compute = sum(u.backward_compute_s for u in units)  # what one micro-batch's backward computes
@@ -130,7 +130,7 @@ def test_a_layout_priced_by_hand(llama_units, monkeypatch):
     assert one.step_s == pytest.approx(3 * per_mb + reduce)
     slow_link = LinkSpec({k: c.scaled(1e-4) for k, c in prof.links["intra_node"].costs.items()})
     slow = dataclasses.replace(prof, links={**prof.links, "intra_node": slow_link})
-    slow_one, _ = price_layout(Layout(1, 2, 2, "none", 1, 3, 1, 0, False), pu, slow, 1e18)
+    slow_one, _ = price_layout(Candidate(1, 2, 2, "none", 1, 3, 1, 0, False), pu, slow, 1e18)
     slow_reduce = collective_time_s(slow.links["intra_node"], "all_reduce", grads, 2)
     assert slow_one.step_s - one.step_s == pytest.approx(slow_reduce - reduce)
     # two buckets: every parameter but the first the forward reads (the embedding), then the embedding
@@ -143,7 +143,7 @@ def test_a_layout_priced_by_hand(llama_units, monkeypatch):
     fast = dataclasses.replace(prof, links={**prof.links, "intra_node": fast_link})
     rest = collective_time_s(fast_link, "all_reduce", grads - pu.parameters[first][1], 2)
     assert rest < backward_compute * pu.parameters[first][1] / grads
-    two_buckets, _ = price_layout(Layout(1, 2, 2, "none", 1, 3, 1, 0, False), pu, fast, 1e18)
+    two_buckets, _ = price_layout(Candidate(1, 2, 2, "none", 1, 3, 1, 0, False), pu, fast, 1e18)
     last = collective_time_s(fast_link, "all_reduce", pu.parameters[first][1], 2)
     assert two_buckets.step_s == pytest.approx(3 * per_mb + last)
     assert one.bubble_s == pytest.approx(0.0, abs=1e-12)
@@ -156,8 +156,8 @@ def test_a_layout_priced_by_hand(llama_units, monkeypatch):
     buffers = sum(u.buffers_bytes for u in units)
     acts, transient = sum(u.activation_bytes for u in units), sum(u.transient_bytes for u in units)
     assert one.peak_bytes == pytest.approx(max(p + o + g + buffers + acts + transient, p + o + buffers + g + t))
-    z1, _ = price_layout(Layout(1, 2, 2, "none", 1, 3, 1, 1, False), pu, prof, 1e18)
-    z3, _ = price_layout(Layout(1, 2, 2, "none", 1, 3, 1, 3, False), pu, prof, 1e18)
+    z1, _ = price_layout(Candidate(1, 2, 2, "none", 1, 3, 1, 1, False), pu, prof, 1e18)
+    z3, _ = price_layout(Candidate(1, 2, 2, "none", 1, 3, 1, 3, False), pu, prof, 1e18)
     root = set(units[0].parameters) | set(units[-1].parameters)
     layer = max(sum(pu.parameters[n][0] for n in set(u.parameters) - root) for u in units[1:-1])
     at_step = (p + g + o + t) / 2 + buffers
@@ -172,7 +172,7 @@ def test_a_layout_priced_by_hand(llama_units, monkeypatch):
     assert z1.step_s == pytest.approx(3 * per_mb + scatter + max(gather - forward_compute, 0.0))
     assert z3.step_s == pytest.approx(3 * (per_mb + max(gather - forward_compute, 0.0)
                                            + max(gather + scatter - backward_compute, 0.0)))
-    two, stages = price_layout(Layout(2, 1, 2, "1f1b", 1, 4, 1, 0, False), pu, prof, 1e18)
+    two, stages = price_layout(Candidate(2, 1, 2, "1f1b", 1, 4, 1, 0, False), pu, prof, 1e18)
     peaks = []
     for s, held in zip(stages, (2, 1)):  # 1F1B: rank r holds pp - r micro-batches
         mine = ([units[0]] if s.before else []) + [units[1 + i] for i in range(s.first_layer, s.end_layer)] + (
@@ -184,9 +184,9 @@ def test_a_layout_priced_by_hand(llama_units, monkeypatch):
         peaks.append(max(state + g + held * sum(u.activation_bytes for u in mine) + sum(u.transient_bytes for u in mine),
                          state + g + t))
     assert two.peak_bytes == pytest.approx(max(peaks))
-    rec, _ = price_layout(Layout(2, 1, 2, "1f1b", 1, 4, 1, 0, True), pu, prof, 1e18)
+    rec, _ = price_layout(Candidate(2, 1, 2, "1f1b", 1, 4, 1, 0, True), pu, prof, 1e18)
     assert rec.peak_bytes <= two.peak_bytes and rec.step_s > two.step_s  # recompute: no more held, more work
-    tight, _ = price_layout(Layout(2, 1, 2, "1f1b", 1, 4, 1, 0, False), pu, prof, two.peak_bytes * 0.99)
+    tight, _ = price_layout(Candidate(2, 1, 2, "1f1b", 1, 4, 1, 0, False), pu, prof, two.peak_bytes * 0.99)
     assert tight.step_s is None and tight.peak_bytes == two.peak_bytes
 
 
@@ -244,14 +244,12 @@ def test_the_report_and_the_file_keep_the_layout(searched, tmp_path):
     # the mesh the report names is the one autotp.parallelize takes for the layout
     from types import SimpleNamespace
 
-    from autotp.runtime.pipeline.module import mesh_problem
-
     found = re.search(r"init_device_mesh\(\.\.\., (\([0-9, ]+\)), mesh_dim_names=(\([a-z', ]+\))\) for autotp\.parallelize",
                       text)
     assert found and "before model.layers" in text, text
     shape, names = ast.literal_eval(found.group(1)), ast.literal_eval(found.group(2))
-    assert mesh_problem(c, SimpleNamespace(mesh_dim_names=names, mesh=torch.empty(shape))) == ""
-    assert mesh_problem(c, SimpleNamespace(mesh_dim_names=("pipeline",), mesh=torch.empty(c.pp))) != ""
+    assert c.layout.mesh_problem(SimpleNamespace(mesh_dim_names=names, mesh=torch.empty(shape))) == ""
+    assert c.layout.mesh_problem(SimpleNamespace(mesh_dim_names=("pipeline",), mesh=torch.empty(c.pp))) != ""
     # pp 1 x dp 1 is a plain tensor-parallel plan: autotp.parallelize runs it on the plan's own mesh
     model, (ids,) = M.hf_llama(n_layer=4)
     flat = autotp.plan(model, 2, (ids,), hardware="h100-sxm", pipeline={"pp": 1, "dp": 1, "tp": 2})

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import autotp
+from autotp.runtime.interface import Parallelized
 from autotp.runtime.recompute import Recompute
 from examples.ranks import run_ranks
 
@@ -161,7 +162,7 @@ def _rank(rank, world, cases):
                     "eval_loss": None if getattr(logits, "loss", None) is None else logits.loss.item(),
                     "stages": pm.stage_indices, "state": sorted(pm.state_dict()), "sends": step_sends,
                     "restored": restored, "wrong_device": wrong_device, "collectives": [(c.kind, c.mesh_axis, c.bytes) for c in log.seen],
-                    "from_plan": pm.built_from_plan,
+                    "from_plan": pm.built_from_plan, "layout": (isinstance(pm, Parallelized), pm.layout),
                     "buckets": None if pm.gradient_reducer is None else (
                         len(pm.gradient_reducer.parameters), len(pm.gradient_reducer.buckets),
                         pm.gradient_reducer.launched_in_backward),
@@ -205,6 +206,7 @@ def _check(name: str, results: list[dict], plan, pp: int) -> None:  # noqa: C901
     n = len(stages)
     for r in results:  # each rank allocated its stages' shards only, and ran nothing to build
         assert r["from_plan"] and not r["on_meta"], (r["from_plan"], r["on_meta"])
+        assert r["layout"] == (True, plan.pipeline.layout)  # what parallelize returns, either kind
     for r in results:  # the point-to-point sends of a step, against the bytes the plan prices at each cut
         forward = m * sum(stages[k].send_bytes for k in r["stages"] if k < n - 1)
         if n == 1:  # one stage: nothing to send

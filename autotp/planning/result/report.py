@@ -16,8 +16,8 @@ import re
 from collections import Counter, defaultdict
 from typing import TYPE_CHECKING
 
+from autotp.layout import TENSOR
 from autotp.planning.result.explain import explain_replicated
-from autotp.planning.search.pipeline_search import layout_mesh
 from autotp.tracing.dynamic import in_input_terms
 from autotp.units import format_bytes
 
@@ -253,17 +253,16 @@ def pipeline_lines(plan: "Plan") -> list[str]:
     pc = plan.pipeline
     if pc is None:
         return []
-    c = pc.chosen
-    sizes = {"pipeline": c.pp, "data": c.dp, "tensor": c.tp}
-    axes = [a for a in sizes if sizes[a] > 1] or ["tensor"]  # the axes of more than one rank
+    c, layout = pc.chosen, pc.layout
+    axes = [a for a, size in layout.sizes.items() if size > 1] or [TENSOR]  # the axes of more than one rank
     links = ", ".join(f"{axis} {link.replace('_node', '')}" for axis, link in pc.links if axis in axes)
-    shape, names = layout_mesh(c)
+    shape, names = layout.mesh_shape, layout.axis_names
     lines = ["", f"Layout search: {pc.priced} layouts of {pc.devices} devices ({pc.devices_per_node} per node) "
              f"priced, {pc.global_batch} samples per step" + (f", in {pc.search_s:.1f} s" if pc.search_s else ""),
              f"Chosen: {c.describe()}: step {_t(c.step_s)} (compute {_t(c.compute_s)}, communication "
              f"{_t(c.communication_s)}, bubble {_t(c.bubble_s)}: {c.bubble_fraction:.0%}), {format_bytes(c.peak_bytes)} "
              f"per device at its peak; links: {links}",
-             f"Mesh: init_device_mesh(..., {shape}, mesh_dim_names={names}) for autotp.parallelize; "
+             f"Mesh: {layout}, init_device_mesh(..., {shape}, mesh_dim_names={names}) for autotp.parallelize; "
              f"this plan is each stage's on the tensor axis, for one micro-batch",
              f"Stages (cut between the layers of {pc.stack}, {pc.layers} layers, balanced by predicted time)"]
     rows = []

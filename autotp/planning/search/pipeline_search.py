@@ -49,6 +49,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from autotp.layout import DATA, PIPELINE, TENSOR, Layout
 from autotp.planning.costs.buckets import assign_buckets, exposed_all_reduce_s
 from autotp.planning.costs.costing import CostModel
 from autotp.planning.search.schedules import held_bytes
@@ -58,7 +59,7 @@ from autotp.tracing.graph import PARAMETER
 from autotp.units import format_bytes
 from cost_models import HardwareProfile, axis_link_name, collective_time_s, send_time_s
 
-__all__ = ["Layout", "StageChoice", "PipelineChoice", "price_layout", "layouts", "layout_mesh", "search_layouts",
+__all__ = ["Candidate", "StageChoice", "PipelineChoice", "price_layout", "layouts", "search_layouts",
            "units_of_plan"]
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
@@ -66,8 +67,9 @@ SCHEDULE_OPTIONS = (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("interl
 
 
 @dataclass(frozen=True)
-class Layout:
-    """One candidate: the axes, the schedule (``"none"`` without stages; ``stages_per_rank`` > 1 for
+class Candidate:
+    """One candidate: the axes (:attr:`layout`, the sizes kept flat here: the fields a plan's file
+    and ``pipeline={...}`` name), the schedule (``"none"`` without stages; ``stages_per_rank`` > 1 for
     interleaved 1F1B), micro-batches per step and their size per data-parallel replica, the ZeRO
     stage over the data axis, whether the layers recompute; and, once priced, the predicted step
     (None: it does not fit), its parts on the busiest rank, the bubble, the peak bytes per device
@@ -88,6 +90,11 @@ class Layout:
     bubble_s: Optional[float] = None
     peak_bytes: Optional[float] = None
     why: str = ""
+
+    @property
+    def layout(self) -> Layout:
+        """The mesh's axes and their roles (:class:`autotp.layout.Layout`)."""
+        return Layout(pp=self.pp, dp=self.dp, tp=self.tp, zero=self.zero)
 
     @property
     def bubble_fraction(self) -> Optional[float]:
@@ -131,11 +138,16 @@ class PipelineChoice:
     layers: int
     global_batch: int
     links: tuple[tuple[str, str], ...]
-    chosen: Layout
+    chosen: Candidate
     stages: tuple[StageChoice, ...]
-    candidates: tuple[Layout, ...]
+    candidates: tuple[Candidate, ...]
     priced: int
     search_s: Optional[float] = None  # not saved
+
+    @property
+    def layout(self) -> Layout:
+        """The chosen layout's axes and roles: the mesh ``autotp.parallelize`` runs it on."""
+        return self.chosen.layout
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -144,9 +156,9 @@ class PipelineChoice:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "PipelineChoice":
-        return cls(**{**d, "links": tuple(tuple(x) for x in d["links"]), "chosen": Layout(**d["chosen"]),
+        return cls(**{**d, "links": tuple(tuple(x) for x in d["links"]), "chosen": Candidate(**d["chosen"]),
                       "stages": tuple(StageChoice(**s) for s in d["stages"]),
-                      "candidates": tuple(Layout(**c) for c in d["candidates"])})
+                      "candidates": tuple(Candidate(**c) for c in d["candidates"])})
 
 
 @dataclass(frozen=True)
@@ -170,7 +182,7 @@ def units_of_plan(plan: Any, graph: Any, layer_paths: Sequence[str]) -> _Units:
     return _Units(tuple(units), params)
 
 
-def layouts(devices: int, devices_per_node: int, layers: int, batch: int) -> list[Layout]:
+def layouts(devices: int, devices_per_node: int, layers: int, batch: int) -> list[Candidate]:
     """Every layout the search prices (unpriced): ``tp`` dividing a node, ``pp`` at most the layers,
     the batch split evenly over the replicas, micro-batches of :data:`MICRO_BATCH_SIZES`."""
     out = []
@@ -193,19 +205,8 @@ def layouts(devices: int, devices_per_node: int, layers: int, batch: int) -> lis
                 for s, v in schedules:
                     for zero in ((0, 1, 3) if dp > 1 else (0,)):
                         for recompute in (False, True):
-                            out.append(Layout(pp, dp, tp, s, v, m, b, zero, recompute))
+                            out.append(Candidate(pp, dp, tp, s, v, m, b, zero, recompute))
     return out
-
-
-def layout_mesh(layout: Layout) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """The shape and axis names of the mesh ``autotp.parallelize`` runs ``layout`` on: ``("pp", "tp")``,
-    or ``("pp", "dp", "tp")`` with a data axis; ``("tp",)`` for pp 1 x dp 1, a plain tensor-parallel
-    plan."""
-    if layout.pp == layout.dp == 1:
-        return (layout.tp,), ("tp",)
-    if layout.dp > 1:
-        return (layout.pp, layout.dp, layout.tp), ("pp", "dp", "tp")
-    return (layout.pp, layout.tp), ("pp", "tp")
 
 
 def _divisors(n: int) -> list[int]:
@@ -217,7 +218,7 @@ class _Prepared:
     """A layout's stages worked out, before its schedule is replayed: its peak bytes per device and
     a bound no step of it can beat (its busiest rank's work alone, plus the once-per-step reductions)."""
 
-    layout: Layout
+    candidate: Candidate
     stages: tuple[StageChoice, ...]
     peak_bytes: float
     bound_s: float
@@ -229,15 +230,15 @@ class _Prepared:
     step_end_s: tuple[float, ...]  # per pipeline rank
 
 
-def price_layout(layout: Layout, plan_units: _Units, profile: HardwareProfile, budget_bytes: float
-                 ) -> tuple[Layout, tuple[StageChoice, ...]]:
+def price_layout(layout: Candidate, plan_units: _Units, profile: HardwareProfile, budget_bytes: float
+                 ) -> tuple[Candidate, tuple[StageChoice, ...]]:
     """``layout`` priced (see the module's docstring); where it does not fit, its step is None and
     its peak says by how much."""
     prep = _prepare(layout, plan_units, profile)
     return _finish(prep, budget_bytes), prep.stages
 
 
-def _prepare(layout: Layout, plan_units: _Units, profile: HardwareProfile) -> _Prepared:
+def _prepare(layout: Candidate, plan_units: _Units, profile: HardwareProfile) -> _Prepared:
     units = plan_units.units
     n_layers = len(units) - 2
     pp, dp, tp, v, m = layout.pp, layout.dp, layout.tp, layout.stages_per_rank, layout.micro_batches
@@ -324,11 +325,11 @@ def _prepare(layout: Layout, plan_units: _Units, profile: HardwareProfile) -> _P
                      tuple(send_time_s(pp_link, x) for x in sends[:-1]), tuple(comp), tuple(comm), ends)
 
 
-def _finish(prep: _Prepared, budget_bytes: float) -> Layout:
+def _finish(prep: _Prepared, budget_bytes: float) -> Candidate:
     """The prepared layout's step: its schedule replayed; a layout over the budget is not."""
-    layout = prep.layout
+    layout = prep.candidate
     if prep.peak_bytes > budget_bytes:
-        return Layout(**{**asdict(layout), "peak_bytes": prep.peak_bytes})
+        return Candidate(**{**asdict(layout), "peak_bytes": prep.peak_bytes})
     pp, m = layout.pp, layout.micro_batches
     schedule = layout.schedule if pp > 1 else "1f1b"
     t = step_timeline(schedule, pp, m, layout.stages_per_rank, prep.forward_s, prep.backward_s, prep.send_s)
@@ -337,7 +338,7 @@ def _finish(prep: _Prepared, budget_bytes: float) -> Layout:
     busiest = max(range(pp), key=lambda r: t.busy_s[r] + prep.step_end_s[r])
     compute = m * sum(prep.compute_s[k] for k in mine[busiest])
     communication = m * sum(prep.communication_s[k] for k in mine[busiest]) + prep.step_end_s[busiest]
-    return Layout(**{**asdict(layout), "step_s": step, "compute_s": compute, "communication_s": communication,
+    return Candidate(**{**asdict(layout), "step_s": step, "compute_s": compute, "communication_s": communication,
                      "bubble_s": max(step - compute - communication, 0.0), "peak_bytes": prep.peak_bytes})
 
 
@@ -355,10 +356,10 @@ def search_layouts(devices: int, profile: HardwareProfile, budget_bytes: float, 
 
     t0 = time.perf_counter()
     dpn = profile.devices_per_node
-    grouped: dict[tuple[int, int], list[Layout]] = {}
+    grouped: dict[tuple[int, int], list[Candidate]] = {}
     every = layouts(devices, dpn, layers, batch)
     if only:
-        fields = {f.name for f in dataclasses.fields(Layout)} - {"step_s", "compute_s", "communication_s", "bubble_s",
+        fields = {f.name for f in dataclasses.fields(Candidate)} - {"step_s", "compute_s", "communication_s", "bubble_s",
                                                                   "peak_bytes", "why"}
         unknown = sorted(set(only) - fields)
         if unknown:
@@ -388,8 +389,8 @@ def search_layouts(devices: int, profile: HardwareProfile, budget_bytes: float, 
         least = min(prepared, key=lambda p: p.peak_bytes)
         raise MemoryBudgetError(
             f"no layout of {devices} devices fits {format_bytes(budget_bytes)} per device: the least, "
-            f"{least.layout.describe()}, needs {format_bytes(least.peak_bytes)}", least.peak_bytes)
-    done: list[tuple[Layout, _Prepared]] = []
+            f"{least.candidate.describe()}, needs {format_bytes(least.peak_bytes)}", least.peak_bytes)
+    done: list[tuple[Candidate, _Prepared]] = []
     best_s = math.inf
     for p in fitting:
         if p.bound_s >= best_s:
@@ -399,7 +400,7 @@ def search_layouts(devices: int, profile: HardwareProfile, budget_bytes: float, 
         best_s = min(best_s, priced.step_s)
     best, best_prep = min(done, key=lambda lp: (lp[0].step_s, lp[0].pp, lp[0].zero, lp[0].recompute))
     finished = {id(p) for _, p in done}
-    bounded = [Layout(**{**asdict(p.layout), "peak_bytes": p.peak_bytes,
+    bounded = [Candidate(**{**asdict(p.candidate), "peak_bytes": p.peak_bytes,
                          "why": f"at least {_ms(p.bound_s - best.step_s)} slower: its busiest rank's work alone "
                                 f"takes {p.bound_s:.3f} s (its schedule not replayed)"})
                for p in fitting if id(p) not in finished]
@@ -415,7 +416,7 @@ def search_layouts(devices: int, profile: HardwareProfile, budget_bytes: float, 
             seen.add(key)
             shown.append(c)
     shape = (best.pp, best.dp, best.tp)
-    links = tuple((name, axis_link_name(shape, a, dpn)) for a, name in enumerate(("pipeline", "data", "tensor")))
+    links = tuple((name, axis_link_name(shape, a, dpn)) for a, name in enumerate((PIPELINE, DATA, TENSOR)))
     return PipelineChoice(devices, dpn, stack, layers, batch, links, best, best_prep.stages, tuple(shown[:keep]),
                           len(prepared) + skipped, time.perf_counter() - t0)
 
@@ -424,7 +425,7 @@ def _ms(seconds: float) -> str:
     return f"+{seconds * 1e3:.1f} ms"
 
 
-def _lost(c: Layout, best: Layout, budget_bytes: float) -> Layout:
+def _lost(c: Candidate, best: Candidate, budget_bytes: float) -> Candidate:
     """``c`` with why it lost to ``best``."""
     if c.step_s is None:
         why = f"memory: {c.peak_bytes / 2**30:.1f} GiB per device over the {budget_bytes / 2**30:.1f} GiB budget"
@@ -435,4 +436,4 @@ def _lost(c: Layout, best: Layout, budget_bytes: float) -> Layout:
                 "compute": c.compute_s - best.compute_s}
         part = max(more, key=more.get)
         why = f"{part} {_ms(more[part])}"
-    return Layout(**{**asdict(c), "why": why})
+    return Candidate(**{**asdict(c), "why": why})

@@ -2,8 +2,9 @@
 
 In: a plan made with ``autotp.plan(model, devices, inputs, pipeline=True)`` (its tensor-parallel
 plan of one micro-batch, and ``plan.pipeline``: the stages as runs of the stack's layers, the
-schedule and the micro-batches), the graph of one micro-batch, and a mesh with a ``pp`` axis and a
-``tp`` axis. Out: a :class:`PipelineModule` holding this rank's stages (its layers rewritten for
+schedule and the micro-batches), the graph of one micro-batch, and the mesh of its layout
+(:class:`autotp.layout.Layout`: a pipeline and a tensor axis, and a data axis between them with
+replicas); the sub-meshes of each role are the layout's. Out: a :class:`PipelineModule` holding this rank's stages (its layers rewritten for
 its tensor-parallel sub-mesh, as :mod:`autotp.runtime.rewrite` writes any graph) under the
 schedule of ``torch.distributed.pipelining``, with :meth:`PipelineModule.step` (a training step:
 the loss on the last stage, the gradients on every stage's shards) and a forward for inference.
@@ -20,11 +21,11 @@ to point to the same tensor-parallel rank of the next stage: what the plan price
 them, and each stage reads those it uses (the last stage the labels of a loss computed in the
 graph).
 
-A data axis: each replica runs its rows of the batch; its gradients are averaged over the axis
-(ZeRO 0: in DDP's buckets, each all-reduced asynchronously during the last micro-batch's backward
-as soon as its gradients are made, waited for at the end of the step,
-:mod:`autotp.runtime.bucket_reducer`), or each stage runs under FSDP2 over the tensor-parallel
-shards (ZeRO 1 and 3), each layer of the stack one unit (moved into a submodule with the state only it reads). The
+A data axis: each replica runs its rows of the batch, its stages one replica of the data axis's
+runtime (:mod:`autotp.runtime.data_parallel`): the gradients averaged over the axis in DDP's
+buckets during the last micro-batch's backward (ZeRO 0), or each stage under FSDP2 over the
+tensor-parallel shards (ZeRO 1 and 3), each layer of the stack one unit (moved into a submodule
+with the state only it reads). The
 layout's recompute runs each layer of a stage under ``torch.utils.checkpoint``
 (:mod:`autotp.runtime.recompute`). A rank allocates its stages' shards only (the others' stay on meta)
 and runs nothing to build: the shapes each stage sends and receives are the plan's. What it leaves
@@ -43,9 +44,10 @@ import torch
 import torch.fx
 from torch import nn
 
-from autotp.planning.search.pipeline_search import layout_mesh
-from autotp.runtime.bucket_reducer import BucketReducer
+from autotp.layout import DATA, PIPELINE, TENSOR
+from autotp.runtime.data_parallel import DataParallel
 from autotp.runtime.devices import mesh_device, wrong_device
+from autotp.runtime.interface import Parallelized, default_loss
 from autotp.runtime.pipeline.stage_graphs import (
     StageGraph,
     attribute,
@@ -54,11 +56,11 @@ from autotp.runtime.pipeline.stage_graphs import (
     split_stages,
     stage_of_units,
 )
-from autotp.runtime.pipeline.stage_units import fsdp_units, group_stage_layers, model_name, shard_over_replicas
+from autotp.runtime.pipeline.stage_units import group_stage_layers, model_name
 from autotp.runtime.pipeline.token_counts import TokenMean, scale_factors, token_mean
 from autotp.runtime.state import put
 
-__all__ = ["PipelineModule", "build_pipeline_module", "mesh_problem", "SCHEDULES"]
+__all__ = ["PipelineModule", "build_pipeline_module", "SCHEDULES"]
 
 # the plan's schedule names -> torch.distributed.pipelining's classes (looked up when built)
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
@@ -94,20 +96,7 @@ class _LastStage(nn.Module):
         return torch.utils._pytree.tree_unflatten(flat, self.out_spec)
 
 
-def _default_loss(output: Any) -> torch.Tensor:
-    """The loss the model computes itself (``labels=`` given: ``output.loss``), or a scalar output."""
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, dict):
-        loss = output.get("loss")
-    if loss is None and isinstance(output, torch.Tensor) and output.ndim == 0:
-        loss = output
-    if loss is None:
-        raise ValueError("the model's output holds no loss: give step() a loss_fn(output, target), or trace the model "
-                         "with labels= so it computes its loss")
-    return loss
-
-
-class PipelineModule(nn.Module):
+class PipelineModule(Parallelized):
     """This rank's pipeline stages of a three-dimensional plan, and their schedule (module docstring).
 
     ``step(*inputs, target=None, loss_fn=None, **kw)`` runs one training step over the global batch
@@ -121,9 +110,9 @@ class PipelineModule(nn.Module):
     def __init__(self, stages: Sequence[StageGraph], mine: Sequence[int], pp_group: Any, device: torch.device,
                  plan: Any, out_spec: Any, in_spec: Any, examples: Mapping[str, torch.Tensor],
                  shared: Sequence[tuple[str, tuple[int, ...], torch.dtype]] = (),
-                 persistent: frozenset[str] = frozenset(), dp_group: Any = None, dp_rank: int = 0,
+                 persistent: frozenset[str] = frozenset(), dp_mesh: Any = None,
                  tp_mesh: Any = None, aliases: Optional[Mapping[str, Sequence[str]]] = None,
-                 fsdp_mesh: Any = None, token_mean: Optional[TokenMean] = None) -> None:
+                 token_mean: Optional[TokenMean] = None) -> None:
         super().__init__()
         from torch.distributed.pipelining import PipelineStage
 
@@ -135,14 +124,15 @@ class PipelineModule(nn.Module):
         self.pp_group = pp_group
         self.device = device
         last = self.n_stages - 1
-        modules = []
-        for k in mine:
-            m = _LastStage(stages[k].module, out_spec) if k == last else stages[k].module
-            if fsdp_mesh is not None:
-                m = shard_over_replicas(m, stages[k].module, fsdp_mesh, plan.pipeline.chosen.zero)
-            modules.append(m)
+        modules = [_LastStage(stages[k].module, out_spec) if k == last else stages[k].module for k in mine]
+        # the data axis: this rank's stages one replica (ZeRO 0: DDP's buckets, each launched during the
+        # last micro-batch's backward; ZeRO 1 and 3: each stage under FSDP2)
+        data = plan.pipeline.layout.data
+        self.data_parallel = None if data is None else DataParallel(
+            modules, data, dp_mesh, plan.pipeline.chosen.micro_batches, inner=[stages[k].module for k in mine])
+        modules = list(modules) if self.data_parallel is None else list(self.data_parallel.modules)
         # FSDP2's units on this rank that hold parameters (each gathers and reduce-scatters its own)
-        self.fsdp_units = 0 if fsdp_mesh is None else fsdp_units(modules)
+        self.fsdp_units = 0 if self.data_parallel is None else self.data_parallel.fsdp_units
         # the stages are not submodules: this module holds their parameters and buffers under the
         # model's own names (a stage's graph reads them under those names), so state_dict, the
         # optimizer and autotp.checkpoint see this rank's part of the model as the model names it
@@ -174,15 +164,12 @@ class PipelineModule(nn.Module):
         self._draws = sorted({type(m).__name__ for st in modules for m in st.modules()
                               if isinstance(m, (SharedRandom, SeededAttention)) or (isinstance(m, ShardedDropout) and m.p > 0)})
         self._shared = tuple(shared)  # weights several stages hold: their gradients summed over the stages
-        self.dp_group, self.dp_rank = dp_group, dp_rank
+        self.dp_group = None if dp_mesh is None else dp_mesh.get_group()
+        self.dp_rank = 0 if dp_mesh is None else dp_mesh.get_local_rank()
         self.tp_mesh = tp_mesh
         self._zero = plan.pipeline.chosen.zero
-        # ZeRO 0: the gradients averaged over the replicas in DDP's buckets, each launched during the
-        # last micro-batch's backward (the schedule leaves them unscaled: the reducer divides by dp x m)
-        c = plan.pipeline.chosen
-        self.gradient_reducer = (BucketReducer([list(m.parameters()) for m in modules], dp_group, c.micro_batches,
-                                               c.dp * c.micro_batches)
-                                 if dp_group is not None and self._zero == 0 else None)
+        # ZeRO 0's reducer (the schedule leaves the gradients unscaled: it divides by dp x micro-batches)
+        self.gradient_reducer = None if self.data_parallel is None else self.data_parallel.gradient_reducer
         # the model's own loss, where it is a mean over valid targets: weighed by their counts
         self._token_mean = token_mean
         self._merge_spec = _merge_spec(examples["<output>"], plan.pipeline.chosen.micro_batch_size,
@@ -288,7 +275,7 @@ class PipelineModule(nn.Module):
             target = (factors.view(-1, 1) if factors is not None
                       else torch.zeros(self.plan.pipeline.chosen.micro_batches, 1, device=self.device))
         given = dict(target=target, losses=losses) if self.holds_last_stage else {}
-        with self.gradient_reducer.step() if self.gradient_reducer is not None else contextlib.nullcontext():
+        with self.data_parallel.step() if self.data_parallel is not None else contextlib.nullcontext():
             schedule.step(**given, **inputs)
         self._sum_shared_gradients()
         if self.holds_last_stage:
@@ -308,7 +295,7 @@ class PipelineModule(nn.Module):
         rebuilt = self.stages[-1].rebuild(output)
         if loss_fn is not None:
             return loss_fn(rebuilt, target)
-        value = _default_loss(rebuilt)
+        value = default_loss(rebuilt)
         if not weighed:
             return value
         factor = target.reshape(()).to(value.dtype)
@@ -381,21 +368,20 @@ class PipelineModule(nn.Module):
 
 def build_pipeline_module(graph: Any, plan: Any, mesh: Any, model: nn.Module, example_flat: Sequence[Any],
                           seed: Optional[int] = None) -> PipelineModule:
-    """This rank's :class:`PipelineModule` of ``plan`` (made with ``pipeline=True``) on ``mesh``, a
-    device mesh with axes named ``pp`` and ``tp`` (``(pp, tp)``: the plan's stages by the tensor
-    axis), from ``graph``, the model captured at the plan's micro-batch size, and ``example_flat``,
-    one micro-batch of inputs, flat in the graph's order."""
+    """This rank's :class:`PipelineModule` of ``plan`` (made with ``pipeline=True``) on ``mesh``, the
+    device mesh of the plan's layout (``plan.pipeline.layout``: its shape and axis names), from
+    ``graph``, the model captured at the plan's micro-batch size, and ``example_flat``, one
+    micro-batch of inputs, flat in the graph's order."""
     from autotp.planning.search.stages import unit_of_nodes
     from autotp.runtime.rewrite import GraphRewrite
     from autotp.runtime.state import register_state
 
     choice = plan.pipeline
-    c = choice.chosen
-    problem = mesh_problem(c, mesh)
+    c, layout = choice.chosen, choice.layout
+    problem = layout.mesh_problem(mesh, c.describe())
     if problem:
         raise ValueError(problem)
-    tp_mesh, pp_mesh = mesh["tp"], mesh["pp"]
-    dp_mesh = mesh["dp"] if c.dp > 1 else None
+    tp_mesh, pp_mesh, dp_mesh = (layout.sub_mesh(mesh, role) for role in (TENSOR, PIPELINE, DATA))
     layer_paths = [f"{choice.stack}.{i}" if choice.stack else str(i) for i in range(choice.layers)]
     unit = unit_of_nodes(graph, layer_paths)
     unit_stage = stage_of_units(choice.stages, choice.layers)
@@ -433,11 +419,8 @@ def build_pipeline_module(graph: Any, plan: Any, mesh: Any, model: nn.Module, ex
         shared.append((name, tuple(local.shape), local.dtype))
     module = PipelineModule(stages, mine, pp_mesh.get_group(), device, plan,
                             info.out_spec if info is not None else None, info.in_spec if info is not None else None,
-                            examples, shared, frozenset(model.state_dict().keys()),
-                            dp_mesh.get_group() if dp_mesh is not None else None,
-                            dp_mesh.get_local_rank() if dp_mesh is not None else 0, tp_mesh,
+                            examples, shared, frozenset(model.state_dict().keys()), dp_mesh, tp_mesh,
                             {p.fqn: p.aliases for p in graph.parameters if p.aliases},
-                            dp_mesh if c.zero > 0 else None,
                             _token_mean(graph.exported, info.out_spec if info is not None else None))
     # whether the rank allocated its stages' shards only and ran nothing to build (else: every
     # stage's shards, and the whole graph run once to see a crossing value the plan does not describe)
@@ -455,7 +438,7 @@ def _token_mean(exported: Any, out_spec: Any) -> Optional[TokenMean]:
     n = len(list(next(n for n in exported.graph.nodes if n.op == "output").args[0]))
     try:
         indexed = torch.utils._pytree.tree_unflatten(list(range(n)), out_spec) if out_spec is not None else 0
-        at = _default_loss(indexed) if not isinstance(indexed, int) else indexed
+        at = default_loss(indexed) if not isinstance(indexed, int) else indexed
     except Exception:  # noqa: BLE001 - an output with no loss: nothing to weigh
         return None
     return token_mean(exported, at) if isinstance(at, int) else None
@@ -475,16 +458,3 @@ def _merge_spec(output: Any, micro_batch_size: int, micro_batches: int, collecte
         return _CustomReducer(0.0, lambda acc, x: acc + x / micro_batches)
 
     return tuple(spec(k, t) for k, t in enumerate(output)) if isinstance(output, tuple) else spec(0, output)
-
-
-def mesh_problem(c: Any, mesh: Any) -> str:
-    """What is wrong with ``mesh`` for the layout ``c`` (a ``Layout``), or ``""``: axes named ``pp``,
-    ``tp`` (``pp``, ``dp``, ``tp`` with a data axis) of the layout's sizes."""
-    names = tuple(mesh.mesh_dim_names or ())
-    shape = tuple(int(x) for x in mesh.mesh.shape)
-    want, want_names = layout_mesh(c)
-    if names == want_names and shape == want:
-        return ""
-    return (f"the plan's layout is {c.describe()}: its stages run on a mesh of shape {want} with axes named "
-            f"{want_names}, e.g. init_device_mesh(device, {want}, mesh_dim_names={want_names}); given shape "
-            f"{shape} named {names}")

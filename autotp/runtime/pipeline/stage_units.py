@@ -5,20 +5,18 @@ recompute and FSDP2 (ZeRO 1 and 3 over the data axis) both need each layer of th
 the graph calls: :func:`group_stage_layers` moves each layer's nodes there
 (:func:`autotp.runtime.recompute.group_layers`), with the parameters and buffers only that layer
 reads when FSDP2 is to shard it, so FSDP2 gathers one layer at a time, as torchtitan wraps each
-block. :func:`shard_over_replicas` applies FSDP2 to those units and to the rest of the stage, the
-way the schedule is to drive it, and :func:`model_name` reads a moved tensor's name in the model
-back.
+block (:func:`autotp.runtime.data_parallel.shard_over_replicas` then shards those units and the rest
+of the stage), and :func:`model_name` reads a moved tensor's name in the model back.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.fx
-from torch import nn
 
-__all__ = ["fsdp_units", "group_stage_layers", "model_name", "reads_state", "shard_over_replicas"]
+__all__ = ["group_stage_layers", "model_name", "reads_state"]
 
 
 def reads_state(n: torch.fx.Node) -> bool:
@@ -68,51 +66,3 @@ def model_name(name: str) -> str:
     if head.startswith(("autotp_pipeline_layer_", "autotp_pipeline_recompute_")) and rest.startswith("body."):
         return rest[len("body."):]
     return name
-
-
-def shard_over_replicas(stage: nn.Module, graph_module: nn.Module, mesh: Any, zero: int) -> nn.Module:
-    """The stage under PyTorch's FSDP2 over the data axis (``mesh``), over its tensor-parallel
-    shards, as the schedule is to run it: each of its layers one unit (``group_stage_layers``
-    made each a submodule holding the state only it reads), the rest of the stage another.
-
-    - ZeRO 1: the parameters gathered at the step's first forward and kept to its last backward, the
-      gradients kept whole over the micro-batches and reduce-scattered once: the schedule is
-      given the FSDP module itself, so ``torch.distributed.pipelining`` turns FSDP's gradient sync
-      and resharding off until the last backward.
-    - ZeRO 3: gathered for each micro-batch's forward and again for its backward, the gradients
-      reduce-scattered after each backward (held sharded): FSDP's own hooks run every micro-batch,
-      since the schedule is given a plain module around it.
-    """
-    from torch.distributed.fsdp import fully_shard
-
-    from autotp.runtime.recompute import Layer, Recompute
-
-    layers = [m for m in graph_module.modules() if isinstance(m, (Layer, Recompute))]
-    for layer in layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=zero >= 3)
-    if zero >= 3:
-        fully_shard(graph_module, mesh=mesh, reshard_after_forward=True)
-        return stage if stage is not graph_module else _Around(stage)
-    return fully_shard(stage, mesh=mesh, reshard_after_forward=False)
-
-
-class _Around(nn.Module):
-    """A stage's module seen through a plain module: the schedule drives it as it drives any other."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.inner(*args, **kwargs)
-
-
-def fsdp_units(stages: Sequence[nn.Module]) -> int:
-    """The FSDP2 units in ``stages`` that hold parameters (each gathers and reduce-scatters its own)."""
-    return sum(1 for st in stages for u in st.modules() if hasattr(u, "unshard") and any(True for _ in _own_parameters(u)))
-
-
-def _own_parameters(unit: nn.Module):
-    """The parameters an FSDP unit manages: its module's, less those of the units inside it."""
-    inner = {id(p) for m in unit.modules() if m is not unit and hasattr(m, "unshard") for p in m.parameters()}
-    return (p for p in unit.parameters() if id(p) not in inner)
