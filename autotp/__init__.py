@@ -7,6 +7,7 @@
 The package follows the pipeline, each stage importing only the ones before it:
 
 - ``tracing/``    model and example inputs -> ``OpGraph`` (``autotp.capture``)
+- ``local/``      how an op runs on a rank's pieces: collectives and the modules ops run inside
 - ``planning/``   ``OpGraph``, mesh and hardware -> ``Plan`` (``autotp.plan``), its report and explain
 - ``runtime/``    ``Plan`` -> the parallel module on local shards (``autotp.parallelize``)
 - ``weights/``    the module's values: ``meta_init``, ``load_weights``, ``checkpoint``, ``init_weights``

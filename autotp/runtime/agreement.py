@@ -72,6 +72,6 @@ def agreed_plan(graph, spec: MeshSpec, mesh, hardware: Any, mode: str, memory_bu
 
 
 def dropout_seed(mesh, graph) -> Optional[int]:
-    """The base seed of the dropout masks, the first rank's on every rank (:mod:`autotp.runtime.dropout`);
+    """The base seed of the dropout masks, the first rank's on every rank (:mod:`autotp.local.dropout`);
     None (and no broadcast) for a graph that drops nothing."""
     return from_first_rank(mesh, [torch.initial_seed()])[0] if has_active_dropout(graph) else None

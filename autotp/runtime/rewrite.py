@@ -3,9 +3,9 @@
 The graph reads the parallel module's parameters (DTensors with the planned placements, under the
 model's own names: :mod:`autotp.runtime.module` registers them) and runs every op on the local shard
 (shape arguments rewritten to local shapes, a row-split embedding as a masked lookup, dropout with
-masks that follow the shards: :mod:`autotp.runtime.dropout`), the layers the plan recomputes run under
+masks that follow the shards: :mod:`autotp.local.dropout`), the layers the plan recomputes run under
 ``torch.utils.checkpoint`` (:mod:`autotp.planning.costs.recompute`), and it holds
-the plan's collectives as ``call_module`` nodes (:mod:`autotp.runtime.collectives`), placed exactly where
+the plan's collectives as ``call_module`` nodes (:mod:`autotp.local.collectives`), placed exactly where
 :mod:`autotp.planning.costs.program` says. Nothing else communicates: DTensor is the format of the parameters,
 not the engine that runs the ops. Before any of it the graph checks its inputs against the
 example inputs it was built for (:mod:`autotp.runtime.guard`).
@@ -24,6 +24,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autotp import ops
+from autotp.local.batch_norm import ShardedBatchNorm
+from autotp.local.collectives import GradAllReduce, MaskedEmbedding, RedistributeStep, to_local
+from autotp.local.dropout import RANDOM_OPS, SeededAttention, ShardedDropout, SharedRandom, attention_dropout_p
+from autotp.local.losses import VocabParallelCrossEntropy
 from autotp.placement import Placement, dim_pieces, local_shape, piece_range, piece_sizes
 from autotp.planning.costs.program import OUTPUT, reads
 from autotp.planning.costs.recompute import recomputed_nodes
@@ -34,12 +38,8 @@ from autotp.planning.rules.convolutions import GROUPED, local_groups
 from autotp.planning.rules.losses import class_dim, class_split_axes
 from autotp.planning.rules.norms import channel_axes, stat_axes
 from autotp.planning.rules.reductions import reduced_dims
-from autotp.runtime.batch_norm import ShardedBatchNorm
-from autotp.runtime.collectives import GradAllReduce, MaskedEmbedding, RedistributeStep, to_local
 from autotp.runtime.devices import mesh_device, on_mesh_device
-from autotp.runtime.dropout import RANDOM_OPS, SeededAttention, ShardedDropout, SharedRandom, attention_dropout_p
 from autotp.runtime.guard import MASK_DTYPES, InputGuard, InputSpec, SameOnEveryRank, as_traced_dtype
-from autotp.runtime.losses import VocabParallelCrossEntropy
 from autotp.runtime.recompute import apply_recompute
 from autotp.runtime.shards import block_index
 from autotp.tracing.aliasing import writes_first_argument
@@ -370,7 +370,7 @@ class GraphRewrite:
             self.local[node.name] = call if native else self.fx.call_function(operator.getitem, (call, 0))
             return
         elif str(target) in RANDOM_OPS:
-            # drawn from a stream of its own: alike where ranks hold the same values (autotp.runtime.dropout)
+            # drawn from a stream of its own: alike where ranks hold the same values (autotp.local.dropout)
             shard_key = tuple(self.coordinate[a] for a, p in enumerate(strat.output or ()) if p.is_shard)
             module = SharedRandom(target, self.seed, self.n_dropouts, shard_key)
             self.n_dropouts += 1

@@ -14,7 +14,7 @@ dim split (no class weights, no label smoothing: each needs another sum over the
 :func:`loss_collectives` what they run: the cost model prices them with the op
 (:meth:`autotp.planning.costs.costing.CostModel.node_compute_s`), the program lists them
 (:func:`autotp.planning.costs.program.program`), and the rewrite runs the op as
-:class:`autotp.runtime.losses.VocabParallelCrossEntropy`.
+:class:`autotp.local.losses.VocabParallelCrossEntropy`.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 space. With the channels split each rank has whole channels: its statistics are exact. With the
 batch (or space) split each rank's statistics would be its own piece's, so the rule's op does not
 run on its pieces as it is: the rewrite runs it as
-:class:`autotp.runtime.batch_norm.ShardedBatchNorm` (synchronized batch norm), whose statistics are
+:class:`autotp.local.batch_norm.ShardedBatchNorm` (synchronized batch norm), whose statistics are
 all-reduced over the axes that split the batch or space (the per-channel sums, then the centred
 sums of squares), and whose backward all-reduces the two per-channel sums its input gradient needs.
 The weight's and bias's gradients are each rank's own sums, partial over those axes: the plan's
