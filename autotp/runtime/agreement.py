@@ -16,7 +16,7 @@ from autotp.mesh import MeshSpec
 from autotp.planning.errors import MemoryBudgetError, PlanError
 from autotp.planning.planner import plan_graph
 from autotp.planning.result.plan import Plan
-from autotp.runtime.rewrite import has_active_dropout
+from autotp.planning.rules.randomness import has_active_dropout
 
 __all__ = ["agreed_plan", "dropout_seed", "from_first_rank"]
 

@@ -94,7 +94,7 @@ def test_shards_get_independent_masks_and_replicas_one_mask():
 
 def test_dropout_off_is_the_plain_op():
     from autotp.local.dropout import ShardedDropout
-    from autotp.runtime.rewrite import has_active_dropout
+    from autotp.planning.rules.randomness import has_active_dropout
 
     import autotp
 
@@ -237,7 +237,7 @@ def test_attention_dropout_on_split_heads_draws_per_piece_and_matches_the_model_
     on both ranks, and the second call draws anew."""
     import autotp
     from autotp.planning.planner import plan_graph
-    from autotp.runtime.rewrite import has_active_dropout
+    from autotp.planning.rules.randomness import has_active_dropout
 
     x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(1))
     graph = autotp.capture(DropAttention().train(), (x,))

@@ -1,24 +1,35 @@
-"""Sharding rules: for one op on one mesh axis of ``n`` ranks, the placements that are exact.
+"""Op families: for each op, the placements that are exact on one mesh axis of ``n`` ranks, and how
+a node runs on a rank's local pieces under the strategy chosen.
 
 A rule is a function ``rule(node, n) -> list of (input placements, output placement)``, one
 placement per tensor input of the :class:`~autotp.tracing.graph.OpNode` in ``node.inputs`` order.
-Each choice must be exact when the op runs on each rank's local pieces with its non-tensor
-arguments unchanged: ``R`` the whole tensor, ``S(d)`` the rank's even slice of dim ``d``, ``P``
-a summand of a partial sum. autotp's own rules live here by op family (:mod:`.views`,
-:mod:`.pointwise`, :mod:`.reductions`, :mod:`.joins`, :mod:`.contractions`); the user adds
-rules for ops autotp does not know with :func:`register_rule` and checks them on data with
+Each choice must be exact when the op runs on each rank's local pieces: ``R`` the whole tensor,
+``S(d)`` the rank's even slice of dim ``d``, ``P`` a summand of a partial sum. Most ops run on their
+pieces as they are; where one needs its arguments made local (a shape, a cut's sizes, the number
+of groups) or runs as something else (a masked lookup, a loss or batch norm with collectives
+inside, a seeded dropout), its family registers a **local execution** beside its rules: a function
+``execute(site)`` of a :class:`~autotp.local.site.LocalSite`, the interface
+:mod:`autotp.local.site` defines, which the rewrite calls for each node of the op.
+
+Each family module holds both: ``RULES`` (op name -> rule) and ``LOCAL`` (op name -> local
+execution). :data:`BUILTIN` and :data:`BUILTIN_LOCAL` gather them; where two families run the same
+op (``aten.slice.Tensor``: a cut into blocks, else a strided slice), their local executions are
+tried in the order of :data:`FAMILIES`, the first that applies wins. The user adds rules for ops
+autotp does not know with :func:`register_rule` and checks them on data with
 :func:`autotp.planning.rules.check.check_rule`.
 
 Modules:
 
 - ``views``, ``pointwise``, ``reductions``, ``joins``, ``contractions``, ``indexing``: the op families
+- ``factories``  ops that make a tensor from sizes alone: whole, or split where every element is alike
+- ``randomness`` dropout and the random draws, each from a stream of its own on a rank
 - ``convolutions`` convolutions (grouped, transposed), pooling, upsampling, pixel shuffles
 - ``norms``      batch norm (synchronized over a split batch in training), group and instance norm
 - ``blocks``     blocked splits: a fused projection cut into its parts, each part split
 - ``uneven``     uneven splits: units (heads, vocabulary rows) the ranks do not divide
 - ``gradients``  the ``Rg`` variants: replicated ops that pass a partial gradient on
-- ``losses``     cross-entropy on split classes: its op does not run on its pieces as it is (the
-                 rewrite runs it with two all-reduces inside), nor does batch norm's on a split batch
+- ``losses``     cross-entropy on split classes: its op does not run on its pieces as it is (its local
+                 execution runs it with two all-reduces inside), nor does batch norm's on a split batch
 - ``inner``      the collectives those two ops run inside themselves
 - ``common``     what every family shares: a single-axis choice, the evenness test
 - ``check``      ``check_rule``: a rule checked on data, pieces against the op's output
@@ -26,6 +37,8 @@ Modules:
 >>> import torch, autotp
 >>> from autotp.placement import R, S
 >>> autotp.register_rule("mylib.twice.default", [((S(0),), S(0))])
+>>> [f.__name__ for f in local_executions("aten.slice.Tensor")]
+['local_cut', 'local_strided_slice']
 >>> "mylib.twice.default" in registered_rules()
 True
 >>> autotp.unregister_rule("mylib.twice.default")
@@ -35,14 +48,28 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
+from autotp.local.site import LocalExecution
 from autotp.placement import Placement, R, parse_placements
-from autotp.planning.rules import contractions, convolutions, indexing, joins, losses, norms, pointwise, reductions
+from autotp.planning.rules import (
+    blocks,
+    contractions,
+    convolutions,
+    factories,
+    indexing,
+    joins,
+    losses,
+    norms,
+    pointwise,
+    randomness,
+    reductions,
+    views,
+)
 from autotp.planning.rules.common import AxisChoice
 from autotp.tracing.graph import OpNode
 from autotp.words import with_article
 
-__all__ = ["AxisChoice", "Rule", "BUILTIN", "register_rule", "unregister_rule", "registered_rules", "user_choices",
-           "op_name"]
+__all__ = ["AxisChoice", "Rule", "BUILTIN", "BUILTIN_LOCAL", "FAMILIES", "register_rule", "unregister_rule",
+           "registered_rules", "user_choices", "local_executions", "op_name"]
 
 Rule = Callable[[OpNode, int], Iterable[tuple[Sequence[Any], Any]]]
 
@@ -50,9 +77,24 @@ Rule = Callable[[OpNode, int], Iterable[tuple[Sequence[Any], Any]]]
 # pointwise ops, splits and factories are found by kind (autotp.planning.choices.strategies), every other op in
 # DTensor's registry (autotp.planning.choices.dtensor_rules).
 BUILTIN: dict[str, Callable[[OpNode, int], Optional[list[AxisChoice]]]] = {
-    **contractions.RULES, **pointwise.RULES, **reductions.RULES, **joins.RULES, **indexing.RULES, **losses.RULES,
-    **convolutions.RULES, **norms.RULES,
+    **contractions.RULES, **pointwise.RULES, **randomness.RULES, **reductions.RULES, **joins.RULES, **indexing.RULES,
+    **losses.RULES, **convolutions.RULES, **norms.RULES,
 }
+
+# the families with local executions, in the order they are tried where two run the same op
+FAMILIES = (blocks, reductions, views, joins, factories, randomness, contractions, losses, norms, convolutions)
+
+
+def _by_op(families) -> dict[str, tuple[LocalExecution, ...]]:
+    found: dict[str, tuple[LocalExecution, ...]] = {}
+    for family in families:
+        for name, execute in family.LOCAL.items():
+            found[name] = found.get(name, ()) + (execute,)
+    return found
+
+
+# autotp's own local executions by op name, each op's in the order of FAMILIES
+BUILTIN_LOCAL: dict[str, tuple[LocalExecution, ...]] = _by_op(FAMILIES)
 
 _USER: dict[str, Rule] = {}
 
@@ -108,6 +150,11 @@ def unregister_rule(op: Any) -> None:
 def registered_rules() -> tuple[str, ...]:
     """The ops with a user rule, by name."""
     return tuple(sorted(_USER))
+
+
+def local_executions(op: str) -> tuple[LocalExecution, ...]:
+    """The local executions of the op named ``op`` (:data:`BUILTIN_LOCAL`), in the order they are tried."""
+    return BUILTIN_LOCAL.get(op, ())
 
 
 def user_choices(node: OpNode, n: int) -> Optional[list[AxisChoice]]:
