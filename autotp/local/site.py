@@ -29,7 +29,8 @@ It returns one of:
 - a value it emitted itself with :meth:`~LocalSite.call` or :meth:`~LocalSite.call_module`: the
   node's local value.
 
-:func:`run_locally` applies a node's local executions in order, as the rewrite does.
+:func:`run_locally` applies a node's local executions in order, as the rewrite does;
+:class:`LocalCall` is the module a user's local code runs in (``autotp.register_rule(..., local=)``).
 
 >>> import torch
 >>> Call(torch.ops.aten.group_norm.default, ("x", 8, None, None), {}).with_argument("num_groups", 4).args
@@ -46,7 +47,7 @@ from torch import nn
 from autotp.placement import Placement, Strategy, piece_range
 from autotp.tracing.graph import OpNode
 
-__all__ = ["Call", "Emitter", "LocalSite", "LocalExecution", "run_locally"]
+__all__ = ["Call", "Emitter", "LocalSite", "LocalExecution", "LocalCall", "run_locally"]
 
 
 @dataclass(frozen=True)
@@ -166,3 +167,21 @@ def run_locally(site: LocalSite, executions: Sequence[LocalExecution]) -> Any:
             continue
         return site.call(result.target, result.args, result.kwargs) if isinstance(result, Call) else result
     return site.call(site.target, site.args, site.kwargs)
+
+
+class LocalCall(nn.Module):
+    """The callable a user's ``local`` returned for one node, run on the rank's pieces in its place
+    (``autotp.register_rule(op, rule, local=...)``). A module, so that any callable (a closure, a
+    ``functools.partial``) can stand in the graph, which prints it by the op it replaces; the
+    callable is held outside the module's tree (a module it may be adds no parameters)."""
+
+    def __init__(self, run: Callable[..., Any], op: str) -> None:
+        super().__init__()
+        self.__dict__["run"] = run
+        self.op = op
+
+    def extra_repr(self) -> str:
+        return f"{self.op}: {getattr(self.run, '__qualname__', type(self.run).__name__)}"
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(*args, **kwargs)

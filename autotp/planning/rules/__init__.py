@@ -14,9 +14,9 @@ inside, a seeded dropout), its family registers a **local execution** beside its
 Each family module holds both: ``RULES`` (op name -> rule) and ``LOCAL`` (op name -> local
 execution). :data:`BUILTIN` and :data:`BUILTIN_LOCAL` gather them; where two families run the same
 op (``aten.slice.Tensor``: a cut into blocks, else a strided slice), their local executions are
-tried in the order of :data:`FAMILIES`, the first that applies wins. The user adds rules for ops
-autotp does not know with :func:`register_rule` and checks them on data with
-:func:`autotp.planning.rules.check.check_rule`.
+tried in the order of :data:`FAMILIES`, the first that applies wins. The user adds a rule for an op
+autotp does not know, and its local execution if its pieces need one, with :func:`register_rule`,
+and checks them on data with :func:`autotp.check_rule`.
 
 Modules:
 
@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
-from autotp.local.site import LocalExecution
+from autotp.local.site import LocalCall, LocalExecution, LocalSite
 from autotp.placement import Placement, R, parse_placements
 from autotp.planning.rules import (
     blocks,
@@ -68,10 +68,11 @@ from autotp.planning.rules.common import AxisChoice
 from autotp.tracing.graph import OpNode
 from autotp.words import with_article
 
-__all__ = ["AxisChoice", "Rule", "BUILTIN", "BUILTIN_LOCAL", "FAMILIES", "register_rule", "unregister_rule",
+__all__ = ["AxisChoice", "Rule", "Local", "BUILTIN", "BUILTIN_LOCAL", "FAMILIES", "register_rule", "unregister_rule",
            "registered_rules", "user_choices", "local_executions", "op_name"]
 
 Rule = Callable[[OpNode, int], Iterable[tuple[Sequence[Any], Any]]]
+Local = Callable[[LocalSite], Optional[Callable[..., Any]]]  # the user's: the callable to run on the pieces, or None
 
 # autotp's own rules by op name (a rule returning None leaves the node to the ones after); views,
 # pointwise ops, splits and factories are found by kind (autotp.planning.choices.strategies), every other op in
@@ -97,6 +98,7 @@ def _by_op(families) -> dict[str, tuple[LocalExecution, ...]]:
 BUILTIN_LOCAL: dict[str, tuple[LocalExecution, ...]] = _by_op(FAMILIES)
 
 _USER: dict[str, Rule] = {}
+_USER_LOCAL: dict[str, Local] = {}
 
 
 def op_name(op: Any) -> str:
@@ -118,8 +120,8 @@ def op_name(op: Any) -> str:
                     "or its name as a string")
 
 
-def register_rule(op: Any, rule: Union[Rule, Sequence[tuple[Sequence[Any], Any]]]) -> None:
-    """Tell autotp how ``op`` may be split on one mesh axis.
+def register_rule(op: Any, rule: Union[Rule, Sequence[tuple[Sequence[Any], Any]]], local: Optional[Local] = None) -> None:
+    """Tell autotp how ``op`` may be split on one mesh axis, and how it runs on a rank's pieces.
 
     ``rule`` is either a list of ``(input placements, output placement)`` pairs that hold for any
     shapes, or a function ``rule(node, n)`` returning such pairs for one node (its shapes are in
@@ -129,22 +131,41 @@ def register_rule(op: Any, rule: Union[Rule, Sequence[tuple[Sequence[Any], Any]]
     argument in the order the op takes them. The replicated choice is always added; a choice that
     splits a dim unevenly is dropped. A registered rule replaces autotp's own and DTensor's for
     that op, in every later plan of this process. Check one on data with
-    :func:`autotp.planning.rules.check.check_rule`: a rule that is not exact gives wrong numbers.
+    :func:`autotp.check_rule`: a rule that is not exact gives wrong numbers.
+
+    Without ``local`` each rank runs ``op`` itself on its pieces, its other arguments unchanged.
+    Where the pieces need other code (a routed op whose expert ids index a table split by experts),
+    ``local(site)`` says what runs instead: it is called when a rank's graph is built, once per
+    node of ``op``, with a :class:`~autotp.local.site.LocalSite`: ``site.strategy`` (the placements
+    chosen, one per mesh axis), ``site.piece(k, dim)`` (this rank's ``(start, stop)`` of dim
+    ``dim`` of tensor argument ``k``), ``site.node`` (the whole shapes), ``site.mesh_shape`` and
+    ``site.coordinate``. It returns the callable the rank runs on its pieces in place of ``op``,
+    with the op's arguments (tensors as the rank holds them), or ``None`` to run ``op`` as it is.
+    :func:`autotp.check_rule` runs it too. ``local`` is tried before autotp's own local code for the op.
     """
     name = op_name(op)
+    if local is not None and not callable(local):
+        raise TypeError(f"local= for {name} is {with_article(type(local).__name__)}; expected a function "
+                        "local(site) returning the callable to run on a rank's pieces in place of the op, or None "
+                        "to run the op as it is")
     if not callable(rule):
         pairs = [_parse_choice(name, c, None) for c in rule]
         _USER[name] = lambda node, n: pairs
     else:
         _USER[name] = rule
+    if local is None:
+        _USER_LOCAL.pop(name, None)
+    else:
+        _USER_LOCAL[name] = local
 
 
 def unregister_rule(op: Any) -> None:
-    """Forget the rule registered for ``op`` (a KeyError if there is none)."""
+    """Forget the rule registered for ``op``, and its local execution (a KeyError if there is none)."""
     name = op_name(op)
     if name not in _USER:
         raise KeyError(f"no rule is registered for {name}; registered: {sorted(_USER)}")
     del _USER[name]
+    _USER_LOCAL.pop(name, None)
 
 
 def registered_rules() -> tuple[str, ...]:
@@ -153,8 +174,27 @@ def registered_rules() -> tuple[str, ...]:
 
 
 def local_executions(op: str) -> tuple[LocalExecution, ...]:
-    """The local executions of the op named ``op`` (:data:`BUILTIN_LOCAL`), in the order they are tried."""
-    return BUILTIN_LOCAL.get(op, ())
+    """The local executions of the op named ``op``, in the order they are tried: the user's
+    (:func:`register_rule`), then autotp's own (:data:`BUILTIN_LOCAL`)."""
+    user = () if op not in _USER_LOCAL else (lambda site: _run_user_local(site, op),)
+    return user + BUILTIN_LOCAL.get(op, ())
+
+
+def user_local(op: str, site: LocalSite) -> Optional[Callable[..., Any]]:
+    """What the ``local`` registered for the op named ``op`` runs at ``site``: a callable, or None
+    (the op as it is; also where no ``local`` is registered). A TypeError if it returns anything else."""
+    local = _USER_LOCAL.get(op)
+    run = local(site) if local is not None else None
+    if run is not None and not callable(run):
+        raise TypeError(f"local= registered for {op} returned {with_article(type(run).__name__)} at node "
+                        f"{site.node.name} ({site.strategy}); expected the callable to run on the rank's pieces, "
+                        "or None to run the op as it is")
+    return run
+
+
+def _run_user_local(site: LocalSite, op: str) -> Any:
+    run = user_local(op, site)
+    return None if run is None else site.call_module(LocalCall(run, op), "local", site.args, site.kwargs)
 
 
 def user_choices(node: OpNode, n: int) -> Optional[list[AxisChoice]]:
