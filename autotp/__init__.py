@@ -17,12 +17,12 @@ The package follows the pipeline, each stage importing only the ones before it:
 """
 
 from autotp.parallel import parallelize
+from autotp.planning.choices.check import check_rule
 from autotp.planning.costs.program import Collective
 from autotp.planning.errors import MemoryBudgetError, PlanError
 from autotp.planning.planner import plan
 from autotp.planning.result.plan import Plan, load_plan
 from autotp.planning.rules import register_rule, unregister_rule
-from autotp.planning.rules.check import check_rule
 from autotp.runtime.module import ParallelModule
 from autotp.tracing.export import CaptureError, capture
 from autotp.tracing.graph import OpGraph, OpNode, TensorInfo

@@ -17,7 +17,7 @@ from torch import nn
 
 import autotp
 from autotp.placement import P, R, S
-from autotp.planning.rules.check import RuleNotExact, check_rule
+from autotp.planning.choices.check import RuleNotExact, check_rule
 from autotp.tracing.graph import OpArgs, SizeArg, TensorArg
 from examples.custom_op import Experts
 from tests.helpers.exactness import assert_step_matches_one_process

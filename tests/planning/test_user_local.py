@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import autotp
+from autotp.planning.choices.check import RuleNotExact, check_rule
 from autotp.planning.planner import plan_graph
-from autotp.planning.rules.check import RuleNotExact, check_rule
 from examples.custom_op import EXPERT_SUM_RULE, Routed, expert_sum_local
 from tests.helpers.exactness import assert_step_matches_one_process
 

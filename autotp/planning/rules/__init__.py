@@ -16,7 +16,8 @@ execution). :data:`BUILTIN` and :data:`BUILTIN_LOCAL` gather them; where two fam
 op (``aten.slice.Tensor``: a cut into blocks, else a strided slice), their local executions are
 tried in the order of :data:`FAMILIES`, the first that applies wins. The user adds a rule for an op
 autotp does not know, and its local execution if its pieces need one, with :func:`register_rule`,
-and checks them on data with :func:`autotp.check_rule`.
+and checks them on data with :func:`autotp.check_rule`
+(:func:`autotp.planning.choices.check.check_rule`).
 
 Modules:
 
@@ -32,7 +33,6 @@ Modules:
                  execution runs it with two all-reduces inside), nor does batch norm's on a split batch
 - ``inner``      the collectives those two ops run inside themselves
 - ``common``     what every family shares: a single-axis choice, the evenness test
-- ``check``      ``check_rule``: a rule checked on data, pieces against the op's output
 
 >>> import torch, autotp
 >>> from autotp.placement import R, S

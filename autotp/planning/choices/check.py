@@ -14,7 +14,7 @@ norm on a split batch: :mod:`autotp.planning.rules.inner`) are left out: that op
 pieces alone (the runtime's tests check those).
 
 >>> import torch
->>> from autotp.planning.rules.check import check_rule
+>>> from autotp.planning.choices.check import check_rule
 >>> [str(s) for s in check_rule(torch.ops.aten.mm.default, (torch.randn(4, 6), torch.randn(6, 8)))]
 ['(R, R) -> R', '(P, R) -> P', '(R, P) -> P', '(S(0), R) -> S(0)', '(R, S(1)) -> S(1)', '(S(1), S(0)) -> P']
 """
