@@ -7,6 +7,7 @@
 The package follows the pipeline, each stage importing only the ones before it:
 
 - ``tracing/``    model and example inputs -> ``OpGraph`` (``autotp.capture``)
+- ``local/``      how an op runs on a rank's pieces: collectives and the modules ops run inside
 - ``planning/``   ``OpGraph``, mesh and hardware -> ``Plan`` (``autotp.plan``), its report and explain
 - ``runtime/``    ``Plan`` -> the parallel module on local shards (``autotp.parallelize``)
 - ``weights/``    the module's values: ``meta_init``, ``load_weights``, ``checkpoint``, ``init_weights``
@@ -16,12 +17,12 @@ The package follows the pipeline, each stage importing only the ones before it:
 """
 
 from autotp.parallel import parallelize
+from autotp.planning.choices.check import check_rule
 from autotp.planning.costs.program import Collective
 from autotp.planning.errors import MemoryBudgetError, PlanError
 from autotp.planning.planner import plan
 from autotp.planning.result.plan import Plan, load_plan
 from autotp.planning.rules import register_rule, unregister_rule
-from autotp.planning.rules.check import check_rule
 from autotp.runtime.module import ParallelModule
 from autotp.tracing.export import CaptureError, capture
 from autotp.tracing.graph import OpGraph, OpNode, TensorInfo

@@ -1,9 +1,10 @@
 """The op tables: which ATen ops autotp treats alike, in one place.
 
 Every stage that sorts ops by kind (capture: views and gradients; the rules: pointwise, linear in
-a partial sum, factories; the rewrite: shape arguments and dropout; the plan: where a weight
-enters a matmul) reads its set here. Ops are named as ``str(op)`` prints an ``OpOverload``
-(``"aten.view.default"``), which is how :class:`autotp.tracing.graph.OpNode` stores its target.
+a partial sum, factories; the families' local executions: shape arguments, means and dropout; the
+plan: where a weight enters a matmul) reads its set here. Ops are named as ``str(op)`` prints an
+``OpOverload`` (``"aten.view.default"``), which is how :class:`autotp.tracing.graph.OpNode` stores
+its target.
 
 >>> "aten.view.default" in VIEW and "aten.view.default" in SHAPE_ARGUMENT
 True
@@ -79,7 +80,7 @@ PAIRWISE_ADD = frozenset({"aten.add.Tensor", "aten.sub.Tensor"})  # P + P -> P
 SCALE_BY_OTHER = frozenset({"aten.mul.Tensor", "aten.div.Tensor"})  # P * R -> P ; P / R -> P
 SCALAR_SCALE = frozenset({"aten.mul.Scalar", "aten.div.Scalar"})  # P * 2 -> P
 
-# Ops whose second argument is a shape, rewritten to local sizes by the rewrite.
+# Ops whose second argument is a shape, made local sizes on a rank (autotp.planning.rules.views).
 SHAPE_ARGUMENT = frozenset({"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
                             "aten.expand.default"})
 DROPOUT = frozenset({"aten.dropout.default", "aten.native_dropout.default"})

@@ -16,7 +16,7 @@ from autotp.mesh import MeshSpec
 from autotp.planning.errors import MemoryBudgetError, PlanError
 from autotp.planning.planner import plan_graph
 from autotp.planning.result.plan import Plan
-from autotp.runtime.rewrite import has_active_dropout
+from autotp.planning.rules.randomness import has_active_dropout
 
 __all__ = ["agreed_plan", "dropout_seed", "from_first_rank"]
 
@@ -72,6 +72,6 @@ def agreed_plan(graph, spec: MeshSpec, mesh, hardware: Any, mode: str, memory_bu
 
 
 def dropout_seed(mesh, graph) -> Optional[int]:
-    """The base seed of the dropout masks, the first rank's on every rank (:mod:`autotp.runtime.dropout`);
+    """The base seed of the dropout masks, the first rank's on every rank (:mod:`autotp.local.dropout`);
     None (and no broadcast) for a graph that drops nothing."""
     return from_first_rank(mesh, [torch.initial_seed()])[0] if has_active_dropout(graph) else None

@@ -346,7 +346,7 @@ def build_parallel_module(graph: OpGraph, plan: Plan, mesh: DeviceMesh, model: n
                           check_inputs: int | None = 0) -> ParallelModule:
     """The parallel module of this rank: its state (:func:`autotp.runtime.state.register_state`) and the graph of
     :class:`autotp.runtime.rewrite.GraphRewrite`. ``seed``: the base seed of the dropout masks
-    (:mod:`autotp.runtime.dropout`), equal on every rank; default ``torch.initial_seed()``. ``switch``: how to
+    (:mod:`autotp.local.dropout`), equal on every rank; default ``torch.initial_seed()``. ``switch``: how to
     make the graph of the model's other mode when ``train()``/``eval()`` asks for it; without it the
     module runs the traced mode only. ``check_inputs``: how many calls of each graph compare the inputs
     across the ranks (:class:`autotp.runtime.guard.SameOnEveryRank`; None: every call; default none,

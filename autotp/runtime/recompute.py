@@ -18,7 +18,7 @@ import torch.fx
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from autotp.runtime.dropout import SeededAttention, ShardedDropout, SharedRandom
+from autotp.local.dropout import SeededAttention, ShardedDropout, SharedRandom
 
 __all__ = ["Layer", "Recompute", "RecomputeContext", "apply_recompute", "group_layers"]
 

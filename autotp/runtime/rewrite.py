@@ -2,44 +2,40 @@
 
 The graph reads the parallel module's parameters (DTensors with the planned placements, under the
 model's own names: :mod:`autotp.runtime.module` registers them) and runs every op on the local shard
-(shape arguments rewritten to local shapes, a row-split embedding as a masked lookup, dropout with
-masks that follow the shards: :mod:`autotp.runtime.dropout`), the layers the plan recomputes run under
-``torch.utils.checkpoint`` (:mod:`autotp.planning.costs.recompute`), and it holds
-the plan's collectives as ``call_module`` nodes (:mod:`autotp.runtime.collectives`), placed exactly where
-:mod:`autotp.planning.costs.program` says. Nothing else communicates: DTensor is the format of the parameters,
-not the engine that runs the ops. Before any of it the graph checks its inputs against the
-example inputs it was built for (:mod:`autotp.runtime.guard`).
+as its op family says (:mod:`autotp.planning.rules`: each family's local execution, called with a
+:class:`~autotp.local.site.LocalSite`, makes shape arguments local, runs a row-split embedding as a
+masked lookup, dropout with masks that follow the shards, ...; an op no family names runs as it
+is). What every op shares is done here: its tensor arguments read in their planned placements, a
+copy of a redistributed value an op writes in place, constants moved to the mesh's device. The
+layers the plan recomputes run under ``torch.utils.checkpoint``
+(:mod:`autotp.planning.costs.recompute`), and the graph holds the plan's collectives as
+``call_module`` nodes (:mod:`autotp.local.collectives`), placed exactly where
+:mod:`autotp.planning.costs.program` says. Nothing else communicates but the ops that run
+collectives inside themselves (:mod:`autotp.planning.rules.inner`): DTensor is the format of the
+parameters, not the engine that runs the ops. Before any of it the graph checks its inputs against
+the example inputs it was built for (:mod:`autotp.runtime.guard`).
 """
 
 from __future__ import annotations
 
-import math
 import operator
-import sys
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from autotp import ops
-from autotp.placement import Placement, dim_pieces, local_shape, piece_range, piece_sizes
+from autotp.local.collectives import GradAllReduce, RedistributeStep, to_local
+from autotp.local.site import LocalSite, run_locally
+from autotp.placement import Placement, dim_pieces, local_shape, piece_sizes
 from autotp.planning.costs.program import OUTPUT, reads
 from autotp.planning.costs.recompute import recomputed_nodes
 from autotp.planning.costs.redistribute import conversion, fused_axes, reduced_axes
 from autotp.planning.result.plan import Plan
-from autotp.planning.rules.blocks import cut_blocks, local_cut_arguments, slice_range
-from autotp.planning.rules.convolutions import GROUPED, local_groups
-from autotp.planning.rules.losses import class_dim, class_split_axes
-from autotp.planning.rules.norms import channel_axes, stat_axes
-from autotp.planning.rules.reductions import reduced_dims
-from autotp.runtime.batch_norm import ShardedBatchNorm
-from autotp.runtime.collectives import GradAllReduce, MaskedEmbedding, RedistributeStep, to_local
+from autotp.planning.rules import local_executions
 from autotp.runtime.devices import mesh_device, on_mesh_device
-from autotp.runtime.dropout import RANDOM_OPS, SeededAttention, ShardedDropout, SharedRandom, attention_dropout_p
 from autotp.runtime.guard import MASK_DTYPES, InputGuard, InputSpec, SameOnEveryRank, as_traced_dtype
-from autotp.runtime.losses import VocabParallelCrossEntropy
 from autotp.runtime.recompute import apply_recompute
 from autotp.runtime.shards import block_index
 from autotp.tracing.aliasing import writes_first_argument
@@ -47,7 +43,7 @@ from autotp.tracing.dynamic import requirements
 from autotp.tracing.export import map_tensor_arguments
 from autotp.tracing.graph import OpGraph
 
-__all__ = ["GraphRewrite", "has_active_dropout", "constant_name"]
+__all__ = ["GraphRewrite", "constant_name"]
 
 aten = torch.ops.aten
 
@@ -304,132 +300,25 @@ class GraphRewrite:
             return on_mesh_device(a, here)
 
         args, kwargs = torch.fx.node.map_aggregate(args, on_device), torch.fx.node.map_aggregate(kwargs, on_device)
-        target = node.target
-        cut = cut_blocks(op)
-        sliced = slice_range(op)
-        cut_dim = cut[0] if cut else sliced[0] if sliced else None
-        blocked = [(a, p) for a, p in enumerate(strat.inputs[0] or ()) if p.is_blocked] if cut_dim is not None else []
-        if blocked and blocked[0][1].dim == cut_dim and (cut is not None or blocked[0][1].is_unequal):
-            # a fused output cut into its blocks: each block's piece is here, cut the local sizes
-            a, p = blocked[0]
-            piece = None
-            if p.is_uneven:  # this rank's length of each block
-                piece = local_shape(op.input_infos[0].shape, strat.inputs[0], self.mesh_shape,
-                                    self.coordinate)[p.dim] // p.blocks
-            local = local_cut_arguments(op, p, self.mesh_shape[a], piece)
-            if target is aten.split.Tensor and piece == 0:  # nothing here: split(0) would give one piece
-                target, args = aten.split_with_sizes.default, (args[0], [0] * p.blocks, p.dim)
-            elif target is aten.slice.Tensor:
-                args = (args[0], p.dim, local["start"], local["end"], 1)
-            elif local:
-                args = (args[0], *local.values(), p.dim)
-        elif str(target) in ops.MEAN and strat.output and any(p.is_partial for p in strat.output):
-            # a mean over a split dim: each rank's mean of its piece, divided by the pieces, sums to the mean
-            dims = reduced_dims(op)
-            pieces = math.prod(n for p, n in zip(strat.inputs[0], self.mesh_shape) if p.is_shard and p.dim in dims)
-            if pieces > 1:
-                mean = self.fx.call_function(target, args, kwargs)
-                self.local[node.name] = self.fx.call_function(aten.div.Tensor, (mean, pieces))
-                return
-        elif target is aten.squeeze.default:
-            # the dims of size 1 in the whole tensor: a rank's piece of a split dim may be 1 long too
-            ones = [d for d, size in enumerate(op.input_infos[0].shape) if size == 1]
-            target, args = aten.squeeze.dims, (args[0], ones)
-        elif str(target) in ops.SHAPE_ARGUMENT:
-            args = (args[0], self.local_sizes(args[1], op, strat.output), *args[2:])
-        elif target is aten.repeat.default and any(p.is_shard for p in strat.output):
-            # a dim split from a whole input (autotp.planning.rules.joins.repeat_choices): this rank's copies
-            lead = len(args[1]) - op.input_infos[0].ndim
-            read = strat.inputs[0] or ()
-            args = (args[0], [r if d >= lead and dim_pieces(read, self.mesh_shape, d - lead) > 1
-                              else r // dim_pieces(strat.output, self.mesh_shape, d) for d, r in enumerate(args[1])],
-                    *args[2:])
-        elif target is aten.unflatten.int and any(p.is_shard for p in strat.output):
-            # the sizes of the new dims: this rank's piece of each (the piece of a split dim)
-            d, k = args[1] % op.input_infos[0].ndim, len(args[2])
-            full = [*op.output.shape[:d], *args[2], *op.output.shape[d + k:]]
-            args = (args[0], args[1], self.local_sizes(full, op, strat.output)[d:d + k], *args[3:])
-        elif str(target) in ops.UNIFORM_FACTORY and any(p.is_shard for p in strat.output):
-            at = ops.UNIFORM_FACTORY[str(target)]  # this rank's piece: the factory at the piece's shape
-            args = (*args[:at], self.local_sizes(args[at], op, strat.output), *args[at + 1:])
-        elif target is aten.slice.Tensor:
-            dim = op.args.int("dim", op.input_infos[0].ndim)
-            q = strat.inputs[0]
-            if q is not None and any(p.is_shard and p.dim == dim for p in q):
-                # a slice of a split dim runs to the end of each piece: all of it, or every step-th
-                # element from a start before the first step (autotp.planning.rules.views.strided_slice)
-                step = op.args.get("step", 1)
-                start = (op.args.get("start") or 0) if step != 1 else 0
-                args = (args[0], dim, start, sys.maxsize, step)
-        elif str(target) in ops.DROPOUT and self.active_dropout(args):
-            shard_key = tuple(self.coordinate[a] for a, p in enumerate(self.read_placements(op, 0)) if p.is_shard)
-            module = ShardedDropout(args[1], self.seed, self.n_dropouts, shard_key)
-            self.n_dropouts += 1
-            call = self.fx.call_module(self._add_module(module, "dropout"), (args[0],))
-            native = target is aten.native_dropout.default
-            self.local[node.name] = call if native else self.fx.call_function(operator.getitem, (call, 0))
-            return
-        elif str(target) in RANDOM_OPS:
-            # drawn from a stream of its own: alike where ranks hold the same values (autotp.runtime.dropout)
-            shard_key = tuple(self.coordinate[a] for a, p in enumerate(strat.output or ()) if p.is_shard)
-            module = SharedRandom(target, self.seed, self.n_dropouts, shard_key)
-            self.n_dropouts += 1
-            self.local[node.name] = self.fx.call_module(self._add_module(module, "random"), args, kwargs)
-            return
-        elif target is aten.scaled_dot_product_attention.default and attention_dropout_p(args, kwargs) > 0:
-            # its kernel draws the dropped weights from the global generator: forked and seeded alike
-            shard_key = tuple(self.coordinate[a] for a, p in enumerate(strat.output or ()) if p.is_shard)
-            module = SeededAttention(target, self.seed, self.n_dropouts, shard_key)
-            self.n_dropouts += 1
-            self.local[node.name] = self.fx.call_module(self._add_module(module, "attention"), args, kwargs)
-            return
-        elif class_split_axes(op, strat):
-            axes = class_split_axes(op, strat)
-            start, stop = self.piece_of(op.input_infos[0].shape[class_dim(op)], strat.inputs[0], axes)
-            module = VocabParallelCrossEntropy(start, stop, [self.groups[a] for a in axes],
-                                               [self.axis_names[a] for a in axes], int(op.args.get("reduction", 1)),
-                                               int(op.args.get("ignore_index", -100)))
-            self.local[node.name] = self.fx.call_module(self._add_module(module, "vocab_parallel_loss"), args[:2])
-            return
-        elif stat_axes(op, strat) or channel_axes(op, strat):
-            # batch norm's statistics over a split batch, or its running statistics over split channels
-            stats, chans = stat_axes(op, strat), channel_axes(op, strat)
-            channels = op.input_infos[0].shape[1]
-            start, stop = self.piece_of(channels, strat.inputs[0], chans)
-            module = ShardedBatchNorm(start, stop, channels, [self.groups[a] for a in stats],
-                                      [self.groups[a] for a in chans], [self.axis_names[a] for a in stats])
-            self.local[node.name] = self.fx.call_module(self._add_module(module, "batch_norm"), args, kwargs)
-            return
-        elif str(target) in GROUPED and local_groups(op, strat.inputs[0], self.mesh_shape) is not None:
-            # whole groups per rank: the op runs with its share of them
-            args, kwargs = _set_argument(target, args, kwargs, "groups" if "groups" in op.args else "num_groups",
-                                            local_groups(op, strat.inputs[0], self.mesh_shape))
-        elif target is aten.embedding.default:
-            w = strat.inputs[0]
-            axes = [a for a, p in enumerate(w) if p.is_shard and p.dim == 0]
-            if axes:
-                a = axes[0]
-                start, stop = piece_range(op.input_infos[0].shape[0], w[a], self.mesh_shape[a], self.coordinate[a])
-                name = self._add_module(MaskedEmbedding(start, stop - start), "masked_embedding")
-                self.local[node.name] = self.fx.call_module(name, args, kwargs)
-                return
-        self.local[node.name] = self.fx.call_function(target, args, kwargs)
+        # how the op runs on this rank's pieces: its family's local execution (autotp.planning.rules), or as it is
+        site = LocalSite(node=op, strategy=strat, reads=tuple(self.read_placements(op, k) for k in range(len(op.inputs))),
+                         mesh_shape=self.mesh_shape, coordinate=tuple(self.coordinate or ()), groups=tuple(self.groups),
+                         axis_names=tuple(self.axis_names), target=node.target, args=args, kwargs=kwargs,
+                         seed=self.seed, emitter=self)
+        self.local[node.name] = run_locally(site, local_executions(op.target))
 
-    def piece_of(self, size: int, placements, axes) -> tuple[int, int]:
-        """``(start, stop)`` of this rank's piece of a dim of ``size`` split over ``axes`` (in mesh
-        order, each axis splitting the piece the ones before it left)."""
-        start, length = 0, size
-        for a in axes:
-            lo, hi = piece_range(length, placements[a], self.mesh_shape[a], self.coordinate[a])
-            start, length = start + lo, hi - lo
-        return start, start + length
+    # -- what a local execution emits through (autotp.local.site.Emitter) ------------------------
 
-    @staticmethod
-    def active_dropout(args: tuple) -> bool:
-        """``dropout(x, p, train)`` that drops anything: train set and ``p > 0``."""
-        p = args[1] if len(args) > 1 else 0.5
-        train = args[2] if len(args) > 2 else True
-        return (train is None or bool(train)) and p is not None and float(p) > 0.0  # native_dropout: None is train
+    def call_function(self, target: Any, args: tuple, kwargs: Mapping[str, Any]) -> torch.fx.Node:
+        return self.fx.call_function(target, args, dict(kwargs))
+
+    def call_module(self, module: nn.Module, kind: str, args: tuple, kwargs: Mapping[str, Any]) -> torch.fx.Node:
+        return self.fx.call_module(self._add_module(module, kind), args, dict(kwargs))
+
+    def new_stream(self) -> int:
+        """The next random stream of this graph: one per dropout-like node, in the graph's order."""
+        self.n_dropouts += 1
+        return self.n_dropouts - 1
 
     def read_placements(self, op, k: int) -> tuple[Placement, ...]:
         """The placements op ``op`` reads its ``k``-th tensor argument with."""
@@ -493,25 +382,7 @@ class GraphRewrite:
         return tuple(Placement("R") for _ in self.mesh_shape)
 
 
-def _set_argument(target: Any, args: tuple, kwargs: dict, name: str, value: Any) -> tuple[tuple, dict]:
-    """``args`` and ``kwargs`` of a call of ``target`` with its argument ``name`` set to ``value``."""
-    if name in kwargs:
-        return args, {**kwargs, name: value}
-    position = [a.name for a in target._schema.arguments].index(name)
-    if position < len(args):
-        return (*args[:position], value, *args[position + 1:]), kwargs
-    return args, {**kwargs, name: value}
-
-
 def _is_size(node: torch.fx.Node) -> bool:
     """A node that computes a size (an int or a symbolic int), not a tensor."""
     return isinstance(node.meta.get("val"), (int, torch.SymInt, torch.SymFloat, torch.SymBool, float, bool))
 
-
-def has_active_dropout(graph: OpGraph) -> bool:
-    """Whether the graph drops anything at run time (then its ranks must agree on a seed)."""
-    return graph.exported is not None and any(
-        n.op == "call_function" and (
-            (str(n.target) in ops.DROPOUT and GraphRewrite.active_dropout(n.args))
-            or (n.target is aten.scaled_dot_product_attention.default and attention_dropout_p(n.args, n.kwargs) > 0))
-        for n in graph.exported.graph.nodes)

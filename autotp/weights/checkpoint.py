@@ -144,7 +144,7 @@ def full_tensor(value: torch.Tensor, placements=None) -> torch.Tensor:
     if not any(_dtensor_cannot_size(p) for p in own):
         return value.full_tensor()
     from autotp.placement import piece_sizes
-    from autotp.runtime.collectives import _gather_uneven
+    from autotp.local.collectives import _gather_uneven
     from autotp.runtime.shards import block_index
 
     mesh = value.device_mesh

@@ -16,10 +16,10 @@ import autotp
 from autotp import ops
 from autotp.mesh import MeshSpec
 from autotp.placement import R, S
+from autotp.planning.choices.check import check_rule
 from autotp.planning.choices.strategies import node_strategies
 from autotp.planning.costs.program import collectives
 from autotp.planning.planner import plan_graph
-from autotp.planning.rules.check import check_rule
 from tests.helpers.local_exactness import capture_graph, check_every_strategy, full_values, nodes_of, strategy_texts
 from tests.helpers.profiles import h100_without_tf32
 

@@ -17,7 +17,7 @@ from torch import nn
 
 import autotp
 from autotp.placement import P, R, S
-from autotp.planning.rules.check import RuleNotExact, check_rule
+from autotp.planning.choices.check import RuleNotExact, check_rule
 from autotp.tracing.graph import OpArgs, SizeArg, TensorArg
 from examples.custom_op import Experts
 from tests.helpers.exactness import assert_step_matches_one_process
@@ -138,10 +138,14 @@ def test_the_custom_op_example_runs(capsys):
     try:
         custom_op.main()
     finally:
-        autotp.unregister_rule("demo.expert_mm.default")
+        for op in ("demo.expert_mm.default", "demo.expert_sum.default"):
+            if op in autotp.planning.rules.registered_rules():
+                autotp.unregister_rule(op)
     printed = capsys.readouterr().out
     assert "exact on local pieces: (R, R) -> R, (S(0), S(0)) -> S(0)" in printed
     assert "largest difference from one process on 2 ranks" in printed
+    assert "expert_sum split as (R, S(0), R, R) -> P" in printed  # its local execution runs each rank's experts
+    assert "expert_sum: largest difference from one process on 2 ranks" in printed
 
 
 class FullWidthNorm(nn.Module):

@@ -1,4 +1,4 @@
-"""Batch norm in training on split data (synchronized batch norm, autotp/runtime/batch_norm.py).
+"""Batch norm in training on split data (synchronized batch norm, autotp/local/batch_norm.py).
 
 Every training strategy of a batch norm on (2,) and (2, 2), run as the rewrite runs it on threaded
 ranks, gives one device's output, input gradient, weight and bias gradients (each rank's own sums,
@@ -19,11 +19,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autotp
+from autotp.local.batch_norm import ShardedBatchNorm
 from autotp.placement import P, S
 from autotp.planning.choices.strategies import node_strategies
 from autotp.planning.planner import plan_graph
 from autotp.planning.rules.norms import channel_axes, stat_axes
-from autotp.runtime.batch_norm import ShardedBatchNorm
 from examples.ranks import run_threads
 from tests.helpers.local_exactness import _assemble, _local
 from tests.helpers.observed import CollectiveLog, assert_as_planned

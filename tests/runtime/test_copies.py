@@ -1,6 +1,6 @@
 """The runtime's local copies are the ones the cost model prices (``redistribute.step_copies``).
 
-Each redistribution step of the runtime (``autotp.runtime.collectives.RedistributeStep``) runs forward and
+Each redistribution step of the runtime (``autotp.local.collectives.RedistributeStep``) runs forward and
 backward on a fake process group of 2 ranks, under a dispatch mode that records every kernel that
 writes a new tensor from another one (clone, cat, stack, copy). Their bytes (read plus written)
 must equal the list ``step_copies`` gives, forward and backward, for a tensor whose sharded dim is
@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autotp.local.collectives import RedistributeStep
 from autotp.placement import P, R, S
 from autotp.planning.costs.redistribute import conversion_steps, step_copies
-from autotp.runtime.collectives import RedistributeStep
 
 _COPY_OPS = ("aten.clone.", "aten.cat.", "aten.stack.", "aten.copy.", "aten.copy_.", "aten._to_copy.")
 # collectives that copy their input into a fresh output inside the op, where a dispatch mode does not
@@ -111,7 +111,7 @@ def test_the_functional_all_reduce_clones_its_input(two_fake_ranks):
     from torch.profiler import ProfilerActivity, profile
 
     from autotp.planning.costs.redistribute import all_reduce_copies
-    from autotp.runtime.collectives import GradAllReduce
+    from autotp.local.collectives import GradAllReduce
 
     x = torch.randn(4, 8, 16)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:

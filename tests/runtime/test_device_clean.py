@@ -85,7 +85,7 @@ class _MadeOnTheHost:
 
 def test_the_harness_fails_a_cpu_tensor_made_inside_the_runtime(monkeypatch):
     """The split loss's zeros (``torch.where(mine, picked, zeros)``) made on the CPU: the step raises."""
-    import autotp.runtime.losses as losses
+    import autotp.local.losses as losses
 
     model, example = _llama_with_loss()
     monkeypatch.setattr(losses, "torch", _MadeOnTheHost("zeros_like"))

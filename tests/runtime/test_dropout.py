@@ -1,4 +1,4 @@
-"""Dropout in train mode on two ranks (autotp.runtime.dropout): one mask per replicated value, independent
+"""Dropout in train mode on two ranks (autotp.local.dropout): one mask per replicated value, independent
 masks per shard, the keep rate 1 - p, and gradients that follow the masks applied."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _run(rank, world, graph, plan, x, model):
     and the gradients."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.runtime.dropout import ShardedDropout
+    from autotp.local.dropout import ShardedDropout
     from autotp.runtime.module import build_parallel_module
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
@@ -93,8 +93,8 @@ def test_shards_get_independent_masks_and_replicas_one_mask():
 
 
 def test_dropout_off_is_the_plain_op():
-    from autotp.runtime.dropout import ShardedDropout
-    from autotp.runtime.rewrite import has_active_dropout
+    from autotp.local.dropout import ShardedDropout
+    from autotp.planning.rules.randomness import has_active_dropout
 
     import autotp
 
@@ -125,7 +125,7 @@ class LabelDrop(nn.Module):
 def _random_rank(rank, world, graph, plan, inputs, model):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.runtime.dropout import SharedRandom
+    from autotp.local.dropout import SharedRandom
     from autotp.runtime.module import build_parallel_module
 
     torch.manual_seed(100 + rank)  # ranks seeded differently, as a data loader's seed often is
@@ -167,7 +167,7 @@ def test_attention_dropout_draws_from_a_seeded_fork_of_the_global_generator():
     with the global generator forked and seeded per call, so the same shard key gives the same
     dropped weights whatever the caller's seed, another key or call other ones, the caller's
     generator goes on as if nothing had drawn, and the backward replays the forward's mask."""
-    from autotp.runtime.dropout import SeededAttention
+    from autotp.local.dropout import SeededAttention
 
     aten = torch.ops.aten.scaled_dot_product_attention.default
     q, k, v = (torch.randn(2, 4, 8, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
@@ -218,7 +218,7 @@ class DropAttention(nn.Module):
 def _attention_rank(rank, world, graph, plan, x, model):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotp.runtime.dropout import SeededAttention
+    from autotp.local.dropout import SeededAttention
     from autotp.runtime.module import build_parallel_module
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
@@ -237,7 +237,7 @@ def test_attention_dropout_on_split_heads_draws_per_piece_and_matches_the_model_
     on both ranks, and the second call draws anew."""
     import autotp
     from autotp.planning.planner import plan_graph
-    from autotp.runtime.rewrite import has_active_dropout
+    from autotp.planning.rules.randomness import has_active_dropout
 
     x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(1))
     graph = autotp.capture(DropAttention().train(), (x,))

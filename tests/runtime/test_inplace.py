@@ -11,8 +11,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from autotp.local.collectives import RedistributeStep
 from autotp.placement import P, R, S
-from autotp.runtime.collectives import RedistributeStep
 from tests.helpers.exactness import assert_step_matches_one_process
 
 

@@ -1,4 +1,4 @@
-"""A lookup in an embedding split by rows (autotp/runtime/collectives.py ``MaskedEmbedding``): each rank's
+"""A lookup in an embedding split by rows (autotp/local/collectives.py ``MaskedEmbedding``): each rank's
 rows, the others' lookups zeros, summed over the ranks, give the whole embedding's output and gradient,
 ``padding_idx`` included (its lookups get no gradient in the model: only that global row's)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autotp.runtime.collectives import MaskedEmbedding
+from autotp.local.collectives import MaskedEmbedding
 
 
 @pytest.mark.parametrize("padding_idx", [None, 0, 5])

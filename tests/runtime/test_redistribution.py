@@ -2,7 +2,7 @@
 
 For every pair of placements ``src -> dst`` over R, P, S(0) and S(1) on both axes, four threaded
 ranks run the runtime's steps (:func:`autotp.planning.costs.redistribute.conversion_steps`, executed by
-:class:`autotp.runtime.collectives.RedistributeStep`) on their piece of a known tensor, and the result is
+:class:`autotp.local.collectives.RedistributeStep`) on their piece of a known tensor, and the result is
 compared with the piece ``dst`` names, cut from the full tensor by ``autotp.runtime.shards.local_shard``
 (axis 0 splits first, then axis 1 splits each piece: DTensor's layout). A partial source holds the
 full value times a rank factor that sums to a known total; a partial result is judged by its sum
@@ -51,7 +51,7 @@ def _every_pair(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     from autotp.planning.costs.redistribute import conversion_steps, is_convertible
-    from autotp.runtime.collectives import RedistributeStep
+    from autotp.local.collectives import RedistributeStep
 
     mesh = init_device_mesh("cpu", MESH, mesh_dim_names=("dp", "tp"))
     coordinate = mesh.get_coordinate()

@@ -359,7 +359,7 @@ def test_training_steps_track_reference(factory, mode):
 def _every_step(rank, world):
     """Each redistribution step of the runtime, forward and backward, against the values it must
     give: one step per kind of collective in each phase."""
-    from autotp.runtime.collectives import GradAllReduce, RedistributeStep
+    from autotp.local.collectives import GradAllReduce, RedistributeStep
     from autotp.placement import Placement
 
     R, P, S0, S1 = Placement("R"), Placement("P"), Placement("S", 0), Placement("S", 1)

@@ -50,6 +50,7 @@ from autotp.planning.rules.blocks import (
     static_cut,
 )
 from autotp.planning.rules.common import AxisChoice, divisible
+from autotp.planning.rules.factories import factory_choices
 from autotp.planning.rules.pointwise import pointwise_choices
 from autotp.planning.rules.uneven import uneven_choices, unit_counts
 from autotp.planning.rules.views import SPLITS, dim_map, split_choices, view_choices
@@ -87,16 +88,6 @@ def written_buffers(graph: OpGraph) -> frozenset[str]:
 
 def _replicated(node: OpNode, n: int) -> list[AxisChoice]:
     return [((R,) * len(node.inputs), R)]
-
-
-def _factory(node: OpNode, n: int) -> list[AxisChoice]:
-    """Whole; a factory of one value also split along any dim (each rank makes its piece)."""
-    reads = (None,) * len(node.inputs)
-    choices = [(reads, R)]
-    if node.target in ops.UNIFORM_FACTORY and len(node.outputs) == 1:
-        shape = node.output.shape
-        choices += [(reads, S(d)) for d in range(len(shape)) if divisible(shape[d], n)]
-    return choices
 
 
 class _Warned:
@@ -159,7 +150,7 @@ def _choices(node: OpNode, n: int, warned: Optional[_Warned], graph: Optional[Op
         return _placeholder_choices(node, n, graph)
     t = node.target
     if t in ops.FACTORY:
-        return _factory(node, n)
+        return factory_choices(node, n)
     rule = BUILTIN.get(t)
     choices = rule(node, n) if rule is not None else None
     if choices is not None:

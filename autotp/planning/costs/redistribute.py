@@ -35,7 +35,7 @@ instead of slicing a gradient that would need a separate all_reduce: Megatron's 
 pairing of all_gather forward with reduce_scatter backward.
 
 **Local copies.** Collectives move whole buffers along dim 0, so a step on any other dim
-rearranges memory on the rank, and the runtime (:mod:`autotp.runtime.collectives`) does it with one copy
+rearranges memory on the rank, and the runtime (:mod:`autotp.local.collectives`) does it with one copy
 kernel each; its all_reduce (PyTorch's functional one, which leaves its input untouched) reduces
 into a clone of the input. Bytes read plus written, for a contiguous input; ``size`` is the full
 tensor along the axis, ``shard = size / n``:

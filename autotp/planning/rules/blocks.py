@@ -12,7 +12,8 @@ split the same way (Megatron's interleaved layout).
 keep the dim's size, elementwise ops, the output features of linear / addmm / matmul / grouped
 matmul, to their weight and bias). :func:`blocked_variants` adds to an op's choices the blocked
 twin of each choice that splits such a dim; :func:`cut_choices` gives the cutting ops their
-choice: a blocked input, a plain split out.
+choice: a blocked input, a plain split out. On a rank the cut runs on its pieces of the blocks with
+local sizes and bounds (:func:`local_cut`, the family's local execution).
 
 >>> import torch, autotp
 >>> class Fused(torch.nn.Module):
@@ -32,8 +33,11 @@ from __future__ import annotations
 import weakref
 from typing import Mapping, Optional, Union
 
+import torch
+
 from autotp import ops
-from autotp.placement import Placement, S
+from autotp.local.site import Call, LocalSite
+from autotp.placement import Placement, S, local_shape
 from autotp.planning.rules.common import AxisChoice, divisible
 from autotp.tracing.graph import OpGraph, OpNode
 
@@ -269,3 +273,33 @@ def local_cut_arguments(node: OpNode, blocked: Placement, n: int, piece: Optiona
         start = (a.get("start") or 0) // block * piece
         return {"start": start, "end": start + (min(a.int("end"), size) - (a.get("start") or 0)) // block * piece}
     return {}
+
+
+def local_cut(site: LocalSite) -> Optional[Call]:
+    """A fused output cut into its blocks, read blocked along the cut dim: each block's piece is on
+    this rank, so the cut takes the local sizes and bounds (:func:`local_cut_arguments`). None for a
+    cut of another input."""
+    node, inputs = site.node, site.strategy.inputs[0]
+    cut = cut_blocks(node)
+    sliced = slice_range(node)
+    cut_dim = cut[0] if cut else sliced[0] if sliced else None
+    blocked = [(a, p) for a, p in enumerate(inputs or ()) if p.is_blocked] if cut_dim is not None else []
+    if not (blocked and blocked[0][1].dim == cut_dim and (cut is not None or blocked[0][1].is_unequal)):
+        return None
+    a, p = blocked[0]
+    piece = None
+    if p.is_uneven:  # this rank's length of each block
+        piece = local_shape(node.input_infos[0].shape, inputs, site.mesh_shape, site.coordinate)[p.dim] // p.blocks
+    local = local_cut_arguments(node, p, site.mesh_shape[a], piece)
+    x = site.args[0]
+    if node.target == "aten.split.Tensor" and piece == 0:  # nothing here: split(0) would give one piece
+        return site.called(target=torch.ops.aten.split_with_sizes.default, args=(x, [0] * p.blocks, p.dim))
+    if node.target == "aten.slice.Tensor":
+        return site.called(args=(x, p.dim, local["start"], local["end"], 1))
+    if local:
+        return site.called(args=(x, *local.values(), p.dim))
+    return site.called()
+
+
+# the cuts run on a rank's pieces of the blocks; a slice that is no such cut is the views' (strided_slice)
+LOCAL = {name: local_cut for name in (*CUTS, "aten.slice.Tensor")}

@@ -2,11 +2,18 @@
 
 These carry the Megatron options: a weight split by its output features (colwise) gives a split
 output; split by its input features (rowwise) gives a partial sum; a row-split embedding table
-gives a partial sum too (each rank looks up its rows, zeros elsewhere: the rewrite's masked lookup).
+gives a partial sum too (each rank looks up its rows, zeros elsewhere: :func:`local_embedding` runs
+it as a masked lookup). Attention that drops its weights runs with its kernel's draws seeded per
+piece (:func:`local_attention`).
 """
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
+from autotp.local.collectives import MaskedEmbedding
+from autotp.local.dropout import SeededAttention, attention_dropout_p
+from autotp.local.site import LocalSite
 from autotp.placement import P, R, S
 from autotp.planning.rules.common import AxisChoice, broadcast_in, divisible
 from autotp.tracing.graph import OpNode
@@ -129,3 +136,28 @@ RULES = {
     "aten._grouped_mm.default": grouped_mm_choices,
     "transformers.grouped_mm_fallback.default": grouped_mm_choices,
 }
+
+
+def local_embedding(site: LocalSite) -> Optional[Any]:
+    """A table split by rows: this rank looks up the indices in its rows, zeros elsewhere (a partial
+    sum). None for a table split otherwise (the op as it is)."""
+    w = site.strategy.inputs[0]
+    axes = [a for a, p in enumerate(w) if p.is_shard and p.dim == 0]
+    if not axes:
+        return None
+    start, stop = site.piece_of(site.node.input_infos[0].shape[0], w, axes[:1])
+    return site.call_module(MaskedEmbedding(start, stop - start), "masked_embedding", site.args, site.kwargs)
+
+
+def local_attention(site: LocalSite) -> Optional[Any]:
+    """Attention with ``dropout_p > 0``: its kernel draws the dropped weights from the global
+    generator, forked and seeded from the node's own stream, alike where ranks hold the same rows.
+    None without dropout (the op as it is)."""
+    if attention_dropout_p(site.args, site.kwargs) <= 0:
+        return None
+    stream = site.new_stream()
+    module = SeededAttention(site.target, site.seed, stream, site.shard_key(site.strategy.output or ()))
+    return site.call_module(module, "attention", site.args, site.kwargs)
+
+
+LOCAL = {"aten.embedding.default": local_embedding, "aten.scaled_dot_product_attention.default": local_attention}

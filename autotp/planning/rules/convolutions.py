@@ -3,8 +3,8 @@
 A convolution is a linear layer applied at every position, and splits as one: the weight by its
 output channels (colwise: the output split by channels), by its input channels (rowwise: a partial
 sum, the bias added once), or the batch. A grouped (depthwise) convolution splits by whole groups:
-each rank convolves its channels with its groups' filters, and the rewrite runs it with ``groups``
-divided by the pieces (:func:`local_groups`). Space splits only where no window crosses a piece's
+each rank convolves its channels with its groups' filters, and runs it with ``groups`` divided by
+the pieces (:func:`local_groups`, :func:`local_grouped`). Space splits only where no window crosses a piece's
 edge: no padding, no dilation, and windows that tile the input (a 1x1 convolution, a patch embedding
 whose stride equals its kernel), each piece a whole number of windows.
 
@@ -18,11 +18,12 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from autotp import ops
+from autotp.local.site import Call, LocalSite
 from autotp.placement import P, R, S
 from autotp.planning.rules.common import AxisChoice, divisible
 from autotp.tracing.graph import OpNode
 
-__all__ = ["conv_choices", "local_groups", "GROUPED", "RULES"]
+__all__ = ["conv_choices", "local_groups", "local_grouped", "GROUPED", "RULES", "LOCAL"]
 
 
 def _ints(value: Any, k: int, default: int) -> tuple[int, ...]:
@@ -181,7 +182,7 @@ def patches_choices(node: OpNode, n: int) -> list[AxisChoice]:
     return choices
 
 
-GROUPED = ops.CONVOLUTIONS | {"aten.group_norm.default"}  # ops whose groups argument the rewrite divides
+GROUPED = ops.CONVOLUTIONS | {"aten.group_norm.default"}  # ops whose groups argument a rank divides
 
 RULES = {
     **{name: conv_choices for name in ops.CONVOLUTIONS},
@@ -196,3 +197,15 @@ RULES = {
     "aten.im2col.default": patches_choices,
     "aten.col2im.default": patches_choices,
 }
+
+
+def local_grouped(site: LocalSite) -> Optional[Call]:
+    """Whole groups per rank: the op runs with its share of them (group norm's too). None where the
+    channels are whole (the op as it is)."""
+    groups = local_groups(site.node, site.strategy.inputs[0], site.mesh_shape)
+    if groups is None:
+        return None
+    return site.called().with_argument("groups" if "groups" in site.node.args else "num_groups", groups)
+
+
+LOCAL = {name: local_grouped for name in GROUPED}

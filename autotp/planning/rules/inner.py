@@ -1,7 +1,7 @@
 """The collectives an op runs inside itself: the two rules whose op does not run on its pieces
 as it is (cross-entropy on split classes, :mod:`.losses`; batch norm on a split batch,
-:mod:`.norms`). The cost model prices them with the op, the program lists them, and the rewrite
-runs the op as a module that holds them."""
+:mod:`.norms`). The cost model prices them with the op, the program lists them, and the op's local
+execution runs it as a module that holds them."""
 
 from __future__ import annotations
 

@@ -4,7 +4,10 @@ multiple of ``n`` times may be split from a whole input (each rank makes its sha
 
 from __future__ import annotations
 
-from autotp.placement import P, R, S
+from typing import Optional
+
+from autotp.local.site import Call, LocalSite
+from autotp.placement import P, R, S, dim_pieces
 from autotp.planning.rules.common import AxisChoice, divisible
 from autotp.tracing.graph import OpNode
 
@@ -59,3 +62,19 @@ def repeat_choices(node: OpNode, n: int) -> list[AxisChoice]:
 
 RULES = {"aten.cat.default": cat_choices, "aten.stack.default": stack_choices,
          "aten.repeat.default": repeat_choices}
+
+
+def local_repeat(site: LocalSite) -> Optional[Call]:
+    """``repeat`` into a dim split from a whole input (:func:`repeat_choices`): this rank's copies,
+    the count divided by the pieces where the input dim is whole here."""
+    strategy, args = site.strategy, site.args
+    if not any(p.is_shard for p in strategy.output):
+        return None
+    lead = len(args[1]) - site.node.input_infos[0].ndim
+    read = strategy.inputs[0] or ()
+    reps = [r if d >= lead and dim_pieces(read, site.mesh_shape, d - lead) > 1
+            else r // dim_pieces(strategy.output, site.mesh_shape, d) for d, r in enumerate(args[1])]
+    return site.called(args=(args[0], reps, *args[2:]))
+
+
+LOCAL = {"aten.repeat.default": local_repeat}

@@ -13,19 +13,22 @@ dim split (no class weights, no label smoothing: each needs another sum over the
 :func:`class_split_axes` says which mesh axes a strategy splits the classes over, and
 :func:`loss_collectives` what they run: the cost model prices them with the op
 (:meth:`autotp.planning.costs.costing.CostModel.node_compute_s`), the program lists them
-(:func:`autotp.planning.costs.program.program`), and the rewrite runs the op as
-:class:`autotp.runtime.losses.VocabParallelCrossEntropy`.
+(:func:`autotp.planning.costs.program.program`), and on a rank the op runs as
+:class:`autotp.local.losses.VocabParallelCrossEntropy` (:func:`local_cross_entropy`).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Optional, Sequence
 
+from autotp.local.losses import VocabParallelCrossEntropy
+from autotp.local.site import LocalSite
 from autotp.placement import R, S, Strategy
 from autotp.planning.rules.common import AxisChoice, divisible
 from autotp.tracing.graph import OpNode
 
-__all__ = ["CROSS_ENTROPY", "cross_entropy_choices", "class_dim", "class_split_axes", "loss_collectives", "RULES"]
+__all__ = ["CROSS_ENTROPY", "cross_entropy_choices", "class_dim", "class_split_axes", "loss_collectives",
+           "local_cross_entropy", "RULES", "LOCAL"]
 
 CROSS_ENTROPY = "aten.cross_entropy_loss.default"
 STATISTICS_BYTES = 4  # the per-row statistics are reduced in float32
@@ -84,3 +87,19 @@ def loss_collectives(node: OpNode, strategy: Strategy, mesh_shape: Sequence[int]
 
 
 RULES = {CROSS_ENTROPY: cross_entropy_choices}
+
+
+def local_cross_entropy(site: LocalSite) -> Optional[Any]:
+    """The loss on this rank's classes, its per-row numbers all-reduced over the axes that split
+    them; None where the classes are whole (the op as it is)."""
+    node = site.node
+    axes = class_split_axes(node, site.strategy)
+    if not axes:
+        return None
+    start, stop = site.piece_of(node.input_infos[0].shape[class_dim(node)], site.strategy.inputs[0], axes)
+    module = VocabParallelCrossEntropy(start, stop, [site.groups[a] for a in axes], [site.axis_names[a] for a in axes],
+                                       int(node.args.get("reduction", 1)), int(node.args.get("ignore_index", -100)))
+    return site.call_module(module, "vocab_parallel_loss", site.args[:2])
+
+
+LOCAL = {CROSS_ENTROPY: local_cross_entropy}

@@ -3,32 +3,36 @@
 **Batch norm in training** normalizes each channel by its mean and variance over the batch and
 space. With the channels split each rank has whole channels: its statistics are exact. With the
 batch (or space) split each rank's statistics would be its own piece's, so the rule's op does not
-run on its pieces as it is: the rewrite runs it as
-:class:`autotp.runtime.batch_norm.ShardedBatchNorm` (synchronized batch norm), whose statistics are
-all-reduced over the axes that split the batch or space (the per-channel sums, then the centred
-sums of squares), and whose backward all-reduces the two per-channel sums its input gradient needs.
-The weight's and bias's gradients are each rank's own sums, partial over those axes: the plan's
-gradient reduction adds them, as for any weight read whole by an op on a split batch. The running
-statistics buffers stay whole and equal on every rank: every rank updates them with the same
-global statistics, and where channels are split, each rank's new values for its channels are
-summed into place over the channel axis (a zero elsewhere). :func:`norm_collectives` lists what it
-runs, for the cost model and the program.
+run on its pieces as it is: it runs as :class:`autotp.local.batch_norm.ShardedBatchNorm`
+(synchronized batch norm, :func:`local_batch_norm`), whose statistics are all-reduced over the
+axes that split the batch or space (the per-channel sums, then the centred sums of squares), and
+whose backward all-reduces the two per-channel sums its input gradient needs. The weight's and
+bias's gradients are each rank's own sums, partial over those axes: the plan's gradient reduction
+adds them, as for any weight read whole by an op on a split batch. The running statistics buffers
+stay whole and equal on every rank: every rank updates them with the same global statistics, and
+where channels are split, each rank's new values for its channels are summed into place over the
+channel axis (a zero elsewhere). :func:`norm_collectives` lists what it runs, for the cost model
+and the program.
 
 **Batch norm in eval** is an affine map per channel: any split, the parameters and statistics cut
-like the channels. **Group norm** splits the batch, or the channels in whole groups (the rewrite
-divides ``num_groups`` by the pieces); **instance norm** without running statistics splits the batch
-or the channels.
+like the channels. **Group norm** splits the batch, or the channels in whole groups (a rank runs
+it with ``num_groups`` divided by the pieces:
+:func:`autotp.planning.rules.convolutions.local_grouped`); **instance norm** without running
+statistics splits the batch or the channels.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Optional, Sequence
 
+from autotp.local.batch_norm import ShardedBatchNorm
+from autotp.local.site import LocalSite
 from autotp.placement import R, S, Strategy
 from autotp.planning.rules.common import AxisChoice, divisible
 from autotp.tracing.graph import OpNode
 
-__all__ = ["BATCH_NORM", "batch_norm_choices", "synced", "stat_axes", "channel_axes", "norm_collectives", "RULES"]
+__all__ = ["BATCH_NORM", "batch_norm_choices", "synced", "stat_axes", "channel_axes", "norm_collectives",
+           "local_batch_norm", "RULES", "LOCAL"]
 
 BATCH_NORM = "aten.batch_norm.default"
 STATISTICS_BYTES = 4  # per-channel statistics are reduced in float32
@@ -136,3 +140,21 @@ RULES = {
     "aten.group_norm.default": group_norm_choices,
     "aten.instance_norm.default": instance_norm_choices,
 }
+
+
+def local_batch_norm(site: LocalSite) -> Optional[Any]:
+    """A training batch norm with its batch or space split (statistics summed over those axes) or
+    its channels split (running statistics summed into place over those); None otherwise (the op
+    as it is: eval, or nothing split)."""
+    node, strategy = site.node, site.strategy
+    stats, chans = stat_axes(node, strategy), channel_axes(node, strategy)
+    if not stats and not chans:
+        return None
+    channels = node.input_infos[0].shape[1]
+    start, stop = site.piece_of(channels, strategy.inputs[0], chans)
+    module = ShardedBatchNorm(start, stop, channels, [site.groups[a] for a in stats], [site.groups[a] for a in chans],
+                              [site.axis_names[a] for a in stats])
+    return site.call_module(module, "batch_norm", site.args, site.kwargs)
+
+
+LOCAL = {BATCH_NORM: local_batch_norm}

@@ -48,9 +48,4 @@ RULES = {
     "aten._softmax.default": softmax_choices,
     "aten.log_softmax.int": softmax_choices,
     "aten._log_softmax.default": softmax_choices,
-    # random values shaped like the input: a piece of them is drawn independently on each rank that
-    # holds it (autotp.runtime.dropout.SharedRandom), the same in distribution, not value by value
-    **{op: pointwise_choices for op in ("aten.rand_like.default", "aten.randn_like.default",
-                                        "aten.randint_like.default", "aten.randint_like.low_dtype",
-                                        "aten.bernoulli.default", "aten.bernoulli.p")},
 }

@@ -1,7 +1,17 @@
-"""Reductions and normalizations: a kept dim stays split; a summed split dim leaves a partial sum."""
+"""Reductions and normalizations: a kept dim stays split; a summed split dim leaves a partial sum.
+
+A mean over a split dim runs on a rank as its piece's mean divided by the pieces (:func:`local_mean`):
+the ranks' local means then sum to the mean."""
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
+import torch
+
+from autotp import ops
+from autotp.local.site import LocalSite
 from autotp.placement import P, R, S
 from autotp.planning.rules.common import AxisChoice, divisible
 from autotp.tracing.graph import OpNode
@@ -16,7 +26,7 @@ def reduced_dims(node: OpNode) -> set[int]:
 
 def reduction_choices(node: OpNode, n: int) -> list[AxisChoice]:
     """sum / mean over dims: sharding a kept dim carries over; a sum over a split dim is partial, and
-    so is a mean, once each rank divides its local mean by the pieces (the rewrite does: the ranks'
+    so is a mean, once each rank divides its local mean by the pieces (:func:`local_mean`: the ranks'
     local means then sum to the mean; DTensor's ``Partial("avg")``)."""
     x = node.input_infos[0]
     dims = reduced_dims(node)
@@ -69,3 +79,20 @@ RULES = {
     "aten.argmax.default": extremum_choices,
     "aten.argmin.default": extremum_choices,
 }
+
+
+def local_mean(site: LocalSite) -> Any:
+    """A mean over a split dim, left a partial sum: this rank's mean of its piece, divided by the
+    pieces. None where no split dim is reduced (the op as it is)."""
+    strategy = site.strategy
+    if not (strategy.output and any(p.is_partial for p in strategy.output)):
+        return None
+    dims = reduced_dims(site.node)
+    pieces = math.prod(n for p, n in zip(strategy.inputs[0], site.mesh_shape) if p.is_shard and p.dim in dims)
+    if pieces == 1:
+        return None
+    mean = site.call(site.target, site.args, site.kwargs)
+    return site.call(torch.ops.aten.div.Tensor, (mean, pieces))
+
+
+LOCAL = {name: local_mean for name in ops.MEAN}

@@ -1,15 +1,19 @@
 """View-like ops: each output dim carries the shard of the input dim it comes from.
 
 A view runs on a shard as on the whole tensor once its shape arguments are made local (the
-rewrite does that), so an output dim may be split wherever it is one input dim, unchanged or
-cut evenly: :func:`dim_map` says which input dim each output dim carries.
+family's local executions do that: :data:`LOCAL`), so an output dim may be split wherever it is one
+input dim, unchanged or cut evenly: :func:`dim_map` says which input dim each output dim carries.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Mapping, Optional, Sequence
 
+import torch
+
 from autotp import ops
+from autotp.local.site import Call, LocalSite
 from autotp.placement import P, R, S
 from autotp.planning.rules.common import AxisChoice, divisible
 from autotp.tracing.graph import OpNode, SizeArg
@@ -157,3 +161,47 @@ def split_choices(node: OpNode, n: int) -> list[AxisChoice]:
 
 
 SPLITS = frozenset({"aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default"})
+
+
+def local_squeeze(site: LocalSite) -> Call:
+    """``squeeze()`` of the dims of size 1 in the whole tensor: a rank's piece of a split dim may be
+    1 long too."""
+    ones = [d for d, size in enumerate(site.node.input_infos[0].shape) if size == 1]
+    return site.called(target=torch.ops.aten.squeeze.dims, args=(site.args[0], ones))
+
+
+def local_shape_argument(site: LocalSite) -> Call:
+    """``view``, ``reshape``, ``expand``: the shape argument of this rank's piece."""
+    args = site.args
+    return site.called(args=(args[0], site.local_sizes(args[1]), *args[2:]))
+
+
+def local_unflatten(site: LocalSite) -> Optional[Call]:
+    """``unflatten`` into a split dim: the sizes of the new dims are this rank's piece of each."""
+    node, args = site.node, site.args
+    if not any(p.is_shard for p in site.strategy.output):
+        return None
+    d, k = args[1] % node.input_infos[0].ndim, len(args[2])
+    full = [*node.output.shape[:d], *args[2], *node.output.shape[d + k:]]
+    return site.called(args=(args[0], args[1], site.local_sizes(full)[d:d + k], *args[3:]))
+
+
+def local_strided_slice(site: LocalSite) -> Optional[Call]:
+    """A slice of a split dim runs to the end of each piece: all of it, or every step-th element from
+    a start before the first step (:func:`strided_slice`). None for a slice of a whole dim."""
+    node = site.node
+    dim = node.args.int("dim", node.input_infos[0].ndim)
+    q = site.strategy.inputs[0]
+    if q is None or not any(p.is_shard and p.dim == dim for p in q):
+        return None
+    step = node.args.get("step", 1)
+    start = (node.args.get("start") or 0) if step != 1 else 0
+    return site.called(args=(site.args[0], dim, start, sys.maxsize, step))
+
+
+LOCAL = {
+    "aten.squeeze.default": local_squeeze,
+    **{name: local_shape_argument for name in ops.SHAPE_ARGUMENT},
+    "aten.unflatten.int": local_unflatten,
+    "aten.slice.Tensor": local_strided_slice,  # after blocks.local_cut: a cut into blocks first
+}

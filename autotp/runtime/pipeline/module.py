@@ -159,7 +159,7 @@ class PipelineModule(Parallelized):
                                                        group=pp_group))
         self._schedules: dict[tuple, Any] = {}
         # the random draws in the stages' graphs, traced in train mode (dropout): inference would make them
-        from autotp.runtime.dropout import SeededAttention, ShardedDropout, SharedRandom
+        from autotp.local.dropout import SeededAttention, ShardedDropout, SharedRandom
 
         self._draws = sorted({type(m).__name__ for st in modules for m in st.modules()
                               if isinstance(m, (SharedRandom, SeededAttention)) or (isinstance(m, ShardedDropout) and m.p > 0)})

@@ -21,7 +21,7 @@ __all__ = ["group_stage_layers", "model_name", "reads_state"]
 
 def reads_state(n: torch.fx.Node) -> bool:
     """A parameter's or buffer's read, or the local shard of one (nothing computed, nothing sent)."""
-    from autotp.runtime.collectives import to_local
+    from autotp.local.collectives import to_local
 
     return n.op == "get_attr" or (n.op == "call_function" and n.target is to_local
                                   and len(n.all_input_nodes) == 1 and n.all_input_nodes[0].op == "get_attr")

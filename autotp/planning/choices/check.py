@@ -8,12 +8,13 @@ outputs back together (``S``: concatenate, ``R``: every rank must hold the whole
 compares with the op on the full inputs. Nothing of autotp's runtime runs: this is the contract
 the runtime relies on, checked directly. The one argument autotp changes on a rank is checked as it
 changes it: a grouped convolution (or group norm) split by whole groups runs with its share of the
-groups. The strategies of an op that runs collectives inside itself (a loss on split classes, batch
+groups; and an op registered with a local execution (``register_rule(op, rule, local=...)``) runs
+on each rank as that says. The strategies of an op that runs collectives inside itself (a loss on split classes, batch
 norm on a split batch: :mod:`autotp.planning.rules.inner`) are left out: that op does not run on its
 pieces alone (the runtime's tests check those).
 
 >>> import torch
->>> from autotp.planning.rules.check import check_rule
+>>> from autotp.planning.choices.check import check_rule
 >>> [str(s) for s in check_rule(torch.ops.aten.mm.default, (torch.randn(4, 6), torch.randn(6, 8)))]
 ['(R, R) -> R', '(P, R) -> P', '(R, P) -> P', '(S(0), R) -> S(0)', '(R, S(1)) -> S(1)', '(S(1), S(0)) -> P']
 """
@@ -24,7 +25,9 @@ from typing import Any, Sequence
 
 import torch
 
+from autotp.local.site import LocalSite
 from autotp.placement import Placement, Strategy
+from autotp.planning.rules import user_local
 from autotp.planning.rules.convolutions import GROUPED, local_groups
 
 __all__ = ["check_rule", "RuleNotExact"]
@@ -95,6 +98,13 @@ def _pieces(full: torch.Tensor, p: Placement, n: int, gen: torch.Generator) -> l
     return [full] * n
 
 
+def _site(op: Any, node: Any, strategy: Strategy, n: int, rank: int, local: tuple) -> LocalSite:
+    """``rank``'s place as the rewrite would hand it to a local execution, its arguments its pieces."""
+    reads = tuple(q if q is not None else (Placement("R"),) for q in strategy.inputs)
+    return LocalSite(node=node, strategy=strategy, reads=reads, mesh_shape=(n,), coordinate=(rank,), groups=(None,),
+                     axis_names=("check",), target=op, args=local, kwargs={})
+
+
 def _check(op: Any, args: tuple, node: Any, strategy: Strategy, full: torch.Tensor, n: int, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
@@ -109,7 +119,7 @@ def _check(op: Any, args: tuple, node: Any, strategy: Strategy, full: torch.Tens
     outs = []
     for rank in range(n):
         local = tuple(pieces[i][rank] if i in pieces else a for i, a in enumerate(args))
-        out = op(*local)
+        out = (user_local(node.target, _site(op, node, strategy, n, rank, local)) or op)(*local)
         outs.append(out[0] if isinstance(out, (tuple, list)) else out)
     p = strategy.output[0]
     if p.is_shard:

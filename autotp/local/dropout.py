@@ -53,22 +53,31 @@ _MASK = (1 << 63) - 1
 _GLOBAL_RNG = threading.Lock()  # ranks run as threads of one process (tests) share the global generator
 
 
-class ShardedDropout(nn.Module):
-    """``aten.native_dropout`` on this rank's piece: returns ``(output, keep mask)``."""
+class _Seeded(nn.Module):
+    """A module that draws from a stream of its own: a seed per call from the base seed, the call
+    count, the stream and the shard key."""
 
-    def __init__(self, p: float, base_seed: int, stream: int, shard_key: tuple[int, ...]) -> None:
+    def __init__(self, base_seed: int, stream: int, shard_key: tuple[int, ...]) -> None:
         super().__init__()
-        if not 0.0 <= p <= 1.0:
-            raise ValueError(f"dropout probability {p}: expected a number in [0, 1]")
-        self.p, self.base_seed, self.stream, self.shard_key = float(p), int(base_seed), int(stream), tuple(shard_key)
+        self.base_seed, self.stream, self.shard_key = int(base_seed), int(stream), tuple(shard_key)
         self.calls = 0
-
-    def extra_repr(self) -> str:
-        return f"p={self.p}, stream={self.stream}, shard_key={self.shard_key}"
 
     def seed(self) -> int:
         """This call's seed: equal on ranks with equal shard keys, independent otherwise."""
         return hash((self.base_seed, self.calls, self.stream, self.shard_key)) & _MASK
+
+
+class ShardedDropout(_Seeded):
+    """``aten.native_dropout`` on this rank's piece: returns ``(output, keep mask)``."""
+
+    def __init__(self, p: float, base_seed: int, stream: int, shard_key: tuple[int, ...]) -> None:
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"dropout probability {p}: expected a number in [0, 1]")
+        super().__init__(base_seed, stream, shard_key)
+        self.p = float(p)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, stream={self.stream}, shard_key={self.shard_key}"
 
     # @torch.compiler.disable  # runs eagerly under torch.compile: a graph break, no guard on ``calls``
     def forward(self, x: torch.Tensor, *rest) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,26 +104,21 @@ RANDOM_OPS: dict[str, Optional[str]] = {
 }
 
 
-class SharedRandom(nn.Module):
+class SharedRandom(_Seeded):
     """One random op of the graph, drawn from a generator of its own: the same values on ranks with
     equal shard keys (a tensor held whole: every rank), independent pieces otherwise."""
 
     def __init__(self, op: torch._ops.OpOverload, base_seed: int, stream: int, shard_key: tuple[int, ...]) -> None:
-        super().__init__()
+        super().__init__(base_seed, stream, shard_key)
         name = f"aten.{op._schema.name.split('::')[1]}.{op._overloadname}"
         if name not in RANDOM_OPS:
             raise ValueError(f"{name} is not one of autotp's random ops: expected one of {sorted(RANDOM_OPS)}")
         overload = RANDOM_OPS[name]
         self.op = getattr(op.overloadpacket, overload) if overload else op
-        self.name, self.base_seed, self.stream, self.shard_key = name, int(base_seed), int(stream), tuple(shard_key)
-        self.calls = 0
+        self.name = name
 
     def extra_repr(self) -> str:
         return f"{self.name}, stream={self.stream}, shard_key={self.shard_key}"
-
-    def seed(self) -> int:
-        """This call's seed: equal on ranks with equal shard keys, independent otherwise."""
-        return hash((self.base_seed, self.calls, self.stream, self.shard_key)) & _MASK
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -130,7 +134,7 @@ def attention_dropout_p(args: tuple, kwargs: dict) -> float:
     return float(p or 0.0)
 
 
-class SeededAttention(nn.Module):
+class SeededAttention(_Seeded):
     """``scaled_dot_product_attention`` with ``dropout_p > 0``, its kernel's draws made under the
     global generator of its device forked and seeded for this call: the same dropped weights on
     ranks with equal shard keys, independent ones on different pieces (heads, batch, rows), and the
@@ -138,16 +142,11 @@ class SeededAttention(nn.Module):
     or the seed they drew it from)."""
 
     def __init__(self, op: torch._ops.OpOverload, base_seed: int, stream: int, shard_key: tuple[int, ...]) -> None:
-        super().__init__()
-        self.op, self.base_seed, self.stream, self.shard_key = op, int(base_seed), int(stream), tuple(shard_key)
-        self.calls = 0
+        super().__init__(base_seed, stream, shard_key)
+        self.op = op
 
     def extra_repr(self) -> str:
         return f"stream={self.stream}, shard_key={self.shard_key}"
-
-    def seed(self) -> int:
-        """This call's seed: equal on ranks with equal shard keys, independent otherwise."""
-        return hash((self.base_seed, self.calls, self.stream, self.shard_key)) & _MASK
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
         device = args[0].device

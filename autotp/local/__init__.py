@@ -1,0 +1,17 @@
+"""Local execution: how an op runs on a rank's pieces; autograd-aware collectives and the modules
+op families run inside themselves.
+
+Below planning and above tracing: the op families of :mod:`autotp.planning.rules` import what their
+local execution runs from here, and the runtime's rewrite builds the graph of one rank with them.
+Nothing here plans or rewrites; each module is a ``torch.nn.Module`` (or a function) a graph node
+calls on local tensors, but ``site``, the interface every op family's local execution takes.
+
+- ``site``          ``LocalSite``: what a local execution is handed (the node, the strategy chosen, this
+                    rank's place on the mesh, the op's local arguments, the means to emit calls) and
+                    ``Call``, what it may return
+- ``collectives``   autograd-aware collectives, one module per redistribution step; the masked
+                    lookup of a row-split embedding
+- ``dropout``       dropout masks and random draws on shards (one mask where ranks hold the same values)
+- ``batch_norm``    batch norm on a split batch or split space: statistics all-reduced inside
+- ``losses``        cross-entropy on logits split by vocabulary: two all-reduces of per-row numbers
+"""
