@@ -876,25 +876,23 @@ def test_emulated_dtypes_round_trip_and_bad_values_name_the_field():
         assert str(exc.value).startswith(message), str(exc.value)
 
 
-def test_the_probe_measures_under_aten_cpu_capability():
+# the default run takes the capability furthest from the host's (most of the time is importing torch);
+# the same path under another capability is in the slow suite
+@pytest.mark.parametrize("capability", ["default", pytest.param("avx2", marks=pytest.mark.slow)])
+def test_the_probe_measures_under_aten_cpu_capability(capability):
     """PyTorch honours ATEN_CPU_CAPABILITY; the probe times what runs, so it needs no CPU flags."""
     code = ("import json, torch; from autotp.profiling.device import probe_dtypes; "
             "torch.set_num_threads(1); "
             "probes = probe_dtypes(torch.device('cpu'), ('bfloat16',), min_time_s=0.01); "
             "print(json.dumps([torch.backends.cpu.get_cpu_capability(), [p.to_dict() for p in probes]]))")
-    procs = {}
-    for capability in ("avx2", "default"):  # both at once: most of the time is importing torch
-        env = dict(os.environ, ATEN_CPU_CAPABILITY=capability,
-                   PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        procs[capability] = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
-                                             stderr=subprocess.PIPE, text=True)
-    for capability, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=60)
-        assert proc.returncode == 0, stderr
-        used, probes = json.loads(stdout)
-        assert used == "DEFAULT" if capability == "default" else "AVX512" not in used
-        assert [p["dtype"] for p in probes] == ["float32", "bfloat16"] and all(p["flops_per_s"] > 0 for p in probes)
-        assert probes[1]["emulated"] == (probes[1]["flops_per_s"] < 0.25 * probes[1]["float32_flops_per_s"])
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability,
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    used, probes = json.loads(proc.stdout)
+    assert used == "DEFAULT" if capability == "default" else "AVX512" not in used
+    assert [p["dtype"] for p in probes] == ["float32", "bfloat16"] and all(p["flops_per_s"] > 0 for p in probes)
+    assert probes[1]["emulated"] == (probes[1]["flops_per_s"] < 0.25 * probes[1]["float32_flops_per_s"])
 
 
 # --- links, fault hook ---------------------------------------------------------------------------

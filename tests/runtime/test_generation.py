@@ -124,14 +124,22 @@ def _rank(rank, world):
         graphs.graphs["token"](prompt[:, :1], torch.tensor([T]), torch.ones(2, L, dtype=torch.int64),
                                torch.full((2, 1), T))
     out["observed"], out["bytes"] = log.counts(), [s.bytes for s in log.seen]
-    # the decode step compiles to one graph (fullgraph: a break is an error) and computes what it did eager
-    step_inputs = (prompt[:, :1], torch.tensor([T]), torch.ones(2, L, dtype=torch.int64), torch.full((2, 1), T))
-    graphs.reset()
-    eager = graphs.graphs["token"](*step_inputs)
-    graphs.reset()
-    compiled = graphs.step({"backend": "aot_eager"})(*step_inputs)  # the one generate(compile=...) runs
+    # the decode step compiles to one graph (fullgraph: a break is an error) and computes what it did eager;
+    # it runs as generate runs it (without grad, a contiguous column of tokens), so generate's tokens below
+    # run the same compiled graph: Dynamo compiles once for the step and every token, with no recompile
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    step_inputs = (prompt[:, :1].contiguous(), torch.tensor([T]), torch.ones(2, L, dtype=torch.int64),
+                   torch.full((2, 1), T))
+    backend = {"backend": CompileCounterWithBackend("aot_eager")}  # aot_eager, counting the graphs compiled
+    with torch.no_grad():
+        graphs.reset()
+        eager = graphs.graphs["token"](*step_inputs)
+        graphs.reset()
+        compiled = graphs.step(backend)(*step_inputs)  # the one generate(compile=...) runs
     out["compiled_diff"] = (compiled - eager).abs().max().item()
-    out["compiled_greedy"] = pm.generate(prompt, max_new_tokens=NEW_TOKENS, compile={"backend": "aot_eager"}).tolist()
+    out["compiled_greedy"] = pm.generate(prompt, max_new_tokens=NEW_TOKENS, compile=backend).tolist()
+    out["compiles"] = backend["backend"].frame_count
     out["plans"] = {k: p.to_json() for k, p in graphs.plans.items()}
     out["held"] = {n: tuple(b.shape) for n, b in pm.named_buffers() if n.startswith("autotp_kv_")}
     out["held_bytes"] = sum(b.numel() * b.element_size() for n, b in pm.named_buffers() if n.startswith("autotp_kv_"))
@@ -244,6 +252,7 @@ def test_the_cache_is_split_like_the_attention_and_a_decode_step_runs_its_plan(r
 
 def test_the_decode_step_compiles_to_one_graph_and_computes_the_same(ranks, reference):
     assert [r["compiled_diff"] for r in ranks] == [0.0, 0.0]
+    assert [r["compiles"] for r in ranks] == [1, 1], "the step and generate's tokens: one compile, no recompile"
     _, _, greedy, _ = reference
     assert [r["compiled_greedy"] for r in ranks] == [greedy, greedy]
 
