@@ -2,10 +2,14 @@
 (Llama 3 8B on (8,), 70B at 8 layers on (8, 8), both traced whole and unrolled) and each zoo
 architecture at real widths (2 and 4 layers on the zoo's mesh), planned from costs, one line each.
 
-    .venv/bin/python -m benchmarks.plan_digests --out before.json
-    .venv/bin/python -m benchmarks.plan_digests --out after.json --against before.json
+    PYTHONHASHSEED=1 .venv/bin/python -m benchmarks.plan_digests --out before.json
+    PYTHONHASHSEED=1 .venv/bin/python -m benchmarks.plan_digests --out after.json --against before.json
 
 ``--against`` prints each row whose digest differs from the earlier file's and exits 1 if any does.
+Give both runs the same ``PYTHONHASHSEED``: where two plans cost the same, which one the solver
+returns can follow the order of Python's hashed sets (Llama 4 Scout's 4-layer plan: two digests of
+one predicted time, by the seed). Every rank runs the plan of the mesh's first rank, so ranks
+never disagree; two separate processes may.
 """
 
 from __future__ import annotations
