@@ -113,3 +113,18 @@ def test_experts_split_whole_over_two_ranks_equal_one_process(name):
         for n in weights:  # whole experts on each rank, half of them
             shape = dict(model.named_parameters())[n].shape
             assert local[n] == (shape[0] // 2, *shape[1:]), (n, local[n])
+
+
+def test_batched_experts_cannot_be_split_whole_and_say_where():
+    """``batched_mm`` experts gather each row's expert weight by its id (``weight[ids]``): no whole
+    expert per rank there. Pinned S(0), the plan is refused naming the op; unpinned, the experts are
+    split by features or kept whole, as before."""
+    model = tiny_moe("qwen3_moe")
+    model.config._experts_implementation = "batched_mm"
+    inputs = inputs_for(model)
+    graph = autotp.capture(model, inputs)
+    assert not [n for n in graph.nodes if "grouped_mm" in n.target]
+    with pytest.raises(ValueError, match=r"S\(0\) cannot be read by aten.index.Tensor at model.layers.0.mlp.experts"):
+        plan_graph(graph, (2,), "cpu-gloo", "train", pin={name: "S(0)" for name in expert_weights(model)})
+    plan = plan_graph(graph, (2,), "cpu-gloo", "train")
+    assert "Pd" not in {str(p) for n in plan.nodes for p in plan.strategy(n.name).output}
