@@ -26,6 +26,15 @@ reduced for other readers (:mod:`autotp.planning.rules.gradients`).
 >>> str(Strategy(((R,), (R,)), (Rg,)))
 '(R, R) -> Rg'
 
+A partial sum whose summands have **disjoint support**, ``Pd``, is a ``P`` in which every element
+is nonzero on one rank at most (zero on the others): the rows a rank computes for the experts it
+holds (:mod:`autotp.planning.rules.experts`). Such a sum passes exactly through ops that keep zeros
+zero (``silu(0) = 0``), products with the same support and row gathers; it reads as ``P`` for
+free, and redistributes as ``P`` does.
+
+>>> str(Strategy(((Pd,), (R,)), (Pd,)))
+'(Pd, R) -> Pd'
+
 An input placement of ``None`` means the node reads only the input's dtype and device (for
 example ``new_ones``), so any placement will do and nothing moves.
 """
@@ -36,7 +45,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
-__all__ = ["Placement", "R", "Rg", "P", "S", "plain", "Placements", "Strategy", "format_placements", "parse_placements",
+__all__ = ["Placement", "R", "Rg", "P", "Pd", "S", "plain", "summed", "Placements", "Strategy", "format_placements", "parse_placements",
            "local_shape", "shard_divisor", "dim_pieces", "dim_divisor", "piece_sizes", "piece_range", "axis_divisor",
            "block_sizes", "block_permutation"]
 
@@ -63,6 +72,10 @@ class Placement:
 
     ``grad_partial`` (only on ``R``, printed ``Rg``) marks a replicated output whose gradient is left
     as partial sums (see the module docstring). It is an output placement only: readers read it as ``R``.
+
+    ``disjoint`` (only on ``P``, printed ``Pd``) marks a partial sum whose summands have disjoint
+    support: each element is nonzero on one rank at most (see the module docstring). Only a ``Pd``
+    becomes a ``Pd``; it reads as ``P`` with no step.
     """
 
     kind: str
@@ -71,6 +84,7 @@ class Placement:
     grain: int = 0
     sizes: tuple[int, ...] = ()
     grad_partial: bool = False
+    disjoint: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("R", "S", "P"):
@@ -87,6 +101,8 @@ class Placement:
                              f"two or more sizes >= 1 that differ, one per block ({self.blocks}), and not uneven")
         if self.grad_partial and self.kind != "R":
             raise ValueError(f"placement {self.kind} with a partial gradient: only R may leave its gradient partial")
+        if self.disjoint and self.kind != "P":
+            raise ValueError(f"placement {self.kind} with disjoint summands: only P may be a sum of disjoint parts")
 
     @property
     def is_uneven(self) -> bool:
@@ -115,7 +131,7 @@ class Placement:
 
     def __str__(self) -> str:
         if self.kind != "S":
-            return self.kind + ("g" if self.grad_partial else "")
+            return self.kind + ("g" if self.grad_partial else "") + ("d" if self.disjoint else "")
         blocks = ",".join(map(str, self.sizes)) if self.sizes else str(self.blocks)
         text = f"S({self.dim})[{blocks}]" if self.blocks > 1 else f"S({self.dim})"
         return f"{text}~{self.grain}" if self.grain else text
@@ -126,6 +142,7 @@ class Placement:
 R = Placement("R")
 Rg = Placement("R", grad_partial=True)
 P = Placement("P")
+Pd = Placement("P", disjoint=True)
 
 
 def plain(placements: Optional[Sequence[Placement]]) -> Optional[tuple[Placement, ...]]:
@@ -133,6 +150,12 @@ def plain(placements: Optional[Sequence[Placement]]) -> Optional[tuple[Placement
     if placements is None:
         return None
     return tuple(R if p.grad_partial else p for p in placements)
+
+
+def summed(placements: Sequence[Placement]) -> tuple[Placement, ...]:
+    """``placements`` with ``Pd`` read as ``P`` (and ``Rg`` as ``R``): what a redistribution starts
+    from, a sum of disjoint parts being a partial sum."""
+    return tuple(P if p.disjoint else p for p in plain(placements))
 
 
 def S(dim: int, blocks: "int | Sequence[int]" = 1, grain: int = 0) -> Placement:
@@ -189,6 +212,9 @@ def parse_placements(text: str) -> Optional[tuple[Placement, ...]]:
         c = text[i]
         if c == "R" and text.startswith("Rg", i):
             out.append(Rg)
+            i += 2
+        elif c == "P" and text.startswith("Pd", i):
+            out.append(Pd)
             i += 2
         elif c in "RP":
             out.append(Placement(c))

@@ -115,15 +115,22 @@ def _apply_pins(graph: OpGraph, spec: MeshSpec, rep: Mapping[str, str], strat_re
             raise ValueError(f"pin: {format_placements(placements)} is not a placement of {graph[node].param_fqn} "
                              f"(shape {list(graph[node].output.shape)}) on mesh {spec}; it can take {options}")
         strat_rep[node] = kept
-        # the ops that read the weight compute with that shard (a pin is a layout, not only storage)
-        for consumer in graph.consumers(node) if readers else ():
-            c = rep[consumer]
-            ks = [k for k, src in enumerate(graph[consumer].inputs) if src == node]
-            reading = [s for s in strat_rep[c] if all(s.inputs[k] == placements for k in ks)]
-            if not reading:
-                raise ValueError(f"pin {graph[node].param_fqn}: {format_placements(placements)} cannot be read by "
-                                 f"{graph[consumer].target} at {graph[consumer].module_path or 'the model'}")
-            strat_rep[c] = reading
+        # the ops that read the weight compute with that shard (a pin is a layout, not only storage);
+        # through a view of it (a transposed weight), the ops that read the view
+        todo = [(node, placements)] if readers else []
+        while todo:
+            source, held = todo.pop()
+            for consumer in graph.consumers(source):
+                c = rep[consumer]
+                ks = [k for k, src in enumerate(graph[consumer].inputs) if src == source]
+                reading = [s for s in strat_rep[c] if all(s.inputs[k] == held for k in ks)]
+                if not reading:
+                    raise ValueError(f"pin {graph[node].param_fqn}: {format_placements(placements)} cannot be read "
+                                     f"by {graph[consumer].target} at {graph[consumer].module_path or 'the model'}")
+                strat_rep[c] = reading
+                outputs = {s.output for s in reading}
+                if graph[consumer].is_view and len(outputs) == 1:
+                    todo.append((consumer, outputs.pop()))
 
 
 def predicted_time(graph: OpGraph, chosen: Mapping[str, Strategy], spec: MeshSpec, cost: CostModel,

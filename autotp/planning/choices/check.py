@@ -8,7 +8,9 @@ outputs back together (``S``: concatenate, ``R``: every rank must hold the whole
 compares with the op on the full inputs. Nothing of autotp's runtime runs: this is the contract
 the runtime relies on, checked directly. The one argument autotp changes on a rank is checked as it
 changes it: a grouped convolution (or group norm) split by whole groups runs with its share of the
-groups; and an op registered with a local execution (``register_rule(op, rule, local=...)``) runs
+groups; a grouped matmul split by experts computes its experts' rows
+(:class:`autotp.local.experts.ExpertRows`), and its ``Pd`` output must have disjoint support (no
+element nonzero on two ranks); and an op registered with a local execution (``register_rule(op, rule, local=...)``) runs
 on each rank as that says. The strategies of an op that runs collectives inside itself (a loss on split classes, batch
 norm on a split batch: :mod:`autotp.planning.rules.inner`) are left out: that op does not run on its
 pieces alone (the runtime's tests check those).
@@ -28,7 +30,9 @@ import torch
 from autotp.local.site import LocalSite
 from autotp.placement import Placement, Strategy
 from autotp.planning.rules import user_local
+from autotp.local.experts import ExpertRows
 from autotp.planning.rules.convolutions import GROUPED, local_groups
+from autotp.planning.rules.experts import GROUPED_MM
 
 __all__ = ["check_rule", "RuleNotExact"]
 
@@ -105,6 +109,14 @@ def _site(op: Any, node: Any, strategy: Strategy, n: int, rank: int, local: tupl
                      axis_names=("check",), target=op, args=local, kwargs={})
 
 
+def _expert_rows(site: LocalSite) -> Any:
+    """A grouped matmul split by experts: the rank's experts' rows, as the rewrite runs it."""
+    w = site.strategy.inputs[1] if site.node.target in GROUPED_MM and len(site.strategy.inputs) > 1 else None
+    if w is None or not w[0].is_shard or w[0].dim != 0:
+        return None
+    return ExpertRows(site.target, *site.piece(1, 0))
+
+
 def _check(op: Any, args: tuple, node: Any, strategy: Strategy, full: torch.Tensor, n: int, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
@@ -119,13 +131,17 @@ def _check(op: Any, args: tuple, node: Any, strategy: Strategy, full: torch.Tens
     outs = []
     for rank in range(n):
         local = tuple(pieces[i][rank] if i in pieces else a for i, a in enumerate(args))
-        out = (user_local(node.target, _site(op, node, strategy, n, rank, local)) or op)(*local)
+        site = _site(op, node, strategy, n, rank, local)
+        run = user_local(node.target, site) or _expert_rows(site) or op
+        out = run(*local)
         outs.append(out[0] if isinstance(out, (tuple, list)) else out)
     p = strategy.output[0]
     if p.is_shard:
         got = torch.cat(outs, dim=p.dim)
     elif p.is_partial:
         got = sum(outs[1:], outs[0])
+        if p.disjoint and n > 1 and (torch.stack(outs) != 0).sum(0).max() > 1:
+            raise RuntimeError("the parts of a sum of disjoint parts (Pd) overlap: an element is nonzero on two ranks")
     else:
         for rank, out in enumerate(outs[1:], 1):
             if out.shape != outs[0].shape or not torch.allclose(out, outs[0]):

@@ -50,6 +50,7 @@ from autotp.planning.rules.blocks import (
     static_cut,
 )
 from autotp.planning.rules.common import AxisChoice, divisible
+from autotp.planning.rules.experts import disjoint_choices
 from autotp.planning.rules.factories import factory_choices
 from autotp.planning.rules.pointwise import pointwise_choices
 from autotp.planning.rules.uneven import uneven_choices, unit_counts
@@ -109,7 +110,8 @@ def axis_choices(node: OpNode, n: int, warned: Optional[_Warned] = None,
     An op no own rule covers is looked up in DTensor's registry (which needs ``graph``, the
     node's OpGraph, for the exported fx node); if that has nothing either, it runs replicated.
     With ``graph``, blocked splits are added where a cut downstream reads a dim in blocks
-    (:mod:`autotp.planning.rules.blocks`).
+    (:mod:`autotp.planning.rules.blocks`), and sums of disjoint parts (``Pd``) where the node passes
+    on the rows of experts placed whole on ranks (:mod:`autotp.planning.rules.experts`).
     """
     if n == 1:  # an axis of one rank: splitting across it changes nothing and only adds steps
         return [(tuple(None if c is None else R for c in _factory_or_all(node)), R)]
@@ -119,6 +121,7 @@ def axis_choices(node: OpNode, n: int, warned: Optional[_Warned] = None,
     choices = _choices(node, n, warned, graph)
     if graph is None:
         return choices
+    choices = choices + [c for c in disjoint_choices(node, n, graph) if c not in choices]
     units = unit_counts(graph, n)
 
     def static(k: int, d: int) -> bool:

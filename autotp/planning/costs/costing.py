@@ -55,6 +55,7 @@ from autotp.planning.costs.redistribute import (
     step_copies,
 )
 from autotp.planning.costs.saved import forward_liveness, kept_storages
+from autotp.planning.rules.experts import expert_work_divisor
 from autotp.planning.rules.inner import inner_collectives
 from autotp.tracing.graph import BUFFER, PARAMETER, OpGraph, OpNode, TensorInfo, dtype_bytes
 from cost_models import (
@@ -377,7 +378,12 @@ class CostModel:
 
 def _work_divisor(node: OpNode, strategy: Strategy, axis: int, n: int) -> float:
     """How many times less work the slowest rank does on ``axis``: ``n``, or for an uneven split the
-    full size over its largest piece (every tensor a choice splits unevenly is cut in the same units)."""
+    full size over its largest piece (every tensor a choice splits unevenly is cut in the same units),
+    or for experts split whole over the ranks, the rows over the busiest rank's
+    (:func:`autotp.planning.rules.experts.expert_work_divisor`)."""
+    experts = expert_work_divisor(node, strategy, axis, n)
+    if experts is not None:
+        return experts
     tensors = zip((*strategy.inputs, strategy.output), (*node.input_infos, node.outputs[0]))
     for placements, info in tensors:
         if placements is not None and placements[axis].is_uneven:

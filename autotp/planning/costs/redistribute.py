@@ -13,7 +13,11 @@ S(d)→S(e)   all_to_all          all_to_all
 P → R       all_reduce          nothing
 P → S(d)    reduce_scatter      all_gather
 S(d) → P    not allowed
+Pd → P      nothing (a sum of disjoint parts is a partial sum)
+x → Pd      not allowed unless x is Pd (the parts' support is the producer's)
 ==========  ==================  =====================================================
+
+From ``Pd`` every step is ``P``'s.
 
 An uneven split ``S(d)~g`` (:mod:`autotp.planning.rules.uneven`) takes part only in the slice, the gather
 and the reduce_scatter: the runtime pads each piece to the largest before the collective and
@@ -74,7 +78,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional, Sequence
 
-from autotp.placement import Placement, S, axis_divisor, plain
+from autotp.placement import Placement, S, axis_divisor, summed
 
 __all__ = ["Step", "Conversion", "conversion", "unblocked", "conversion_steps", "step_kinds", "is_convertible",
            "fused_axes", "reduced_axes", "step_copies", "step_bytes",
@@ -123,12 +127,15 @@ def step_kinds(src: Placement, dst: Placement) -> tuple[Optional[str], Optional[
 def is_convertible(src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
     """Whether ``src`` redistributes to ``dst``: not ``S -> P``, and an uneven split ``S(d)~g`` only
     gathered (padded to its largest piece), sliced from a whole tensor or reduce-scattered from a
-    partial sum, never moved to another split."""
+    partial sum, never moved to another split; nothing becomes ``Pd`` but a ``Pd``."""
     return _is_convertible(tuple(src), tuple(dst))
 
 
 @lru_cache(maxsize=1 << 14)  # asked once per read of every layer: the same few pairs over and over
 def _is_convertible(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> bool:
+    if any(d.disjoint and s != d for s, d in zip(src, dst)):
+        return False
+    src, dst = summed(src), summed(dst)
     for s, d in zip(src, dst):
         if s != d and (((s.is_uneven or s.is_unequal) and not d.is_replicate)
                        or ((d.is_uneven or d.is_unequal) and s.is_shard)):
@@ -194,7 +201,10 @@ def conversion(shape: Sequence[int], src: Sequence[Placement], dst: Sequence[Pla
                mesh_shape: Sequence[int], grad_axes: Sequence[int] = ()) -> Conversion:
     """The steps of ``src -> dst`` for a tensor of ``shape``, blocked splits included (``Rg`` is
     ``R`` here: whether its gradient is partial is the caller's business)."""
-    return _conversion(tuple(shape), tuple(plain(src)), tuple(plain(dst)), tuple(mesh_shape), tuple(grad_axes))
+    if not is_convertible(src, dst):
+        raise ValueError(f"cannot redistribute {''.join(map(str, src))} -> {''.join(map(str, dst))}: only a "
+                         "sum of disjoint parts (Pd) becomes one")
+    return _conversion(tuple(shape), summed(src), summed(dst), tuple(mesh_shape), tuple(grad_axes))
 
 
 @lru_cache(maxsize=1 << 14)  # the program asks once per read of every layer, and the layers read alike

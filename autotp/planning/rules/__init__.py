@@ -26,6 +26,8 @@ Modules:
 - ``randomness`` dropout and the random draws, each from a stream of its own on a rank
 - ``convolutions`` convolutions (grouped, transposed), pooling, upsampling, pixel shuffles
 - ``norms``      batch norm (synchronized over a split batch in training), group and instance norm
+- ``experts``    grouped matmuls of routed tokens: experts split by features, or whole experts on
+                 ranks (each rank its experts' rows, a sum of disjoint parts ``Pd`` carried to the combine)
 - ``blocks``     blocked splits: a fused projection cut into its parts, each part split
 - ``uneven``     uneven splits: units (heads, vocabulary rows) the ranks do not divide
 - ``gradients``  the ``Rg`` variants: replicated ops that pass a partial gradient on
@@ -54,6 +56,7 @@ from autotp.planning.rules import (
     blocks,
     contractions,
     convolutions,
+    experts,
     factories,
     indexing,
     joins,
@@ -79,11 +82,11 @@ Local = Callable[[LocalSite], Optional[Callable[..., Any]]]  # the user's: the c
 # DTensor's registry (autotp.planning.choices.dtensor_rules).
 BUILTIN: dict[str, Callable[[OpNode, int], Optional[list[AxisChoice]]]] = {
     **contractions.RULES, **pointwise.RULES, **randomness.RULES, **reductions.RULES, **joins.RULES, **indexing.RULES,
-    **losses.RULES, **convolutions.RULES, **norms.RULES,
+    **losses.RULES, **convolutions.RULES, **norms.RULES, **experts.RULES,
 }
 
 # the families with local executions, in the order they are tried where two run the same op
-FAMILIES = (blocks, reductions, views, joins, factories, randomness, contractions, losses, norms, convolutions)
+FAMILIES = (blocks, reductions, views, joins, factories, randomness, contractions, experts, losses, norms, convolutions)
 
 
 def _by_op(families) -> dict[str, tuple[LocalExecution, ...]]:

@@ -107,24 +107,6 @@ def sdpa_choices(node: OpNode, n: int) -> list[AxisChoice]:
     return choices
 
 
-def grouped_mm_choices(node: OpNode, n: int) -> list[AxisChoice]:
-    """A grouped matmul of tokens sorted by expert, (S, K) x (E, K, N) -> (S, N), with the experts'
-    offsets (``aten._grouped_mm``, Hugging Face's fallback op): every expert's weight split by its
-    output features (colwise) or its input features (rowwise, a partial sum), as Megatron splits
-    one MLP. The token dim stays whole: the offsets count tokens of the whole batch."""
-    x, w = node.input_infos[0], node.input_infos[1]
-    k_in = len(node.inputs)
-    if x.ndim != 2 or w.ndim != 3 or k_in < 3:
-        return [((R,) * k_in, R)]
-    rest = (R,) * (k_in - 2)  # the offsets
-    choices: list[AxisChoice] = [((R,) * k_in, R), ((P, R, *rest), P)]
-    if divisible(w.shape[2], n):
-        choices.append(((R, S(2), *rest), S(1)))
-    if divisible(w.shape[1], n):
-        choices.append(((S(1), S(1), *rest), P))
-    return choices
-
-
 RULES = {
     "aten.linear.default": linear_choices,
     "aten.mm.default": matmul_choices,
@@ -133,8 +115,6 @@ RULES = {
     "aten.matmul.default": matmul_choices,
     "aten.embedding.default": embedding_choices,
     "aten.scaled_dot_product_attention.default": sdpa_choices,
-    "aten._grouped_mm.default": grouped_mm_choices,
-    "transformers.grouped_mm_fallback.default": grouped_mm_choices,
 }
 
 
