@@ -12,6 +12,8 @@ model's loss; and ``generate`` with the experts on ranks gives the model's own t
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -21,9 +23,11 @@ from autotp.runtime.module import build_parallel_module
 from autotp.runtime.shards import placements_of
 from autotp.weights.checkpoint import full_tensor
 from examples.ranks import run_threads
+from tests.helpers.turns import run_threads_tracing_in_turns
 
 transformers = pytest.importorskip("transformers")
 
+NEW_TOKENS = 6
 TOKENS = (2, 12)  # 24 tokens x top 2 over 4 experts: every expert gets rows (checked)
 COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
               head_dim=16, num_experts_per_tok=2)
@@ -169,3 +173,60 @@ def test_batched_experts_cannot_be_split_whole_and_say_where():
         plan_graph(graph, (2,), "cpu-gloo", "train", pin={name: "S(0)" for name in expert_weights(model)})
     plan = plan_graph(graph, (2,), "cpu-gloo", "train")
     assert "Pd" not in {str(p) for n in plan.nodes for p in plan.strategy(n.name).output}
+
+
+@pytest.mark.slow
+def test_deepseek_v3_grouped_routing_captures_and_plain_plan_is_exact():
+    """DeepSeek-V3's router picks each token's best group of experts (a view of the scores by group,
+    a top-k over groups, a mask scattered back over the experts): it captures, and its free plan on 2
+    ranks equals one process."""
+    model = tiny_moe("deepseek_v3")
+    assert model.config.n_group == 2 and model.config.topk_group == 1
+    inputs = inputs_for(model)
+    graph = autotp.capture(model, inputs)
+    assert any(n.target == "aten.masked_fill.Scalar" for n in graph.nodes)  # the experts of the other group masked
+    check_exact(graph, plan_graph(graph, (2,), "cpu-gloo", "train"), model, inputs)
+
+
+@pytest.mark.parametrize("name", [n if n == "qwen3_moe" else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in ("qwen3_moe", "mixtral", "olmoe")])
+def test_the_load_balancing_loss_with_experts_on_ranks_equals_one_process(name):
+    """``output_router_logits=True``: the model's loss adds the router's load-balancing loss (every
+    layer's router logits over the whole batch); with the experts placed whole, the loss and every
+    gradient (the router's from both terms) equal one process's."""
+    model = tiny_moe(name, output_router_logits=True, router_aux_loss_coef=0.5)
+    inputs = inputs_for(model)
+    with torch.no_grad():
+        out, plain = model(**inputs), tiny_moe(name)(**inputs)  # the same weights, without the term
+    assert out.aux_loss > 0
+    torch.testing.assert_close(out.loss, plain.loss + 0.5 * out.aux_loss)
+    check_split_whole(model, inputs)
+
+
+def _generate_rank(rank, world, built, prompt):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model = copy.deepcopy(built)
+    pin = {n: "S(0)" for n in expert_tensors(model)}
+    plan = autotp.plan(model, mesh, (prompt,), hardware="cpu-gloo", mode="inference", pin=pin)
+    pm = autotp.parallelize(model, mesh, (prompt,), plan=plan)
+    tokens = pm.generate(prompt, max_new_tokens=NEW_TOKENS).tolist()
+    graphs = next(iter(pm._autotp_generation.values()))
+    grouped = {kind: [str(p.strategy(n.name).output[0]) for n in p.nodes if "grouped_mm" in n.name]
+               for kind, p in graphs.plans.items()}
+    return tokens, grouped, {n: tuple(p.to_local().shape) for n, p in pm.named_parameters() if n in pin}
+
+
+@pytest.mark.slow
+def test_generate_with_experts_on_ranks_gives_the_model_s_own_tokens():
+    """``generate``'s prompt and decode graphs keep the weights where the parallel module stores them
+    (the experts whole on ranks): each grouped matmul computes its experts' rows, and the greedy
+    tokens are the model's own."""
+    model = tiny_moe("qwen3_moe").eval()
+    prompt = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    expected = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False).tolist()
+    for tokens, grouped, local in run_threads_tracing_in_turns(_generate_rank, 2, model, prompt):
+        assert grouped == {"prompt": ["Pd", "Pd"], "token": ["Pd", "Pd"]}, grouped
+        assert all(shape[0] == 2 for shape in local.values()), local  # 2 of the 4 experts on each rank
+        assert tokens == expected
