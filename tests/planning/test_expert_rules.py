@@ -120,3 +120,46 @@ def test_the_busiest_rank_is_priced_above_the_mean():
     assert busiest_rows(8 * 4096 * 8, 8) == pytest.approx(1.1 * 4096 * 8)  # a tenth over the mean
     assert busiest_rows(64, 8) == pytest.approx(8 + 3 * 8 ** 0.5)  # few rows: the spread of uniform routing
     assert busiest_rows(4, 2) == 4  # never more than every row
+
+
+class _BiasedExperts(torch.nn.Module):
+    """A grouped matmul of tokens sorted by expert, with a bias per expert gathered twice: by the
+    sorted ids (row i is expert ids[i]'s, as the grouped matmul's row i is) and by the ids unsorted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.weight = torch.nn.Parameter(torch.randn(4, 8, 6, generator=g))
+        self.bias = torch.nn.Parameter(torch.randn(4, 6, generator=g))
+
+    def forward(self, x, ids):
+        ids_sorted, perm = torch.sort(ids)
+        offs = torch.cumsum(torch.histc(ids_sorted.float(), bins=4, min=0, max=3), dim=0, dtype=torch.int32)
+        out = torch.ops.transformers.grouped_mm_fallback(x[perm], self.weight, offs)
+        return out + self.bias[ids_sorted], self.bias[ids]
+
+
+def test_a_bias_gathered_by_the_sorted_ids_holds_the_rows_of_the_grouped_matmul():
+    """Only the gather by the sorted ids whose counts are the offsets is offered Pd, and there each
+    rank's nonzero rows (its experts' biases, MaskedEmbedding) are the rows its experts compute."""
+    from autotp.local.collectives import MaskedEmbedding
+    from autotp.planning.rules.experts import expert_table_gathers
+
+    model = _BiasedExperts()
+    x, ids = torch.randn(12, 8), torch.tensor([3, 0, 2, 2, 1, 3, 0, 0, 2, 3, 1, 2])
+    graph = autotp.capture(model, (x, ids))
+    gathers = [n for n in graph.nodes if n.target == "aten.index.Tensor" and n.input_infos[0].ndim == 2
+               and n.input_infos[0].shape == (4, 6)]
+    assert len(gathers) == 2
+    by_sorted = [n.name for n in gathers if graph[n.inputs[1]].target == "getitem"]
+    assert list(expert_table_gathers(graph)) == by_sorted, expert_table_gathers(graph)
+    ids_sorted, perm = torch.sort(ids)
+    offs = torch.cumsum(torch.histc(ids_sorted.float(), bins=4, min=0, max=3), dim=0, dtype=torch.int32)
+    op = torch.ops.transformers.grouped_mm_fallback.default
+    total = 0
+    for first, last in ((0, 2), (2, 4)):
+        rows = ExpertRows(op, first, last)(x[perm], model.weight[first:last].detach(), offs)
+        bias = MaskedEmbedding(first, last - first)(model.bias[first:last].detach(), ids_sorted)
+        assert torch.equal(rows.abs().sum(1) != 0, bias.abs().sum(1) != 0)
+        total = total + bias
+    torch.testing.assert_close(total, model.bias.detach()[ids_sorted])

@@ -22,6 +22,10 @@ Where a ``Pd`` passes (:func:`disjoint_choices`), for an element nonzero on rank
 - a product with a replicated tensor, and a product or sum of two ``Pd`` of the same rows (both
   made from one grouped matmul's offsets: the same rank owns the same element of both);
 - a row gather by a replicated index (each output element is one input element);
+- a per-expert table (a bias ``(E, N)``) split ``S(0)`` with the weights and gathered by the sorted
+  expert ids the offsets count (:func:`expert_table_gathers`): row ``i`` of the gather is expert
+  ``ids[i]``'s row, which the rank holding that expert looks up and every other rank leaves zero, as
+  that rank owns row ``i`` of the grouped matmul (:class:`autotp.local.collectives.MaskedEmbedding`);
 - the second grouped matmul, on the rows its own offsets give this rank (the same offsets).
 
 Any other reader reads the ``Pd`` as ``P`` at no cost (a sum over ``k`` mixes rows: it is a plain
@@ -43,6 +47,7 @@ import weakref
 from typing import Any, Mapping, Optional
 
 from autotp import ops
+from autotp.local.collectives import MaskedEmbedding
 from autotp.local.experts import ExpertRows
 from autotp.local.site import LocalSite
 from autotp.placement import P, Pd, R, S, Strategy
@@ -50,7 +55,8 @@ from autotp.planning.rules.common import AxisChoice, divisible
 from autotp.tracing.graph import OpGraph, OpNode
 
 __all__ = ["GROUPED_MM", "ZERO_KEEPING", "IMBALANCE", "grouped_mm_choices", "row_owners", "disjoint_choices",
-           "expert_work_divisor", "busiest_rows", "local_expert_rows", "RULES", "LOCAL"]
+           "expert_work_divisor", "busiest_rows", "local_expert_rows", "expert_table_gathers",
+           "local_expert_table", "RULES", "LOCAL"]
 
 GROUPED_MM = frozenset({"aten._grouped_mm.default", "transformers.grouped_mm_fallback.default"})
 
@@ -103,6 +109,7 @@ def row_owners(graph: OpGraph) -> Mapping[str, str]:
     if graph in _OWNERS:
         return _OWNERS[graph]
     owners: dict[str, str] = {}
+    tables = expert_table_gathers(graph)
     for node in graph.nodes:
         if node.is_placeholder or not node.inputs:
             continue
@@ -111,6 +118,8 @@ def row_owners(graph: OpGraph) -> Mapping[str, str]:
         held = {o for o in found if o is not None}
         if _expert_split(node):
             owners[node.name] = node.inputs[2]
+        elif node.name in tables:
+            owners[node.name] = tables[node.name]
         elif not held:
             continue
         elif len(node.inputs) == 1 and (node.is_view or node.target == "getitem" or node.target in ZERO_KEEPING
@@ -120,10 +129,76 @@ def row_owners(graph: OpGraph) -> Mapping[str, str]:
             owners[node.name] = first
         elif node.target == "aten.mul.Tensor" and len(node.inputs) == 2 and len(held) == 1:
             owners[node.name] = held.pop()  # by a replicated factor, or two parts of the same rows
-        elif node.target == "aten.add.Tensor" and len(node.inputs) == 2 and found[0] == found[1]:
+        elif node.target in _ADDS and len(node.inputs) == 2 and found[0] == found[1]:
             owners[node.name] = first
     _OWNERS[graph] = owners
     return owners
+
+
+_ADDS = frozenset({"aten.add.Tensor", "aten.add_.Tensor"})  # a bias added in place: out.add_(bias)
+
+
+def _sorted_ids(graph: OpGraph, offsets: str) -> Optional[tuple[str, int]]:
+    """The sorted expert ids an offsets node counts, and the number of experts: ``offsets =
+    cumsum(histc(ids, bins=E, min=0, max=E - 1))`` (a cast of ``ids`` between), ``ids`` the sorted
+    values of ``sort``. None where the offsets are made otherwise."""
+    node = graph[offsets]
+    if node.target != "aten.cumsum.default" or len(node.inputs) != 1:
+        return None
+    histc = graph[node.inputs[0]]
+    experts = node.input_infos[0].shape[0] if node.input_infos[0].ndim == 1 else None
+    if (histc.target != "aten.histc.default" or len(histc.inputs) != 1 or experts is None
+            or (histc.args.get("bins"), histc.args.get("min"), histc.args.get("max")) != (experts, 0, experts - 1)):
+        return None
+    ids = graph[histc.inputs[0]]
+    while ids.target in ops.CASTS and len(ids.inputs) == 1:
+        ids = graph[ids.inputs[0]]
+    made = graph[ids.inputs[0]] if ids.target == "getitem" and ids.inputs else None
+    if made is None or made.target not in _SORTS or ids.args.get("index", ids.args.get("idx")) != 0:
+        return None
+    return ids.name, experts
+
+
+_SORTS = frozenset({"aten.sort.default", "aten.sort.stable"})
+_TABLES: "weakref.WeakKeyDictionary[OpGraph, Mapping[str, str]]" = weakref.WeakKeyDictionary()
+
+
+def expert_table_gathers(graph: OpGraph) -> Mapping[str, str]:
+    """Gathers of a per-expert table by the sorted expert ids whose counts are a grouped matmul's
+    offsets (``bias[ids]``, ``bias`` ``(E, N)``), each to that offsets node: row ``i`` belongs to
+    expert ``ids[i]``, as row ``i`` of the grouped matmul does (the ids are sorted)."""
+    if graph in _TABLES:
+        return _TABLES[graph]
+    ids_of: dict[str, tuple[str, int]] = {}
+    for node in graph.nodes:
+        if _expert_split(node) and node.inputs[2] not in ids_of:
+            found = _sorted_ids(graph, node.inputs[2])
+            if found is not None:
+                ids_of[node.inputs[2]] = found
+    by_ids = {ids: (offsets, experts) for offsets, (ids, experts) in ids_of.items()}
+    gathers: dict[str, str] = {}
+    for node in graph.nodes:
+        if node.target != "aten.index.Tensor" or len(node.inputs) != 2 or node.inputs[1] not in by_ids:
+            continue
+        offsets, experts = by_ids[node.inputs[1]]
+        table = node.input_infos[0]
+        if table.ndim == 2 and table.shape[0] == experts and node.args.get("indices") is not None \
+                and len(node.args["indices"]) == 1:
+            gathers[node.name] = offsets
+    _TABLES[graph] = gathers
+    return gathers
+
+
+def local_expert_table(site: LocalSite) -> Optional[Any]:
+    """A per-expert table split by experts, gathered by the sorted expert ids
+    (:func:`expert_table_gathers`): this rank's experts' rows, the others zero. None for any other
+    gather."""
+    table = site.strategy.inputs[0]
+    if table is None or not any(p.is_shard and p.dim == 0 for p in table) or Pd not in site.strategy.output:
+        return None
+    first, last = site.piece(0, 0)
+    weight, (ids,) = site.args[0], site.args[1]
+    return site.call_module(MaskedEmbedding(first, last - first), "expert_table", (weight, ids), {})
 
 
 # views autotp finds by their dim map, named here where they take one tensor (chunk and split give parts)
@@ -141,6 +216,8 @@ def disjoint_choices(node: OpNode, n: int, graph: OpGraph) -> list[AxisChoice]:
         if not divisible(node.input_infos[1].shape[0], n) or owners.get(node.inputs[0]) != owner:
             return []
         return [((Pd, S(0), R), Pd)]
+    if node.target == "aten.index.Tensor" and node.name in expert_table_gathers(graph):
+        return [((S(0), R), Pd)] if divisible(node.input_infos[0].shape[0], n) else []
     ins = tuple(Pd if owners.get(i) == owner else R for i in node.inputs)
     if node.target == "aten.mul.Tensor" and Pd not in ins:
         return []
@@ -180,4 +257,4 @@ def local_expert_rows(site: LocalSite) -> Optional[Any]:
 
 
 RULES = {name: grouped_mm_choices for name in sorted(GROUPED_MM)}
-LOCAL = {name: local_expert_rows for name in sorted(GROUPED_MM)}
+LOCAL = {**{name: local_expert_rows for name in sorted(GROUPED_MM)}, "aten.index.Tensor": local_expert_table}
