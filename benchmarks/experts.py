@@ -1,7 +1,7 @@
 """Step time of an MoE with its experts whole on ranks, against the feature split, replicated, one process.
 
 A Hugging Face ``Qwen3MoeForCausalLM`` built from its config (float32; 16 experts, top 2, hidden
-256, ``moe_intermediate_size`` 256, 2 layers, vocabulary 2048, batch 4 x 256 tokens), its
+256, ``moe_intermediate_size`` 256, 2 layers, vocabulary 2048, batch 4 x 128 tokens), its
 stacked expert weights ``gate_up_proj`` (E, 2f, h) and ``down_proj`` (E, h, f) pinned three ways,
 each planned for ``cpu-gloo`` on 2 and 4 gloo ranks (processes, ``examples/ranks.py``):
 
@@ -13,12 +13,13 @@ each planned for ``cpu-gloo`` on 2 and 4 gloo ranks (processes, ``examples/ranks
 
 and the planner's own choice, priced and printed beside them. Each variant's training step
 (``zero_grad``, forward with ``labels=``, the model's own loss, backward, ``AdamW`` step) is timed,
-the median of ``--steps`` steps after ``--warmup``, the variants taking turns (two rounds) so the
-machine's load hits them alike; the model in one process is timed after the ranks, with as many
-threads as the ranks had cores. Each variant's first loss and its loss after every step must equal
-the one process's (asserted), so what is timed is a correct program. Prints each plan's placements
-of the expert weights, its grouped matmuls' strategies and its predicted step, a table, and the
-ratios experts / features and experts / replicated.
+the median of ``--steps`` steps after ``--warmup``, the variants taking turns (two rounds, each with
+a fresh ``AdamW``) so the machine's load hits them alike; a variant's time is its slowest rank's. The
+model in one process runs the same rounds after the ranks, on one thread and on as many as the
+ranks had cores. Each variant's loss at every step must equal the one process's (asserted), so what
+is timed is a correct program. Prints each plan's placements of the expert weights, its grouped
+matmuls' strategies and its predicted step, a table, and the ratios experts / features and
+experts / replicated.
 
     .venv/bin/python -m benchmarks.experts [--ranks 2 4] [--steps 5] [--warmup 2] [--quick]
 
@@ -55,7 +56,7 @@ class Size:
     top_k: int = 2
     heads: int = 4
     batch: int = 4
-    seq: int = 256
+    seq: int = 128
 
 
 _BUILD_LOCK = threading.Lock()
@@ -157,6 +158,23 @@ def _rank(rank: int, world: int, size: Size, texts: dict[str, str], steps: int, 
     return {"step_s": {k: statistics.median(v) for k, v in times.items()}, "losses": losses}
 
 
+def one_process(size: Size, inputs: dict, steps: int, warmup: int, threads: int) -> tuple[float, list[float]]:
+    """The model in this process on ``threads`` threads, ``ROUNDS`` rounds as a rank runs them: the
+    median step seconds and every step's loss."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model, _ = build(size)
+        times, losses = [], []
+        for _ in range(ROUNDS):
+            t, loss = train_steps(model, inputs, steps, warmup)
+            times += t
+            losses += loss
+    finally:
+        torch.set_num_threads(before)
+    return statistics.median(times), losses
+
+
 def measure(size: Size, world: int, steps: int, warmup: int, runner: Callable = run_ranks) -> dict:
     """The variants on ``world`` ranks and the model in one process: median step seconds, each plan's
     description, and the losses checked against one process's. ``runner``: ``run_ranks``
@@ -170,24 +188,17 @@ def measure(size: Size, world: int, steps: int, warmup: int, runner: Callable = 
     texts = {name: plans[name].to_json() for name in VARIANTS}
     threaded = runner is not run_ranks
     results = runner(_rank, world, size, texts, steps, warmup, graph if threaded else None)
-    # one process, as many threads as the ranks had cores, the same rounds of steps
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, min(world, os.cpu_count() or 1)))
-    try:
-        single_model, _ = build(size)
-        times, single_losses = [], []
-        for _ in range(ROUNDS):
-            t, loss = train_steps(single_model, inputs, steps, warmup)
-            times += t
-            single_losses += loss
-    finally:
-        torch.set_num_threads(threads)
+    # one process on one thread and on as many as the ranks had cores (threaded ranks: one thread, the
+    # ranks shared this process's cores), the same rounds of steps
+    counts = {1} if threaded else {1, min(world, os.cpu_count() or 1)}
+    single = {n: one_process(size, inputs, steps, warmup, n) for n in sorted(counts)}
+    single_losses = single[1][1]
     for name in VARIANTS:
         for rank, r in enumerate(results):
             torch.testing.assert_close(r["losses"][name], single_losses, rtol=1e-4, atol=1e-5,
                                        msg=lambda m, name=name, rank=rank: f"{name}, rank {rank}: {m}")
     slowest = {name: max(r["step_s"][name] for r in results) for name in VARIANTS}
-    return {"world": world, "step_s": slowest, "single_s": statistics.median(times),
+    return {"world": world, "step_s": slowest, "single_s": {n: t for n, (t, _) in single.items()},
             "describe": {name: describe(plan, experts) for name, plan in plans.items()},
             "predicted_s": {name: plan.predicted_time().total_s for name, plan in plans.items()},
             "loss": single_losses[0]}
@@ -206,14 +217,17 @@ def report(size: Size, rows: list[dict]) -> list[str]:
         for name in VARIANTS:
             lines.append(f"{r['world']:>5} {name:>10} {r['step_s'][name] * 1e3:>12.1f} "
                          f"{r['predicted_s'][name] * 1e3:>13.1f}")
-        lines.append(f"{r['world']:>5} {'1 process':>10} {r['single_s'] * 1e3:>12.1f} {'':>13}"
-                     f"  ({min(r['world'], os.cpu_count() or 1)} threads)")
+        for threads, t in r["single_s"].items():
+            lines.append(f"{r['world']:>5} {'1 process':>10} {t * 1e3:>12.1f} {'':>13}  ({threads} thread"
+                         f"{'s' if threads > 1 else ''})")
     for r in rows:
         s = r["step_s"]
+        single = min(r["single_s"].values())
         lines.append(f"{r['world']} ranks: experts / features = {s['experts'] / s['features']:.2f}x, "
                      f"experts / replicated = {s['experts'] / s['replicated']:.2f}x, experts / 1 process = "
-                     f"{s['experts'] / r['single_s']:.2f}x; predicted experts / features = "
-                     f"{r['predicted_s']['experts'] / r['predicted_s']['features']:.2f}x")
+                     f"{s['experts'] / single:.2f}x (its faster thread count); predicted experts / features = "
+                     f"{r['predicted_s']['experts'] / r['predicted_s']['features']:.2f}x, predicted experts / replicated = "
+                     f"{r['predicted_s']['experts'] / r['predicted_s']['replicated']:.2f}x")
     lines.append("every variant's loss at every step equals one process's (asserted)")
     return lines
 
