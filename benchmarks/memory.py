@@ -5,8 +5,9 @@ On 2 gloo ranks (CPU), a small Llama (``tiny_llama``: float32, dim 256, 8 heads,
 (``loss_fn=``), nine plans (:func:`plans`): replicated, Megatron (pinned), the planner's under a
 roomy budget, at the least budget without recompute, tighter with recompute, sequence parallel
 (the Megatron pins at the least budget they fit without recompute), every layer but one
-recomputed, an inference plan (a forward without autograd), and a Hugging Face Llama computing its
-own loss (``labels=``).
+recomputed, an inference plan (a forward without autograd), a Hugging Face Llama computing its
+own loss (``labels=``), and a Hugging Face Qwen3-MoE (16 experts, top 2, ``benchmarks/experts.py``
+at the Llama's widths) with its experts whole on ranks (the stacked expert weights pinned ``S(0)``).
 
 Each training row runs three steps (``zero_grad(set_to_none=True)``, forward and loss, backward,
 ``torch.optim.AdamW`` step) and measures the third under :class:`LiveBytes`, a
@@ -148,13 +149,27 @@ def hf_llama(layers: int):
     return LlamaForCausalLM(config), {"input_ids": ids, "labels": ids}
 
 
+def hf_moe(layers: int):
+    """A Hugging Face Qwen3-MoE (``benchmarks/experts.py``'s model: 16 experts, top 2, hidden 256,
+    vocabulary 2048, batch 4 x 128), its token ids as labels."""
+    import dataclasses
+
+    from benchmarks import experts
+
+    return experts.build(dataclasses.replace(experts.FULL, layers=layers, batch=4, seq=128))
+
+
+HF_MODELS = {"hf": hf_llama, "hf-moe": hf_moe}
+
+
 def plans(layers: int) -> dict[str, tuple[str, str]]:
     """The plans, as (model kind, plan JSON), made once on the first rank: on the tiny Llama with its
     cross-entropy planned with it (``loss_fn=``), ``replicated``, ``megatron``, ``free``, ``tight``,
     ``recompute`` (see the module docstring), ``sequence`` (the Megatron pins at the least budget
     they fit without recompute: the norms' tokens split along the sequence), ``all-but-one`` (the
     least budget any plan fits: every layer but one recomputes); ``inference`` (the model alone, in eval mode, the
-    planner's choice); ``hf-llama`` (a Hugging Face Llama with ``labels=``, the planner's choice)."""
+    planner's choice); ``hf-llama`` (a Hugging Face Llama with ``labels=``, the planner's choice);
+    ``moe-experts`` (a Hugging Face Qwen3-MoE with ``labels=``, its experts pinned whole on ranks)."""
     import autotp
     from autotp.planning.planner import plan_graph
     from autotp.tracing.loss import WithLoss
@@ -201,6 +216,11 @@ def plans(layers: int) -> dict[str, tuple[str, str]]:
                                                  mode="inference", memory_budget="100GB").to_json())
     hf, kwargs = hf_llama(layers)
     made["hf-llama"] = ("hf", plan_graph(autotp.capture(hf, kwargs), (2,), hw, memory_budget="100GB").to_json())
+    from benchmarks.experts import pins
+
+    moe, kwargs = hf_moe(layers)
+    made["moe-experts"] = ("hf-moe", plan_graph(autotp.capture(moe, kwargs), (2,), hw, memory_budget="100GB",
+                                                pin=pins(moe)["experts"]).to_json())
     return made
 
 
@@ -216,8 +236,8 @@ def _rank(rank: int, world: int, layers: int, foreach) -> dict:
     results = {}
     for name, (kind, text) in made[0].items():
         plan = autotp.Plan.from_json(text)
-        if kind == "hf":
-            model, kwargs = hf_llama(layers)
+        if kind in HF_MODELS:
+            model, kwargs = HF_MODELS[kind](layers)
             pm = autotp.parallelize(model, mesh, kwargs, plan=plan)
             held = tuple(kwargs.values())
             output: list = []
@@ -280,7 +300,7 @@ def main() -> None:
     args = ap.parse_args()
     results = run_ranks(_rank, 2, args.layers, True if args.foreach else None)
     print(f"tiny_llama, {args.layers} layers, dim 256, batch 4 x 128, float32, its cross-entropy planned with it "
-          f"(hf-llama: LlamaForCausalLM with labels=); 2 gloo ranks; AdamW; MB per rank (rank 0; rank 1 in brackets "
+          f"(hf-llama: LlamaForCausalLM with labels=; moe-experts: Qwen3MoeForCausalLM, 16 experts top 2, with labels=, its experts whole on ranks); 2 gloo ranks; AdamW; MB per rank (rank 0; rank 1 in brackets "
           f"where it differs)")
     head = (f"{'plan':11} {'recompute':>9} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'predicted':>9} | "
             f"{'measured':>9} {'phase':>15} | {'params':>7} {'grads':>7} {'optim':>7} {'other':>7} | pred/meas")

@@ -223,3 +223,21 @@ def test_every_cell_of_the_documented_habits_matrix_is_what_a_run_sees():
         if got.split(" (")[0] != want:
             wrong.append((name, header, got, want))
     assert not wrong, wrong
+
+
+def test_the_experts_benchmark_runs_each_variant_as_one_process_computes():
+    """benchmarks/experts.py --quick on 2 threaded ranks: the experts pinned whole on ranks (each
+    grouped matmul's output Pd), split by features and replicated each run a training step whose loss
+    equals one process's (``measure`` asserts it), and every plan is priced and described."""
+    pytest.importorskip("transformers")
+    from benchmarks import experts
+    from examples.ranks import run_threads
+
+    row = experts.measure(experts.QUICK, 2, steps=1, warmup=0, runner=run_threads)
+    assert set(row["step_s"]) == set(experts.VARIANTS) and all(t > 0 for t in row["step_s"].values())
+    described = row["describe"]
+    assert "grouped matmuls (Pd, S(0), R) -> Pd, (R, S(0), R) -> Pd" in described["experts"], described
+    assert "down_proj S(2), gate_up_proj S(1)[2]" in described["features"], described
+    assert "down_proj R, gate_up_proj R" in described["replicated"], described
+    lines = experts.report(experts.QUICK, [row])
+    assert any(line.startswith("2 ranks: experts / features = ") for line in lines), lines
