@@ -66,6 +66,20 @@ def experts_split_plan(model, inputs, world: int = 2):
     return graph, plan_graph(graph, (world,), "cpu-gloo", "train", pin=pin)
 
 
+def assert_whole_experts_equal_one_process(graph, plan, model, inputs) -> None:
+    """On 2 threaded ranks the loss and every gradient equal one process's, each rank holding half
+    of the experts, whole."""
+    out = model(**inputs)
+    out.loss.backward()
+    for loss, grads, local in run_threads(_step, 2, graph, plan, model, inputs):
+        torch.testing.assert_close(loss, out.loss.detach(), rtol=1e-5, atol=1e-6)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-5 * p.grad.abs().max().item(), msg=n)
+        for n in expert_weights(model):
+            shape = dict(model.named_parameters())[n].shape
+            assert local[n] == (shape[0] // 2, *shape[1:]), (n, local[n])
+
+
 def every_expert_routed(model, inputs) -> bool:
     """The router's top-k over the example reaches every expert of every layer."""
     seen = []
@@ -106,15 +120,7 @@ def test_experts_split_whole_over_two_ranks_equal_one_process(name):
     forward = [c for c in plan.collectives() if c.phase == "forward" and "mlp" in (graph[c.at].module_path or "")]
     assert len(forward) == 1 and forward[0].kind == "all_reduce", [str(c) for c in forward]
 
-    out = model(**inputs)
-    out.loss.backward()
-    for loss, grads, local in run_threads(_step, 2, graph, plan, model, inputs):
-        torch.testing.assert_close(loss, out.loss.detach(), rtol=1e-5, atol=1e-6)
-        for n, p in model.named_parameters():
-            torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-5 * p.grad.abs().max().item(), msg=n)
-        for n in weights:  # whole experts on each rank, half of them
-            shape = dict(model.named_parameters())[n].shape
-            assert local[n] == (shape[0] // 2, *shape[1:]), (n, local[n])
+    assert_whole_experts_equal_one_process(graph, plan, model, inputs)
 
 
 def test_batched_experts_cannot_be_split_whole_and_say_where():
