@@ -11,6 +11,8 @@ ranks the loss and every gradient equal one process's.
 from __future__ import annotations
 
 import pytest
+import torch
+
 import autotp
 from autotp.placement import P, Pt, S, Se, St, parse_placements
 from autotp.planning.costs.redistribute import is_convertible
@@ -81,3 +83,20 @@ def test_batched_experts_have_no_routed_region():
     model = tiny_moe("qwen3_moe")
     model.config._experts_implementation = "batched_mm"
     assert routed_region(autotp.capture(model, inputs_for(model))) == {}
+
+
+def test_a_grouped_matmul_is_priced_at_its_matmuls_flops(captured):
+    """Each routed row goes through its expert's matrix: the grouped matmul's FLOPs are those of one
+    matmul per expert on its rows (counted by FlopCounterMode), not zero."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    graph = captured[2]
+    grouped = [n for n in graph.nodes if "grouped_mm" in n.target]
+    assert len(grouped) == 2
+    for node in grouped:
+        (rows, k), (experts, _, n) = node.input_infos[0].shape, node.input_infos[1].shape
+        sizes = [rows // experts + (e < rows % experts) for e in range(experts)]  # any split of the rows
+        with FlopCounterMode(display=False) as counter:
+            for size in sizes:
+                torch.mm(torch.zeros(size, k), torch.zeros(k, n))
+        assert node.flops == counter.get_total_flops() > 0, (node.name, node.flops)
