@@ -32,6 +32,24 @@ def captured():
     return model, inputs, autotp.capture(model, inputs)
 
 
+@pytest.fixture(scope="module")
+def routed_plan(captured):
+    """The tiny Qwen3-MoE's plan with its experts pinned ``S(0)`` under the least memory, and the
+    solver's objective for it."""
+    objective = {}
+    solve = autotp.planning.planner.solve
+
+    def recording(*args, **kwargs):
+        solution = solve(*args, **kwargs)
+        objective["s"] = solution.objective_s
+        return solution
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(autotp.planning.planner, "solve", recording)
+        plan = tightest_plan(captured[2], {n: "S(0)" for n in expert_weights(captured[0])})
+    return plan, objective["s"]
+
+
 def tightest_plan(graph, pin):
     """The plan under the least memory any plan with ``pin`` needs."""
     try:
@@ -45,12 +63,13 @@ def tightest_plan(graph, pin):
 def test_tokens_sent_to_their_experts_by_all_to_all_equal_one_process(name, request):
     if name == "qwen3_moe":
         model, inputs, graph = request.getfixturevalue("captured")
+        plan = request.getfixturevalue("routed_plan")[0]
     else:
         model = tiny_moe(name)
         inputs = inputs_for(model)
         graph = autotp.capture(model, inputs)
+        plan = tightest_plan(graph, {n: "S(0)" for n in expert_weights(model)})
     assert every_expert_routed(model, inputs)
-    plan = tightest_plan(graph, {n: "S(0)" for n in expert_weights(model)})
     grouped = [n.name for n in plan.nodes if "grouped_mm" in graph[n.name].target]
     assert [str(plan.strategy(n)) for n in grouped] == ["(St, S(0), Pt) -> Se", "(Se, S(0), Pt) -> St"]
     experts = [c for c in plan.collectives() if c.at in grouped]
@@ -100,3 +119,12 @@ def test_a_grouped_matmul_is_priced_at_its_matmuls_flops(captured):
             for size in sizes:
                 torch.mm(torch.zeros(size, k), torch.zeros(k, n))
         assert node.flops == counter.get_total_flops() > 0, (node.name, node.flops)
+
+
+def test_the_predicted_step_counts_the_all_to_alls_once(captured, routed_plan):
+    """The all-to-alls a grouped matmul runs inside itself are in the plan's collectives and in the
+    solver's objective with the op: the plan's predicted step is the objective, each counted once."""
+    graph = captured[2]
+    plan, objective_s = routed_plan
+    assert any(c.kind == "all_to_all" and "grouped_mm" in graph[c.at].target for c in plan.collectives())
+    assert objective_s == pytest.approx(plan.predicted_time().total_s, rel=1e-9)
