@@ -18,6 +18,7 @@ from autotp.placement import P, Pt, S, Se, St, parse_placements
 from autotp.planning.costs.redistribute import is_convertible
 from autotp.planning.planner import plan_graph
 from autotp.planning.rules.routed import routed_region
+from tests.helpers.plans import solver_objective
 from tests.runtime.test_experts_on_ranks import (MODELS, assert_whole_experts_equal_one_process, every_expert_routed,
                                                  expert_weights, inputs_for, tiny_moe)
 
@@ -36,16 +37,7 @@ def captured():
 def routed_plan(captured):
     """The tiny Qwen3-MoE's plan with its experts pinned ``S(0)`` under the least memory, and the
     solver's objective for it."""
-    objective = {}
-    solve = autotp.planning.planner.solve
-
-    def recording(*args, **kwargs):
-        solution = solve(*args, **kwargs)
-        objective["s"] = solution.objective_s
-        return solution
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(autotp.planning.planner, "solve", recording)
+    with solver_objective() as objective:
         plan = tightest_plan(captured[2], {n: "S(0)" for n in expert_weights(captured[0])})
     return plan, objective["s"]
 
