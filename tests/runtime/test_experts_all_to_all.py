@@ -120,3 +120,12 @@ def test_the_predicted_step_counts_the_all_to_alls_once(captured, routed_plan):
     plan, objective_s = routed_plan
     assert any(c.kind == "all_to_all" and "grouped_mm" in graph[c.at].target for c in plan.collectives())
     assert objective_s == pytest.approx(plan.predicted_time().total_s, rel=1e-9)
+
+
+def test_a_plan_with_routed_rows_saves_and_loads(routed_plan):
+    from autotp.planning.result.plan import Plan
+
+    plan = routed_plan[0]
+    loaded = Plan.from_json(plan.to_json())
+    assert [str(loaded.strategy(n.name)) for n in loaded.nodes] == [str(plan.strategy(n.name)) for n in plan.nodes]
+    assert {"St", "Se", "Pt"} <= {str(p) for n in loaded.nodes for p in loaded.strategy(n.name).output}
