@@ -29,6 +29,10 @@ NO_GRADIENT = frozenset({
     "aten.full_like.default", "aten.rand_like.default", "aten.randn_like.default", "aten.randint_like.default",
 })
 
+# Grouped matmuls of rows sorted by group: (S, K) x (G, K, N) with offsets (G,) -> (S, N), each row
+# through its group's matrix (routed experts: autotp.planning.rules.experts).
+GROUPED_MATMULS = frozenset({"aten._grouped_mm.default", "transformers.grouped_mm_fallback.default"})
+
 # Ops whose tensor operands must share one dtype (fake tensors let a mix through; kernels refuse it).
 SAME_DTYPE = frozenset({
     "aten.linear.default", "aten.mm.default", "aten.bmm.default", "aten.matmul.default", "aten.addmm.default",

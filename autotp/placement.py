@@ -35,6 +35,17 @@ free, and redistributes as ``P`` does.
 >>> str(Strategy(((Pd,), (R,)), (Pd,)))
 '(Pd, R) -> Pd'
 
+Routed rows, where the expert split moves tokens by all-to-all (:mod:`autotp.planning.rules.routed`):
+``St`` is what the model computes from this rank's tokens alone (its piece of a batch split ``S(0)``
+of the tokens, then sorted, gathered as the model does: rows in the rank's own order, not a piece
+of the whole tensor), ``Se`` the rows routed to the experts this rank holds (from every rank, sorted
+by expert), ``Pt`` what the model counts from this rank's tokens alone (a partial sum of the whole
+batch's counts). They pass only between the ops of one routed region: nothing becomes one of them,
+and none becomes anything else.
+
+>>> str(Strategy(((St,), (S(0),)), (Se,)))
+'(St, S(0)) -> Se'
+
 An input placement of ``None`` means the node reads only the input's dtype and device (for
 example ``new_ones``), so any placement will do and nothing moves.
 """
@@ -45,7 +56,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
-__all__ = ["Placement", "R", "Rg", "P", "Pd", "S", "plain", "summed", "Placements", "Strategy", "format_placements", "parse_placements",
+__all__ = ["Placement", "R", "Rg", "P", "Pd", "S", "St", "Se", "Pt", "plain", "summed", "Placements", "Strategy", "format_placements", "parse_placements",
            "local_shape", "shard_divisor", "dim_pieces", "dim_divisor", "piece_sizes", "piece_range", "axis_divisor",
            "block_sizes", "block_permutation"]
 
@@ -76,6 +87,10 @@ class Placement:
     ``disjoint`` (only on ``P``, printed ``Pd``) marks a partial sum whose summands have disjoint
     support: each element is nonzero on one rank at most (see the module docstring). Only a ``Pd``
     becomes a ``Pd``; it reads as ``P`` with no step.
+
+    ``routed`` (on ``S(0)``, printed ``St`` or ``Se``, and on ``P``, printed ``Pt``) marks routed
+    rows: ``"t"`` the rows of this rank's tokens in its own order (or on ``P``, what is counted from
+    them), ``"e"`` the rows routed to this rank's experts (see the module docstring).
     """
 
     kind: str
@@ -85,6 +100,7 @@ class Placement:
     sizes: tuple[int, ...] = ()
     grad_partial: bool = False
     disjoint: bool = False
+    routed: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in ("R", "S", "P"):
@@ -103,6 +119,11 @@ class Placement:
             raise ValueError(f"placement {self.kind} with a partial gradient: only R may leave its gradient partial")
         if self.disjoint and self.kind != "P":
             raise ValueError(f"placement {self.kind} with disjoint summands: only P may be a sum of disjoint parts")
+        if self.routed and not ((self.routed in ("t", "e") and self.kind == "S" and self.dim == 0
+                                 and self.blocks == 1 and not self.grain)
+                                or (self.routed == "t" and self.kind == "P" and not self.disjoint)):
+            raise ValueError(f"routed rows {self.routed!r} on {self.kind}({self.dim}): expected 't' or 'e' on a plain "
+                             "S(0), or 't' on P")
 
     @property
     def is_uneven(self) -> bool:
@@ -130,6 +151,8 @@ class Placement:
         return self.kind == "P"
 
     def __str__(self) -> str:
+        if self.routed:
+            return self.kind + self.routed
         if self.kind != "S":
             return self.kind + ("g" if self.grad_partial else "") + ("d" if self.disjoint else "")
         blocks = ",".join(map(str, self.sizes)) if self.sizes else str(self.blocks)
@@ -143,6 +166,9 @@ R = Placement("R")
 Rg = Placement("R", grad_partial=True)
 P = Placement("P")
 Pd = Placement("P", disjoint=True)
+St = Placement("S", 0, routed="t")
+Se = Placement("S", 0, routed="e")
+Pt = Placement("P", routed="t")
 
 
 def plain(placements: Optional[Sequence[Placement]]) -> Optional[tuple[Placement, ...]]:
@@ -153,9 +179,9 @@ def plain(placements: Optional[Sequence[Placement]]) -> Optional[tuple[Placement
 
 
 def summed(placements: Sequence[Placement]) -> tuple[Placement, ...]:
-    """``placements`` with ``Pd`` read as ``P`` (and ``Rg`` as ``R``): what a redistribution starts
-    from, a sum of disjoint parts being a partial sum."""
-    return tuple(P if p.disjoint else p for p in plain(placements))
+    """``placements`` with ``Pd`` read as ``P`` (and ``Rg`` as ``R``, routed rows as ``S(0)`` or
+    ``P``): what a redistribution starts from, a sum of disjoint parts being a partial sum."""
+    return tuple(P if p.disjoint or p == Pt else S(0) if p.routed else p for p in plain(placements))
 
 
 def S(dim: int, blocks: "int | Sequence[int]" = 1, grain: int = 0) -> Placement:
@@ -215,6 +241,9 @@ def parse_placements(text: str) -> Optional[tuple[Placement, ...]]:
             i += 2
         elif c == "P" and text.startswith("Pd", i):
             out.append(Pd)
+            i += 2
+        elif text.startswith(("St", "Se", "Pt"), i):
+            out.append({"St": St, "Se": Se, "Pt": Pt}[text[i:i + 2]])
             i += 2
         elif c in "RP":
             out.append(Placement(c))

@@ -14,4 +14,7 @@ calls on local tensors, but ``site``, the interface every op family's local exec
 - ``dropout``       dropout masks and random draws on shards (one mask where ranks hold the same values)
 - ``batch_norm``    batch norm on a split batch or split space: statistics all-reduced inside
 - ``losses``        cross-entropy on logits split by vocabulary: two all-reduces of per-row numbers
+- ``experts``       a grouped matmul on the rows of this rank's experts, the others zero
+- ``dispatch``      routed rows sent to their experts' ranks and back (two all-to-alls), the
+                    grouped matmuls between on this rank's experts
 """

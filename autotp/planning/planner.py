@@ -140,7 +140,9 @@ def predicted_time(graph: OpGraph, chosen: Mapping[str, Strategy], spec: MeshSpe
     ``recomputed`` nodes), and every collective and local copy the program runs
     (:func:`autotp.planning.costs.program.program`, or ``steps`` if given), each priced by ``cost``.
     ``rep``: the tied nodes' representatives (:func:`autotp.planning.choices.tying.tie`), which compute
-    alike under one strategy: priced once each."""
+    alike under one strategy: priced once each. The collectives an op runs inside itself are in the
+    program's list, so they count there, once, and not in the op's compute (the solver's objective
+    has them with the op)."""
     colls, copies = steps if steps is not None else program(graph, chosen, spec, cost.train, recomputed)
     seconds: dict[tuple, float] = {}
     compute_s = 0.0
@@ -148,9 +150,11 @@ def predicted_time(graph: OpGraph, chosen: Mapping[str, Strategy], spec: MeshSpe
         reads = graph.gradient_reads(n.name)
         key = (rep[n.name], reads) if rep is not None else (n.name, reads)
         if key not in seconds:
-            seconds[key] = cost.node_compute_s(n, chosen[n.name], reads)
+            inner_s = 0.0 if n.is_placeholder or n.is_view else cost.inner_collectives_s(n, chosen[n.name])
+            seconds[key] = cost.node_compute_s(n, chosen[n.name], reads) - inner_s
         compute_s += seconds[key]
-    again_s = sum(cost.node_forward_s(graph[n], chosen[n]) for n in recomputed)
+    again_s = sum(cost.node_forward_s(graph[n], chosen[n]) - cost.inner_collectives_s(graph[n], chosen[n], backward=False)
+                  for n in recomputed if not (graph[n].is_placeholder or graph[n].is_view))
     compute_s += again_s
     comm = [cost.collective_s(c.kind, spec.axis_names.index(c.mesh_axis), c.bytes) for c in colls]
     copy = [cost.copy_s(c.bytes, c.dtype) for c in copies]

@@ -127,6 +127,10 @@ def _flops(node: torch.fx.Node) -> float:
     if target is aten.scaled_dot_product_attention.default:
         q, k, v = vals[:3]
         return float(flop_counter.sdpa_flop_count(tuple(q.shape), tuple(k.shape), tuple(v.shape)))
+    if str(target) in ops.GROUPED_MATMULS and vals[0].ndim == 2 and vals[1].ndim == 3:
+        # each of the S rows through one group's (K, N) matrix (the registry counts none: Hugging
+        # Face's fallback op is not in it, and aten._grouped_mm has no formula)
+        return 2.0 * vals[0].shape[0] * vals[0].shape[1] * vals[1].shape[2]
     if str(target) in ops.CONVOLUTIONS:  # composite ops the registry knows only as aten.convolution
         x, w = vals[0], vals[1]
         lead = [1] if x.ndim == w.ndim - 1 else []  # an unbatched input: a batch of one

@@ -1,10 +1,15 @@
-"""A small model planned so that it shards: the plans the weights tests load into and gather from."""
+"""A small model planned so that it shards: the plans the weights tests load into and gather from;
+the solver's objective recorded beside a plan."""
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import pytest
 
 import autotp
+import autotp.planning.planner
 from autotp.planning.planner import plan_graph
 from examples import models
 
@@ -20,3 +25,20 @@ def sharded_mlp(world: int = 2) -> tuple[Any, Any, Any]:
         plan = plan_graph(graph, (world,), "cpu-gloo", "train", memory_budget=int(err.minimum_bytes * 1.05))
     assert any(v != "R" for v in plan.parameter_placements.values()), plan.parameter_placements
     return model, graph, plan
+
+
+@contextmanager
+def solver_objective() -> Iterator[dict]:
+    """Inside, each solve of ``plan_graph`` records its objective: the dict yielded holds the last
+    one's seconds under ``"s"``."""
+    objective: dict = {}
+    solve = autotp.planning.planner.solve
+
+    def recording(*args, **kwargs):
+        solution = solve(*args, **kwargs)
+        objective["s"] = solution.objective_s
+        return solution
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(autotp.planning.planner, "solve", recording)
+        yield objective

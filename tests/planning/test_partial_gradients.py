@@ -18,6 +18,7 @@ from autotp.mesh import MeshSpec
 from autotp.placement import R, Rg, S, Strategy, parse_placements
 from autotp.planning.costs.costing import INFEASIBLE_S, CostModel
 from autotp.planning.planner import plan_graph
+from tests.helpers.plans import solver_objective
 from autotp.tracing.graph import TensorInfo
 from cost_models import load_profile
 from examples.ranks import run_threads
@@ -166,23 +167,15 @@ class SwiGLUDispatch(Dispatch):
         return x + y.view(x.shape[0], self.k, -1).sum(1)
 
 
-def test_on_two_axes_the_solver_prices_what_an_rg_value_moves_on_the_other_axis(monkeypatch):
+def test_on_two_axes_the_solver_prices_what_an_rg_value_moves_on_the_other_axis():
     """An Rg value read by two readers that share one redistribution on the other axis: that
     redistribution is in the solver's objective (it once priced it as infeasible and dropped it, so the
     objective fell short of the plan's predicted time by that collective)."""
-    objective = {}
-    solve = autotp.planning.planner.solve
-
-    def recording(*args, **kwargs):
-        solution = solve(*args, **kwargs)
-        objective["s"] = solution.objective_s
-        return solution
-
-    monkeypatch.setattr(autotp.planning.planner, "solve", recording)
     tokens, hidden = 1024, 512
     graph = autotp.capture(SwiGLUDispatch(tokens, hidden, 2 * hidden, 4).to("meta"),
                            (torch.empty(tokens, hidden, device="meta"),))
-    plan = plan_graph(graph, (2, 2), "h100-sxm", "train")
+    with solver_objective() as objective:
+        plan = plan_graph(graph, (2, 2), "h100-sxm", "train")
     assert any("Rg" in n.strategy for n in plan.nodes), [n.strategy for n in plan.nodes]
     assert objective["s"] == pytest.approx(plan.predicted_time().total_s, rel=1e-9)
 

@@ -51,6 +51,7 @@ from autotp.planning.rules.blocks import (
 )
 from autotp.planning.rules.common import AxisChoice, divisible
 from autotp.planning.rules.experts import disjoint_choices
+from autotp.planning.rules.routed import routed_choices
 from autotp.planning.rules.factories import factory_choices
 from autotp.planning.rules.pointwise import pointwise_choices
 from autotp.planning.rules.uneven import uneven_choices, unit_counts
@@ -122,6 +123,7 @@ def axis_choices(node: OpNode, n: int, warned: Optional[_Warned] = None,
     if graph is None:
         return choices
     choices = choices + [c for c in disjoint_choices(node, n, graph) if c not in choices]
+    choices = choices + [c for c in routed_choices(node, n, graph) if c not in choices]
     units = unit_counts(graph, n)
 
     def static(k: int, d: int) -> bool:
@@ -190,8 +192,14 @@ def _static(graph: OpGraph, node: OpNode, k: int, d: int) -> bool:
 
 def _valid(node: OpNode, strategy: Strategy, mesh_shape: Sequence[int]) -> bool:
     """Every sharded dim splits evenly over the axes that split it (or, for an uneven split, into
-    whole units the ranks do not divide), and no dim is split twice."""
+    whole units the ranks do not divide), and no dim is split twice; routed rows (``St``, ``Se``)
+    on one axis, every tensor of the node whole on the others."""
     tensors = list(zip(strategy.inputs, node.input_infos)) + [(strategy.output, o) for o in node.outputs[:1]]
+    routed = {a for placements, _ in tensors if placements is not None for a, p in enumerate(placements) if p.routed}
+    if routed and (len(routed) > 1 or any(placements is not None and not p.is_replicate
+                                          for placements, _ in tensors for a, p in enumerate(placements)
+                                          if a not in routed)):
+        return False
     for placements, info in tensors:
         if placements is None:
             continue

@@ -56,6 +56,7 @@ from autotp.planning.costs.redistribute import (
 )
 from autotp.planning.costs.saved import forward_liveness, kept_storages
 from autotp.planning.rules.experts import expert_work_divisor
+from autotp.planning.rules.routed import routed_kept_bytes, routed_work_divisor
 from autotp.planning.rules.inner import inner_collectives
 from autotp.tracing.graph import BUFFER, PARAMETER, OpGraph, OpNode, TensorInfo, dtype_bytes
 from cost_models import (
@@ -280,10 +281,11 @@ class CostModel:
             return MemoryParts(buffers_bytes=self.local_bytes(node.output, strategy.output))
         if not self.train or not node.requires_grad or node.is_placeholder:
             return MemoryParts()
+        routed = routed_kept_bytes(node, strategy, self.mesh.shape)  # the dispatched rows, kept for the backward
         if self.kept is None:
             if node.is_view:
                 return MemoryParts()
-            return MemoryParts(activations_bytes=sum(self.local_bytes(o, strategy.output) for o in node.outputs))
+            return MemoryParts(activations_bytes=routed + sum(self.local_bytes(o, strategy.output) for o in node.outputs))
         local = self.local_bytes(node.outputs[0], strategy.output)
         kept = local if node.name in self.kept.kept else 0.0
         extra = self.kept.extra_per_element.get(node.name, 0.0)
@@ -296,7 +298,8 @@ class CostModel:
         per_input = self.kept.extra_per_input_element.get(node.name, 0.0)
         first = self.local_bytes(node.input_infos[0], strategy.inputs[0]) if node.inputs else 0.0
         transient += self.kept.transient_per_input_element.get(node.name, 0.0) * first
-        return MemoryParts(activations_bytes=kept + extra + per_input * first, transient_bytes=transient)
+        return MemoryParts(activations_bytes=kept + extra + per_input * first + (routed if kept else 0.0),
+                           transient_bytes=transient)
 
     def memory_key(self, node: OpNode) -> tuple:
         """What :meth:`node_memory` reads of the node beyond its shapes and role: nodes of one shape
@@ -380,7 +383,11 @@ def _work_divisor(node: OpNode, strategy: Strategy, axis: int, n: int) -> float:
     """How many times less work the slowest rank does on ``axis``: ``n``, or for an uneven split the
     full size over its largest piece (every tensor a choice splits unevenly is cut in the same units),
     or for experts split whole over the ranks, the rows over the busiest rank's
-    (:func:`autotp.planning.rules.experts.expert_work_divisor`)."""
+    (:func:`autotp.planning.rules.experts.expert_work_divisor`), or on routed rows, the busiest
+    rank's received rows (:func:`autotp.planning.rules.routed.routed_work_divisor`)."""
+    routed = routed_work_divisor(node, strategy, axis, n)
+    if routed is not None:
+        return routed
     experts = expert_work_divisor(node, strategy, axis, n)
     if experts is not None:
         return experts

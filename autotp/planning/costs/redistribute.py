@@ -15,6 +15,7 @@ P → S(d)    reduce_scatter      all_gather
 S(d) → P    not allowed
 Pd → P      nothing (a sum of disjoint parts is a partial sum)
 x → Pd      not allowed unless x is Pd (the parts' support is the producer's)
+St, Se, Pt  to and from nothing else (routed rows stay in their region)
 ==========  ==================  =====================================================
 
 From ``Pd`` every step is ``P``'s.
@@ -127,13 +128,16 @@ def step_kinds(src: Placement, dst: Placement) -> tuple[Optional[str], Optional[
 def is_convertible(src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
     """Whether ``src`` redistributes to ``dst``: not ``S -> P``, and an uneven split ``S(d)~g`` only
     gathered (padded to its largest piece), sliced from a whole tensor or reduce-scattered from a
-    partial sum, never moved to another split; nothing becomes ``Pd`` but a ``Pd``."""
+    partial sum, never moved to another split; nothing becomes ``Pd`` but a ``Pd``; routed rows
+    (``St``, ``Se``, ``Pt``) stay as they are."""
     return _is_convertible(tuple(src), tuple(dst))
 
 
 @lru_cache(maxsize=1 << 14)  # asked once per read of every layer: the same few pairs over and over
 def _is_convertible(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> bool:
     if any(d.disjoint and s != d for s, d in zip(src, dst)):
+        return False
+    if any((s.routed or d.routed) and s != d for s, d in zip(src, dst)):
         return False
     src, dst = summed(src), summed(dst)
     for s, d in zip(src, dst):

@@ -28,6 +28,8 @@ Modules:
 - ``norms``      batch norm (synchronized over a split batch in training), group and instance norm
 - ``experts``    grouped matmuls of routed tokens: experts split by features, or whole experts on
                  ranks (each rank its experts' rows, a sum of disjoint parts ``Pd`` carried to the combine)
+- ``routed``     whole experts with the tokens split: routed rows sent to their experts' ranks and back
+                 by all-to-all (a region of the graph: ``St``, ``Se``)
 - ``blocks``     blocked splits: a fused projection cut into its parts, each part split
 - ``uneven``     uneven splits: units (heads, vocabulary rows) the ranks do not divide
 - ``gradients``  the ``Rg`` variants: replicated ops that pass a partial gradient on
@@ -65,6 +67,7 @@ from autotp.planning.rules import (
     pointwise,
     randomness,
     reductions,
+    routed,
     views,
 )
 from autotp.planning.rules.common import AxisChoice
@@ -86,7 +89,8 @@ BUILTIN: dict[str, Callable[[OpNode, int], Optional[list[AxisChoice]]]] = {
 }
 
 # the families with local executions, in the order they are tried where two run the same op
-FAMILIES = (blocks, reductions, views, joins, factories, randomness, contractions, experts, losses, norms, convolutions)
+FAMILIES = (blocks, reductions, views, joins, factories, randomness, contractions, routed, experts, losses, norms,
+            convolutions)
 
 
 def _by_op(families) -> dict[str, tuple[LocalExecution, ...]]:

@@ -1,0 +1,131 @@
+"""Whole experts with the tokens split (autotp/planning/rules/routed.py): each rank routes its own
+tokens, sends each routed row to the rank holding its expert and gets the results back (two
+all-to-alls per MoE layer), its tokens staying split.
+
+Tiny Hugging Face MoE models built from configs, their experts pinned ``S(0)`` and planned under the
+least memory any plan needs: the planner splits the tokens and moves them by all-to-all (the
+activations between the grouped matmuls are the rank's share, not every token's). On 2 threaded
+ranks the loss and every gradient equal one process's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autotp
+from autotp.placement import P, Pt, S, Se, St, parse_placements
+from autotp.planning.costs.redistribute import is_convertible
+from autotp.planning.planner import plan_graph
+from autotp.planning.rules.routed import routed_region
+from tests.helpers.plans import solver_objective
+from tests.runtime.test_experts_on_ranks import (MODELS, check_exact, every_expert_routed,
+                                                 expert_weights, inputs_for, tiny_moe)
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def captured():
+    """The tiny Qwen3-MoE, its example and its graph (captured once for this module's tests)."""
+    model = tiny_moe("qwen3_moe")
+    inputs = inputs_for(model)
+    return model, inputs, autotp.capture(model, inputs)
+
+
+@pytest.fixture(scope="module")
+def routed_plan(captured):
+    """The tiny Qwen3-MoE's plan with its experts pinned ``S(0)`` under the least memory, and the
+    solver's objective for it."""
+    with solver_objective() as objective:
+        plan = tightest_plan(captured[2], {n: "S(0)" for n in expert_weights(captured[0])})
+    return plan, objective["s"]
+
+
+def tightest_plan(graph, pin):
+    """The plan under the least memory any plan with ``pin`` needs."""
+    try:
+        plan_graph(graph, (2,), "cpu-gloo", "train", pin=pin, memory_budget=1)
+    except autotp.MemoryBudgetError as err:
+        return plan_graph(graph, (2,), "cpu-gloo", "train", pin=pin, memory_budget=int(err.minimum_bytes))
+    raise AssertionError("a budget of one byte was met")
+
+
+@pytest.mark.parametrize("name", [n if n == "qwen3_moe" else pytest.param(n, marks=pytest.mark.slow) for n in sorted(MODELS)])
+def test_tokens_sent_to_their_experts_by_all_to_all_equal_one_process(name, request):
+    if name == "qwen3_moe":
+        model, inputs, graph = request.getfixturevalue("captured")
+        plan = request.getfixturevalue("routed_plan")[0]
+    else:
+        model = tiny_moe(name)
+        inputs = inputs_for(model)
+        graph = autotp.capture(model, inputs)
+        plan = tightest_plan(graph, {n: "S(0)" for n in expert_weights(model)})
+    assert every_expert_routed(model, inputs)
+    grouped = [n.name for n in plan.nodes if "grouped_mm" in graph[n.name].target]
+    assert [str(plan.strategy(n)) for n in grouped] == ["(St, S(0), Pt) -> Se", "(Se, S(0), Pt) -> St"]
+    experts = [c for c in plan.collectives() if c.at in grouped]
+    kinds = sorted((c.phase, c.kind, c.at == grouped[0]) for c in experts)
+    # forward: the counts and the rows out at the first grouped matmul, the rows back at the second;
+    # backward: the gradients' way back, once each
+    assert kinds == sorted([("forward", "all_to_all", True)] * 2 + [("forward", "all_to_all", False)]
+                           + [("backward", "all_to_all", True), ("backward", "all_to_all", False)]), kinds
+    block = [c for c in plan.collectives() if "mlp.experts" in (graph[c.at].module_path or "")]
+    assert {c.kind for c in block} == {"all_to_all"}, [str(c) for c in block]
+
+    check_exact(graph, plan, model, inputs, whole=expert_weights(model))
+
+
+def test_the_region_is_found_from_the_graph_and_nothing_else_reads_as_routed_rows(captured):
+    graph = captured[2]
+    roles = routed_region(graph)
+    grouped = [n.name for n in graph.nodes if "grouped_mm" in n.target]
+    assert [roles[g][0] for g in grouped] == ["e", "t"]  # the first grouped matmul's rows go to the experts
+    exits = [n for n, (role, _, _) in roles.items() if role == "x"]
+    assert len(exits) == 1 and graph[exits[0]].target == "aten.sum.dim_IntList"
+    assert roles[exits[0]][1:] == (24 * 2, 24)  # 24 tokens, top 2
+    # routed rows stay in their region: a piece of the whole tensor is not a rank's own rows
+    for a, b in [(S(0), St), (St, S(0)), (Se, St), (P, Pt), (Pt, P)]:
+        assert not is_convertible((a,), (b,)), (a, b)
+    assert parse_placements("StSePt") == (St, Se, Pt)
+
+
+def test_batched_experts_have_no_routed_region():
+    model = tiny_moe("qwen3_moe")
+    model.config._experts_implementation = "batched_mm"
+    assert routed_region(autotp.capture(model, inputs_for(model))) == {}
+
+
+def test_a_grouped_matmul_is_priced_at_its_matmuls_flops(captured):
+    """Each routed row goes through its expert's matrix: the grouped matmul's FLOPs are those of one
+    matmul per expert on its rows (counted by FlopCounterMode), not zero."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    graph = captured[2]
+    grouped = [n for n in graph.nodes if "grouped_mm" in n.target]
+    assert len(grouped) == 2
+    for node in grouped:
+        (rows, k), (experts, _, n) = node.input_infos[0].shape, node.input_infos[1].shape
+        sizes = [rows // experts + (e < rows % experts) for e in range(experts)]  # any split of the rows
+        with FlopCounterMode(display=False) as counter:
+            for size in sizes:
+                torch.mm(torch.zeros(size, k), torch.zeros(k, n))
+        assert node.flops == counter.get_total_flops() > 0, (node.name, node.flops)
+
+
+def test_the_predicted_step_counts_the_all_to_alls_once(captured, routed_plan):
+    """The all-to-alls a grouped matmul runs inside itself are in the plan's collectives and in the
+    solver's objective with the op: the plan's predicted step is the objective, each counted once."""
+    graph = captured[2]
+    plan, objective_s = routed_plan
+    assert any(c.kind == "all_to_all" and "grouped_mm" in graph[c.at].target for c in plan.collectives())
+    assert objective_s == pytest.approx(plan.predicted_time().total_s, rel=1e-9)
+
+
+def test_a_plan_with_routed_rows_saves_and_loads(routed_plan):
+    from autotp.planning.result.plan import Plan
+
+    plan = routed_plan[0]
+    loaded = Plan.from_json(plan.to_json())
+    assert [str(loaded.strategy(n.name)) for n in loaded.nodes] == [str(plan.strategy(n.name)) for n in plan.nodes]
+    assert {"St", "Se", "Pt"} <= {str(p) for n in loaded.nodes for p in loaded.strategy(n.name).output}
