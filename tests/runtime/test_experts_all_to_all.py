@@ -19,7 +19,7 @@ from autotp.planning.costs.redistribute import is_convertible
 from autotp.planning.planner import plan_graph
 from autotp.planning.rules.routed import routed_region
 from tests.helpers.plans import solver_objective
-from tests.runtime.test_experts_on_ranks import (MODELS, check_exact, every_expert_routed,
+from tests.runtime.test_experts_on_ranks import (check_exact, every_expert_routed,
                                                  expert_weights, inputs_for, tiny_moe)
 
 pytest.importorskip("transformers")
@@ -51,7 +51,12 @@ def tightest_plan(graph, pin):
     raise AssertionError("a budget of one byte was met")
 
 
-@pytest.mark.parametrize("name", [n if n == "qwen3_moe" else pytest.param(n, marks=pytest.mark.slow) for n in sorted(MODELS)])
+# the models whose routed region the all-to-all variant is tested on; gpt-oss's biased experts make
+# no region, and DeepSeek-V3's least-memory plan keeps every token on every rank (docs/training.md)
+ROUTED = ("mixtral", "olmoe", "qwen3_moe")
+
+
+@pytest.mark.parametrize("name", [n if n == "qwen3_moe" else pytest.param(n, marks=pytest.mark.slow) for n in ROUTED])
 def test_tokens_sent_to_their_experts_by_all_to_all_equal_one_process(name, request):
     if name == "qwen3_moe":
         model, inputs, graph = request.getfixturevalue("captured")
