@@ -284,3 +284,17 @@ def test_argmax_and_argmin_split_the_kept_dims_only_and_are_exact():
             assert not any(p.is_partial for pl in (*st.inputs, st.output) if pl for p in pl), (node.name, str(st))
     checked = check_every_strategy(g, full_values(g, (x,)), (2,), {"aten.argmax.default", "aten.argmin.default"})
     assert checked >= 4, checked
+
+
+@pytest.mark.parametrize("op, args", [
+    (torch.ops.aten.mean.dim, (torch.randn(4, 6), [1])),  # a mean over a split dim: each rank divides by the pieces
+    (torch.ops.aten.view.default, (torch.randn(4, 6), [4, 2, 3])),  # its shape argument made the rank's
+    (torch.ops.aten.embedding.default, (torch.randn(8, 4), torch.randint(0, 8, (5,)))),  # a masked lookup
+    (torch.ops.aten.repeat.default, (torch.randn(3, 4), [2, 1])),  # the rank's copies
+])
+def test_check_rule_runs_each_rank_as_the_rewrite_does(op, args):
+    """autotp's own strategies whose op needs local code on a rank's pieces are exact when checked:
+    check_rule runs the op's local executions (they had been left out, and these strategies reported
+    not exact). Each check compares the pieces with the op on the whole inputs."""
+    splits = [s for s in check_rule(op, args) if any(p.is_shard or p.is_partial for p in s.output)]
+    assert any(any(p.is_shard for q in s.inputs if q for p in q) for s in splits), [str(s) for s in splits]

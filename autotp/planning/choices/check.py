@@ -5,13 +5,12 @@ would offer for it on an axis of ``n`` ranks (a registered rule, autotp's own or
 for each one cuts the full inputs into every rank's pieces (``R``: the whole tensor, ``S(d)``:
 the rank's even slice, ``P``: random summands), runs the op on each rank's pieces alone, puts the
 outputs back together (``S``: concatenate, ``R``: every rank must hold the whole, ``P``: sum) and
-compares with the op on the full inputs. Nothing of autotp's runtime runs: this is the contract
-the runtime relies on, checked directly. The one argument autotp changes on a rank is checked as it
-changes it: a grouped convolution (or group norm) split by whole groups runs with its share of the
-groups; a grouped matmul split by experts computes its experts' rows
-(:class:`autotp.local.experts.ExpertRows`), and its ``Pd`` output must have disjoint support (no
-element nonzero on two ranks); and an op registered with a local execution (``register_rule(op, rule, local=...)``) runs
-on each rank as that says. The strategies of an op that runs collectives inside itself (a loss on split classes, batch
+compares with the op on the full inputs. Each rank runs the op as the rewrite would: through the
+op's local executions (:func:`autotp.planning.rules.local_executions`: the one a user registered
+with ``register_rule(op, rule, local=...)``, then its family's: a grouped convolution with its
+share of the groups, a shape argument made local, a grouped matmul split by experts on its
+experts' rows...), run at once on the pieces instead of emitted into a graph. A ``Pd`` output
+must have disjoint support (no element nonzero on two ranks). The strategies of an op that runs collectives inside itself (a loss on split classes, batch
 norm on a split batch: :mod:`autotp.planning.rules.inner`) are left out: that op does not run on its
 pieces alone (the runtime's tests check those).
 
@@ -27,12 +26,9 @@ from typing import Any, Sequence
 
 import torch
 
-from autotp.local.site import LocalSite
-from autotp.placement import Placement, Strategy
-from autotp.planning.rules import user_local
-from autotp.local.experts import ExpertRows
-from autotp.planning.rules.convolutions import GROUPED, local_groups
-from autotp.planning.rules.experts import GROUPED_MM
+from autotp.local.site import LocalSite, run_locally
+from autotp.placement import Placement, Strategy, local_shape
+from autotp.planning.rules import local_executions
 
 __all__ = ["check_rule", "RuleNotExact"]
 
@@ -102,19 +98,32 @@ def _pieces(full: torch.Tensor, p: Placement, n: int, gen: torch.Generator) -> l
     return [full] * n
 
 
+class _Eager:
+    """The emitter of a site whose arguments are tensors: a call runs at once (the rewrite's emits a
+    graph node instead), so a rank's pieces go through the local executions the rewrite runs."""
+
+    def __init__(self, n: int, rank: int) -> None:
+        self.mesh_shape, self.coordinate, self.streams = (n,), (rank,), 0
+
+    def call_function(self, target: Any, args: tuple, kwargs: Any) -> Any:
+        return target(*args, **kwargs)
+
+    def call_module(self, module: torch.nn.Module, kind: str, args: tuple, kwargs: Any) -> Any:
+        return module(*args, **kwargs)
+
+    def local_sizes(self, sizes: Any, node: Any, placements: tuple) -> list:
+        return list(local_shape(node.output.shape, placements, self.mesh_shape, self.coordinate))
+
+    def new_stream(self) -> int:
+        self.streams += 1
+        return self.streams - 1
+
+
 def _site(op: Any, node: Any, strategy: Strategy, n: int, rank: int, local: tuple) -> LocalSite:
     """``rank``'s place as the rewrite would hand it to a local execution, its arguments its pieces."""
     reads = tuple(q if q is not None else (Placement("R"),) for q in strategy.inputs)
     return LocalSite(node=node, strategy=strategy, reads=reads, mesh_shape=(n,), coordinate=(rank,), groups=(None,),
-                     axis_names=("check",), target=op, args=local, kwargs={})
-
-
-def _expert_rows(site: LocalSite) -> Any:
-    """A grouped matmul split by experts: the rank's experts' rows, as the rewrite runs it."""
-    w = site.strategy.inputs[1] if site.node.target in GROUPED_MM and len(site.strategy.inputs) > 1 else None
-    if w is None or not w[0].is_shard or w[0].dim != 0:
-        return None
-    return ExpertRows(site.target, *site.piece(1, 0))
+                     axis_names=("check",), target=op, args=local, kwargs={}, emitter=_Eager(n, rank))
 
 
 def _check(op: Any, args: tuple, node: Any, strategy: Strategy, full: torch.Tensor, n: int, seed: int) -> None:
@@ -124,16 +133,10 @@ def _check(op: Any, args: tuple, node: Any, strategy: Strategy, full: torch.Tens
     for k, i in enumerate(positions):
         placement = strategy.inputs[k][0] if strategy.inputs[k] is not None else Placement("R")
         pieces[i] = _pieces(args[i], placement, n, gen)
-    groups = local_groups(node, strategy.inputs[0], (n,)) if str(op) in GROUPED else None
-    if groups is not None:  # whole groups per rank: the op runs with its share of them
-        at = [a.name for a in op._schema.arguments].index("groups" if "groups" in node.args else "num_groups")
-        args = (*args[:at], groups, *args[at + 1:]) if at < len(args) else args
     outs = []
     for rank in range(n):
         local = tuple(pieces[i][rank] if i in pieces else a for i, a in enumerate(args))
-        site = _site(op, node, strategy, n, rank, local)
-        run = user_local(node.target, site) or _expert_rows(site) or op
-        out = run(*local)
+        out = run_locally(_site(op, node, strategy, n, rank, local), local_executions(node.target))
         outs.append(out[0] if isinstance(out, (tuple, list)) else out)
     p = strategy.output[0]
     if p.is_shard:
