@@ -155,7 +155,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from cost_models import builtin_profile_names
+    from cost_models import DEFAULT_HARDWARE, builtin_profile_names
 
     parser = argparse.ArgumentParser(prog="autotp", description="Automatic tensor parallelism for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--axis-names", default=None, help="comma-separated axis names (default tp, or dp,tp for 2 axes)")
     p.add_argument("--hardware", default=None,
                    help=f"built-in profile name ({', '.join(builtin_profile_names())}) or a profile JSON path "
-                        "(default: h100-sxm, as autotp.plan; autotp.parallelize defaults to the profile of the "
+                        f"(default: {DEFAULT_HARDWARE}, as autotp.plan; autotp.parallelize defaults to the profile of the "
                         "mesh's device, cpu-gloo on CPU; the report says which priced the plan)")
     p.add_argument("--mode", choices=("train", "inference"), default="train",
                    help="train: the model traced in the mode its factory left it in, forward and backward priced; "

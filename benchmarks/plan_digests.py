@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 
 def _rows(only: list[str] | None):
@@ -60,7 +59,6 @@ def main() -> None:
     args = ap.parse_args()
     digests = {}
     for key, plan in _rows(args.only):
-        t0 = time.perf_counter()
         digests[key] = plan if isinstance(plan, str) else _digest(plan)
         print(f"{key:<40} {digests[key]}", flush=True)
     with open(args.out, "w") as f:

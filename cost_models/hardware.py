@@ -74,7 +74,8 @@ from cost_models.links import CollectiveCost, CostSegment, LinkSpec
 from cost_models.validation import ProfileError, _freeze_json, _FrozenMap, _number, _object, _thaw_json, _within
 
 __all__ = ["SCHEMA", "CollectiveCost", "CostSegment", "DeviceSpec", "HardwareProfile", "LinkSpec",
-           "ProfileError", "builtin_profile_names", "interpolate_rate", "load_profile"]
+           "ProfileError", "DEFAULT_HARDWARE", "builtin_profile_names", "hardware_origin", "interpolate_rate",
+           "load_profile", "resolve_hardware"]
 
 SCHEMA = "autotp.hardware/1"
 _PROFILE_FIELDS = ("schema", "name", "source", "device", "devices_per_node", "links")
@@ -234,11 +235,7 @@ DEFAULT_HARDWARE = "h100-sxm"
 
 def resolve_hardware(hardware: Any) -> HardwareProfile:
     """A built-in profile name, a path to a profile JSON, a HardwareProfile, or None (the default)."""
-    if hardware is None:
-        hardware = DEFAULT_HARDWARE
-    if isinstance(hardware, HardwareProfile):
-        return hardware
-    return load_profile(hardware)
+    return load_profile(DEFAULT_HARDWARE if hardware is None else hardware)
 
 
 def hardware_origin(hardware: Any) -> str:

@@ -57,7 +57,6 @@ class DataParallel:
         inner = list(modules) if inner is None else list(inner)
         if len(inner) != len(modules):
             raise ValueError(f"inner names {len(inner)} modules for the {len(modules)} given; one each")
-        self.data, self.mesh = data, mesh
         if data.zero == 0:
             # the schedule leaves the gradients unscaled: the reducer divides by replicas x micro-batches
             self.modules = tuple(modules)

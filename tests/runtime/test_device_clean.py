@@ -42,7 +42,8 @@ def _on_device(example):
 
 def _step(model, example, pin=None, mode="train", backward=True, plan_of=None):
     """One call of ``model``'s parallel module, and its backward, on fake tensors of the mesh's device;
-    returns the output's device, the gradients' devices and the plan (``plan_of(graph)`` where given)."""
+    returns the output's device, the gradients' devices, the plan (``plan_of(graph)`` where given) and the
+    kinds of module the parallel module runs."""
     graph = autotp.capture(model, example)
     with fake_ranks() as mesh:
         plan = plan_of(graph) if plan_of else plan_graph(graph, (2,), "cpu-gloo", mode, pin=pin)
@@ -53,12 +54,12 @@ def _step(model, example, pin=None, mode="train", backward=True, plan_of=None):
             if backward:
                 out.float().sum().backward()
             grads = {p.grad.device for p in pm.parameters() if p.grad is not None}
-    return out.device, grads, plan
+    return out.device, grads, plan, {type(m).__name__ for m in pm.modules()}
 
 
 def test_a_train_step_with_the_vocabulary_split_loss_stays_on_the_device():
     model, example = _llama_with_loss()
-    out, grads, plan = _step(model, example, pin={"lm_head.weight": "S(0)"})
+    out, grads, plan, _ = _step(model, example, pin={"lm_head.weight": "S(0)"})
     loss = next(n for n in plan.nodes if n.target == "aten.cross_entropy_loss.default")
     assert plan.strategy(loss.name).inputs[0] == (S(1),)  # the split loss ran
     assert out == DEVICE and grads == {DEVICE}
@@ -97,7 +98,7 @@ def test_an_eval_step_stays_on_the_device():
     model, example = _llama_with_loss()
     model.eval()
     with torch.no_grad():
-        out, _, _ = _step(model, example, mode="inference", backward=False)
+        out, *_ = _step(model, example, mode="inference", backward=False)
     assert out == DEVICE
 
 
@@ -107,7 +108,7 @@ def test_batch_norm_in_training_and_its_backward_stay_on_the_device():
     with torch.device("meta"):
         model = ConvNet(8).train()
     x = torch.zeros(4, 3, 8, 8, device="meta")
-    out, grads, plan = _step(model, (x,), plan_of=_plan_at_the_floor)  # 8 channels: split (test_batch_norm.py)
+    out, grads, plan, _ = _step(model, (x,), plan_of=_plan_at_the_floor)  # 8 channels: split (test_batch_norm.py)
     norms = [n for n in plan.nodes if n.target == "aten.batch_norm.default"]
     assert norms and all(plan.strategy(n.name).inputs[0] == (S(1),) for n in norms)  # channels split
     assert out == DEVICE and grads == {DEVICE}
@@ -121,7 +122,8 @@ def test_gpt2_dropout_masks_and_their_backward_stay_on_the_device():
     with torch.device("meta"):
         model = GPT2LMHeadModel(config).train()
     ids = torch.zeros(2, 8, dtype=torch.int64, device="meta")
-    out, grads, plan = _step(model, (ids,), pin={"transformer.h.0.mlp.c_fc.weight": "S(1)"})
+    out, grads, plan, kinds = _step(model, (ids,), pin={"transformer.h.0.mlp.c_fc.weight": "S(1)"})
+    assert "ShardedDropout" in kinds, sorted(kinds)  # the masks on shards ran
     assert out == DEVICE and grads == {DEVICE}
 
 

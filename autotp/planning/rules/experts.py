@@ -52,9 +52,10 @@ from autotp.local.experts import ExpertRows
 from autotp.local.site import LocalSite
 from autotp.placement import P, Pd, R, S, Strategy
 from autotp.planning.rules.common import AxisChoice, divisible
+from autotp.planning.rules.views import SPLITS
 from autotp.tracing.graph import OpGraph, OpNode
 
-__all__ = ["GROUPED_MM", "ZERO_KEEPING", "IMBALANCE", "grouped_mm_choices", "row_owners", "disjoint_choices",
+__all__ = ["GROUPED_MM", "SORTS", "expert_split", "ZERO_KEEPING", "IMBALANCE", "grouped_mm_choices", "row_owners", "disjoint_choices",
            "expert_work_divisor", "busiest_rows", "local_expert_rows", "expert_table_gathers",
            "local_expert_table", "RULES", "LOCAL"]
 
@@ -72,7 +73,7 @@ _GATHERS = frozenset({"aten.index.Tensor", "aten.index_select.default"})
 IMBALANCE = 1.1
 
 
-def _expert_split(node: OpNode) -> bool:
+def expert_split(node: OpNode) -> bool:
     """A grouped matmul of 2-d tokens, 3-d expert weights and offsets, with nothing else."""
     return (node.target in GROUPED_MM and len(node.inputs) == 3 and node.input_infos[0].ndim == 2
             and node.input_infos[1].ndim == 3 and node.input_infos[2].ndim == 1)
@@ -94,7 +95,7 @@ def grouped_mm_choices(node: OpNode, n: int) -> list[AxisChoice]:
         choices.append(((R, S(2), *rest), S(1)))
     if divisible(w.shape[1], n):
         choices.append(((S(1), S(1), *rest), P))
-    if _expert_split(node) and divisible(w.shape[0], n):
+    if expert_split(node) and divisible(w.shape[0], n):
         choices.append(((R, S(0), R), Pd))
     return choices
 
@@ -116,14 +117,14 @@ def row_owners(graph: OpGraph) -> Mapping[str, str]:
         found = [owners.get(i) for i in node.inputs]
         first = found[0]
         held = {o for o in found if o is not None}
-        if _expert_split(node):
+        if expert_split(node):
             owners[node.name] = node.inputs[2]
         elif node.name in tables:
             owners[node.name] = tables[node.name]
         elif not held:
             continue
         elif len(node.inputs) == 1 and (node.is_view or node.target == "getitem" or node.target in ZERO_KEEPING
-                                        or node.target in _VIEWS):
+                                        or node.target in SPLITS):
             owners[node.name] = first
         elif node.target in _GATHERS and first is not None and len(held) == 1 and not any(found[1:]):
             owners[node.name] = first
@@ -154,12 +155,12 @@ def _sorted_ids(graph: OpGraph, offsets: str) -> Optional[tuple[str, int]]:
     while ids.target in ops.CASTS and len(ids.inputs) == 1:
         ids = graph[ids.inputs[0]]
     made = graph[ids.inputs[0]] if ids.target == "getitem" and ids.inputs else None
-    if made is None or made.target not in _SORTS or ids.args.get("index", ids.args.get("idx")) != 0:
+    if made is None or made.target not in SORTS or ids.args.get("index", ids.args.get("idx")) != 0:
         return None
     return ids.name, experts
 
 
-_SORTS = frozenset({"aten.sort.default", "aten.sort.stable"})
+SORTS = frozenset({"aten.sort.default", "aten.sort.stable"})
 _TABLES: "weakref.WeakKeyDictionary[OpGraph, Mapping[str, str]]" = weakref.WeakKeyDictionary()
 
 
@@ -171,7 +172,7 @@ def expert_table_gathers(graph: OpGraph) -> Mapping[str, str]:
         return _TABLES[graph]
     ids_of: dict[str, tuple[str, int]] = {}
     for node in graph.nodes:
-        if _expert_split(node) and node.inputs[2] not in ids_of:
+        if expert_split(node) and node.inputs[2] not in ids_of:
             found = _sorted_ids(graph, node.inputs[2])
             if found is not None:
                 ids_of[node.inputs[2]] = found
@@ -202,7 +203,6 @@ def local_expert_table(site: LocalSite) -> Optional[Any]:
 
 
 # views autotp finds by their dim map, named here where they take one tensor (chunk and split give parts)
-_VIEWS = frozenset({"aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default"})
 
 
 def disjoint_choices(node: OpNode, n: int, graph: OpGraph) -> list[AxisChoice]:
@@ -237,7 +237,7 @@ def busiest_rows(rows: int, n: int) -> float:
 def expert_work_divisor(node: OpNode, strategy: Strategy, axis: int, n: int) -> Optional[float]:
     """How many times less work than the whole the busiest rank does on ``axis`` where a grouped
     matmul's experts are split there (:func:`busiest_rows`); None for any other node or split."""
-    if not _expert_split(node):
+    if not expert_split(node):
         return None
     w = strategy.inputs[1]
     if w is None or not (w[axis].is_shard and w[axis].dim == 0):
@@ -250,7 +250,8 @@ def local_expert_rows(site: LocalSite) -> Optional[Any]:
     """A grouped matmul split by experts: the rows of this rank's experts, the others zero. None for
     any other split (the op as it is)."""
     w = site.strategy.inputs[1]
-    if not _expert_split(site.node) or w is None or not any(p.is_shard and p.dim == 0 for p in w):
+    if (not expert_split(site.node) or w is None or not any(p.is_shard and p.dim == 0 for p in w)
+            or Pd not in site.strategy.output):  # the routed variant's output is rows routed here (routed.py)
         return None
     first, last = site.piece(1, 0)
     return site.call_module(ExpertRows(site.target, first, last), "expert_rows", site.args, site.kwargs)

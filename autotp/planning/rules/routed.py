@@ -39,7 +39,8 @@ from autotp.local.dispatch import CombinedGroupedMM, DispatchedGroupedMM, Expert
 from autotp.local.site import Call, LocalSite
 from autotp.placement import Pt, S, Se, St, Strategy
 from autotp.planning.rules.common import AxisChoice, divisible
-from autotp.planning.rules.experts import GROUPED_MM, busiest_rows
+from autotp.planning.rules.experts import GROUPED_MM, SORTS, busiest_rows, expert_split
+from autotp.planning.rules.views import SPLITS
 from autotp.tracing.graph import OP, OpGraph, OpNode
 
 __all__ = ["routed_region", "routed_choices", "routed_work_divisor", "routed_collectives", "routed_kept_bytes",
@@ -49,15 +50,8 @@ COUNT_BYTES = 8  # each rank's count of rows per expert, exchanged as int64
 
 _ROLE_PLACEMENT = {"t": St, "e": Se, "p": Pt, "x": S(0)}
 _SUM = "aten.sum.dim_IntList"
-_SORT = "aten.sort.default"
 _ARANGE = "aten.arange.default"
-_CHUNKS = frozenset({"aten.chunk.default", "aten.split.Tensor", "aten.split_with_sizes.default"})
 _REGIONS: "weakref.WeakKeyDictionary[OpGraph, Mapping[str, tuple[str, int, int]]]" = weakref.WeakKeyDictionary()
-
-
-def _grouped(node: OpNode) -> bool:
-    return (node.target in GROUPED_MM and len(node.inputs) == 3 and node.input_infos[0].ndim == 2
-            and node.input_infos[1].ndim == 3 and node.input_infos[2].ndim == 1)
 
 
 def _passes_rows(node: OpNode, held: set[str]) -> bool:
@@ -65,7 +59,7 @@ def _passes_rows(node: OpNode, held: set[str]) -> bool:
     cut of the last dim, an item of a cut, or two such rows combined elementwise."""
     if node.target == "getitem" or node.target in ops.CASTS:
         return True
-    if node.target in _CHUNKS:
+    if node.target in SPLITS:
         return node.args.get("dim", 0) in (-1, node.input_infos[0].ndim - 1)
     return node.target in ops.POINTWISE and all(i in held for i in node.inputs)
 
@@ -101,7 +95,7 @@ def _one_region(graph: OpGraph, first: OpNode, second: OpNode) -> Optional[dict[
         at = graph[at.inputs[0]]
     counts.append(at.name)
     sort = next((graph[a] for a in sorted(_ancestors(graph, at.name), key=graph.position)
-                 if graph[a].target == _SORT), None)
+                 if graph[a].target in SORTS), None)
     if sort is None or sort.input_infos[0].ndim != 1:
         return None
     rows = sort.input_infos[0].shape[0]
@@ -139,7 +133,7 @@ def routed_region(graph: OpGraph) -> Mapping[str, tuple[str, int, int]]:
         return _REGIONS[graph]
     by_offsets: dict[str, list[OpNode]] = {}
     for node in graph.nodes:
-        if _grouped(node):
+        if expert_split(node):
             by_offsets.setdefault(node.inputs[2], []).append(node)
     roles: dict[str, tuple[str, int, int]] = {}
     for pair in by_offsets.values():
@@ -167,7 +161,7 @@ def routed_choices(node: OpNode, n: int, graph: OpGraph) -> list[AxisChoice]:
         info = node.input_infos[k]
         if i in roles:
             inputs.append(_ROLE_PLACEMENT[roles[i][0]])
-        elif _grouped(node) and k == 1 and divisible(info.shape[0], n):
+        elif expert_split(node) and k == 1 and divisible(info.shape[0], n):
             inputs.append(S(0))
         elif graph[i].role == OP and info.ndim and info.shape[0] in (rows, tokens):
             inputs.append(S(0))
@@ -202,7 +196,7 @@ def routed_collectives(node: OpNode, strategy: Strategy, mesh_shape: Sequence[in
     inside itself: the dispatch (``St`` rows in, ``Se`` out) exchanges the counts, then sends the
     rows; the combine (``Se`` in, ``St`` out) sends the results back. Each rows' all-to-all is
     sized by the busiest rank's rows and runs again in the backward (the gradients' way back)."""
-    if not _grouped(node):
+    if not expert_split(node):
         return []
     out: list[tuple[str, str, int, float]] = []
     for a, n in enumerate(mesh_shape):
@@ -224,7 +218,7 @@ def routed_collectives(node: OpNode, strategy: Strategy, mesh_shape: Sequence[in
 def routed_kept_bytes(node: OpNode, strategy: Strategy, mesh_shape: Sequence[int]) -> float:
     """Bytes the dispatching grouped matmul keeps for its backward beside its own output: the
     received rows (the busiest rank's), which its weight's gradient reads."""
-    if not _grouped(node):
+    if not expert_split(node):
         return 0.0
     info = node.input_infos[0]
     return sum(busiest_rows(info.shape[0], n) * _row_bytes(info) for a, n in enumerate(mesh_shape)
@@ -242,7 +236,7 @@ def local_routed(site: LocalSite) -> Optional[Any]:
     """A grouped matmul of a routed region: the dispatch (rows sent, this rank's experts run) or the
     combine (this rank's experts run, rows sent back). None for any other split."""
     a = _axis(site)
-    if a is None or not _grouped(site.node):
+    if a is None or not expert_split(site.node):
         return None
     x, weight, offs = site.args[:3]
     group = site.groups[a]

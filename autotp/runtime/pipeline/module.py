@@ -434,7 +434,7 @@ def build_pipeline_module(graph: Any, plan: Any, mesh: Any, model: nn.Module, ex
 
 
 def _token_mean(exported: Any, out_spec: Any) -> Optional[TokenMean]:
-    """How to weigh the model's own loss (the output :func:`_default_loss` reads), or None."""
+    """How to weigh the model's own loss (the output :func:`autotp.runtime.interface.default_loss` reads), or None."""
     n = len(list(next(n for n in exported.graph.nodes if n.op == "output").args[0]))
     try:
         indexed = torch.utils._pytree.tree_unflatten(list(range(n)), out_spec) if out_spec is not None else 0
