@@ -29,7 +29,8 @@ It returns one of:
 - a value it emitted itself with :meth:`~LocalSite.call` or :meth:`~LocalSite.call_module`: the
   node's local value.
 
-:func:`run_locally` applies a node's local executions in order, as the rewrite does;
+:func:`run_locally` applies a node's local executions in order, as the rewrite does (with an
+:class:`EagerEmitter`, at once on tensors);
 :class:`LocalCall` is the module a user's local code runs in (``autotp.register_rule(..., local=)``).
 
 >>> import torch
@@ -44,10 +45,10 @@ from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, Union
 
 from torch import nn
 
-from autotp.placement import Placement, Strategy, piece_range
+from autotp.placement import Placement, Strategy, local_shape, piece_range
 from autotp.tracing.graph import OpNode
 
-__all__ = ["Call", "Emitter", "LocalSite", "LocalExecution", "LocalCall", "run_locally"]
+__all__ = ["Call", "Emitter", "EagerEmitter", "LocalSite", "LocalExecution", "LocalCall", "run_locally"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,28 @@ class Emitter(Protocol):
     def local_sizes(self, sizes: Any, node: OpNode, placements: tuple[Placement, ...]) -> list: ...
 
     def new_stream(self) -> int: ...
+
+
+class EagerEmitter:
+    """An :class:`Emitter` whose calls run at once on tensors (the rewrite's emit graph nodes instead):
+    a rank's pieces put through the local executions as the rewrite would run them, to check them on
+    data (:func:`autotp.planning.choices.check.check_rule`). Shapes are static."""
+
+    def __init__(self, mesh_shape: tuple[int, ...], coordinate: tuple[int, ...]) -> None:
+        self.mesh_shape, self.coordinate, self.streams = tuple(mesh_shape), tuple(coordinate), 0
+
+    def call_function(self, target: Any, args: tuple, kwargs: Mapping[str, Any]) -> Any:
+        return target(*args, **kwargs)
+
+    def call_module(self, module: nn.Module, kind: str, args: tuple, kwargs: Mapping[str, Any]) -> Any:
+        return module(*args, **kwargs)
+
+    def local_sizes(self, sizes: Any, node: OpNode, placements: tuple[Placement, ...]) -> list:
+        return list(local_shape(node.output.shape, placements, self.mesh_shape, self.coordinate))
+
+    def new_stream(self) -> int:
+        self.streams += 1
+        return self.streams - 1
 
 
 @dataclass(frozen=True)

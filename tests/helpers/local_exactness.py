@@ -1,14 +1,14 @@
 """Local execution is exact: every strategy of an op, run on each rank's pieces alone and put back
 together, gives what the op gives on the full inputs (the check of tests/planning/test_strategies.py).
 
-The reference is the op itself on full tensors; nothing of autotp's runtime runs the pieces.
+The reference is the op itself on full tensors. Each rank's pieces run through the op's local
+executions (its family's ``LOCAL``), with :class:`autotp.local.site.EagerEmitter` making each call at
+once, as the rewrite would emit it.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
-import sys
 
 import torch
 import torch.fx
@@ -16,16 +16,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autotp
-from autotp import ops
-from autotp.placement import Strategy, local_shape
+from autotp.local.site import EagerEmitter, LocalSite, run_locally
+from autotp.placement import R, Strategy
 from autotp.planning.choices.strategies import node_strategies
-from autotp.planning.rules.convolutions import GROUPED, local_groups
+from autotp.planning.rules import local_executions
 from autotp.planning.rules.inner import inner_collectives
-
-aten = torch.ops.aten
-
-
-_SHAPE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
 
 
 def capture_graph(model: nn.Module, inputs: tuple) -> autotp.OpGraph:
@@ -125,7 +120,7 @@ def _assemble(pieces: dict[tuple, torch.Tensor], placements, mesh, what: str) ->
 
 
 def _run_local(graph, fx_node: torch.fx.Node, op, strategy: Strategy, values: dict, mesh, coord, seed: int):
-    """Run the op on this rank's pieces; shape arguments rewritten to local shapes."""
+    """Run the op on this rank's pieces, through its local executions as the rewrite runs them."""
     position = iter(range(len(op.inputs)))  # OpNode.inputs: one entry per tensor argument, in argument order
     alias = graph.alias_placeholders  # a tied parameter's second placeholder reads the first
 
@@ -141,67 +136,16 @@ def _run_local(graph, fx_node: torch.fx.Node, op, strategy: Strategy, values: di
             return full if q is None else _local(full, q, coord, mesh, seed * 7 + k)
         return a
 
-    args = list(torch.fx.node.map_aggregate(fx_node.args, mapped))
+    args = tuple(torch.fx.node.map_aggregate(fx_node.args, mapped))
     kwargs = dict(torch.fx.node.map_aggregate(fx_node.kwargs, mapped))
-    target = fx_node.target
-    q0 = strategy.inputs[0] if strategy.inputs else None
-    blocked = [(mesh[a], p) for a, p in enumerate(q0 or ()) if p.is_blocked]
-    ndim = op.input_infos[0].ndim if op.input_infos else 0
-    if blocked and target in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
-        (n, p), = blocked  # a cut of a fused output into its blocks: local sizes are 1/n of each block
-        if (args[2] if len(args) > 2 else 0) % ndim == p.dim and target is not aten.chunk.default:
-            args[1] = args[1] // n if target is aten.split.Tensor else [x // n for x in args[1]]
-    elif blocked and target is aten.slice.Tensor and args[1] % ndim == blocked[0][1].dim:
-        (n, p), = blocked
-        size = op.input_infos[0].shape[p.dim]
-        args = [args[0], p.dim, (args[2] or 0) // n, min(args[3], size) // n, 1]
-    elif target in _SHAPE_ARG_OPS:
-        args[1] = list(local_shape(op.output.shape, strategy.output, mesh))
-    elif target is aten.repeat.default:  # a dim split from a whole input: this rank's copies
-        lead = len(args[1]) - op.input_infos[0].ndim
-        q = strategy.inputs[0]
-        args[1] = [r if d >= lead and any(p.is_shard and p.dim == d - lead for p in q)
-                   else r // math.prod(n for p, n in zip(strategy.output, mesh) if p.is_shard and p.dim == d)
-                   for d, r in enumerate(args[1])]
-    elif target is aten.unflatten.int:  # the new dims' sizes: this rank's piece of each
-        d, k = args[1] % op.input_infos[0].ndim, len(args[2])
-        args[2] = list(local_shape(op.output.shape, strategy.output, mesh))[d:d + k]
-    elif str(target) in ops.UNIFORM_FACTORY:  # each rank makes its piece
-        args[ops.UNIFORM_FACTORY[str(target)]] = list(local_shape(op.output.shape, strategy.output, mesh))
-    elif target is aten.slice.Tensor:
-        dim = args[1] if len(args) > 1 else 0
-        dim = dim + op.input_infos[0].ndim if dim < 0 else dim
-        q = strategy.inputs[0]
-        if any(p.is_shard and p.dim == dim for p in q):  # a full-range or x[r::step] slice may keep the dim split
-            step = args[4] if len(args) > 4 else 1
-            start = (args[2] or 0) if step != 1 and len(args) > 2 else 0
-            args = [args[0], dim, start, sys.maxsize, step]
-    elif str(target) in GROUPED and local_groups(op, strategy.inputs[0], mesh) is not None:
-        name = "groups" if "groups" in op.args else "num_groups"  # whole groups per rank: its share of them
-        at = [a.name for a in target._schema.arguments].index(name)
-        if at < len(args):
-            args[at] = local_groups(op, strategy.inputs[0], mesh)
-        else:
-            kwargs[name] = local_groups(op, strategy.inputs[0], mesh)
-    elif target is aten.embedding.default:
-        w = strategy.inputs[0]
-        row_axes = [a for a, p in enumerate(w) if p.is_shard and p.dim == 0]
-        if row_axes:  # row-split table: look up own rows, zeros for the others (a partial sum)
-            (a,) = row_axes
-            rows = op.input_infos[0].shape[0] // mesh[a]
-            weight, idx = args[0], args[1]
-            local = idx - coord[a] * rows
-            outside = (local < 0) | (local >= rows)
-            out = aten.embedding.default(weight, local.masked_fill(outside, 0), *args[2:])
-            return out.masked_fill(outside.unsqueeze(-1), 0)
+    # as the rewrite runs it: the op's local executions (its family's), each call made at once
+    reads = tuple(q if q is not None else (R,) * len(mesh) for q in strategy.inputs)
+    site = LocalSite(node=op, strategy=strategy, reads=reads, mesh_shape=tuple(mesh), coordinate=tuple(coord),
+                     groups=(None,) * len(mesh), axis_names=tuple(f"axis{a}" for a in range(len(mesh))),
+                     target=fx_node.target, args=args, kwargs=kwargs, seed=seed,
+                     emitter=EagerEmitter(tuple(mesh), tuple(coord)))
     with torch.no_grad():
-        out = target(*args, **kwargs)
-    if str(target) in ("aten.mean.dim", "aten.mean.default") and any(p.is_partial for p in strategy.output):
-        x = op.input_infos[0]
-        dims = set(op.args.ints("dim", x.ndim) or range(x.ndim)) if "dim" in op.args else set(range(x.ndim))
-        q = strategy.inputs[0]
-        out = out / math.prod(n for p, n in zip(q, mesh) if p.is_shard and p.dim in dims)  # local means sum to it
-    return out
+        return run_locally(site, local_executions(op.target))
 
 
 def check_strategy(graph, fx_node, op, strategy: Strategy, values: dict, mesh: tuple, seed: int = 0) -> None:

@@ -26,8 +26,8 @@ from typing import Any, Sequence
 
 import torch
 
-from autotp.local.site import LocalSite, run_locally
-from autotp.placement import Placement, Strategy, local_shape
+from autotp.local.site import EagerEmitter, LocalSite, run_locally
+from autotp.placement import Placement, Strategy
 from autotp.planning.rules import local_executions
 
 __all__ = ["check_rule", "RuleNotExact"]
@@ -98,32 +98,11 @@ def _pieces(full: torch.Tensor, p: Placement, n: int, gen: torch.Generator) -> l
     return [full] * n
 
 
-class _Eager:
-    """The emitter of a site whose arguments are tensors: a call runs at once (the rewrite's emits a
-    graph node instead), so a rank's pieces go through the local executions the rewrite runs."""
-
-    def __init__(self, n: int, rank: int) -> None:
-        self.mesh_shape, self.coordinate, self.streams = (n,), (rank,), 0
-
-    def call_function(self, target: Any, args: tuple, kwargs: Any) -> Any:
-        return target(*args, **kwargs)
-
-    def call_module(self, module: torch.nn.Module, kind: str, args: tuple, kwargs: Any) -> Any:
-        return module(*args, **kwargs)
-
-    def local_sizes(self, sizes: Any, node: Any, placements: tuple) -> list:
-        return list(local_shape(node.output.shape, placements, self.mesh_shape, self.coordinate))
-
-    def new_stream(self) -> int:
-        self.streams += 1
-        return self.streams - 1
-
-
 def _site(op: Any, node: Any, strategy: Strategy, n: int, rank: int, local: tuple) -> LocalSite:
     """``rank``'s place as the rewrite would hand it to a local execution, its arguments its pieces."""
     reads = tuple(q if q is not None else (Placement("R"),) for q in strategy.inputs)
     return LocalSite(node=node, strategy=strategy, reads=reads, mesh_shape=(n,), coordinate=(rank,), groups=(None,),
-                     axis_names=("check",), target=op, args=local, kwargs={}, emitter=_Eager(n, rank))
+                     axis_names=("check",), target=op, args=local, kwargs={}, emitter=EagerEmitter((n,), (rank,)))
 
 
 def _check(op: Any, args: tuple, node: Any, strategy: Strategy, full: torch.Tensor, n: int, seed: int) -> None:
