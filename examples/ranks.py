@@ -1,8 +1,8 @@
 """Run a function on N ranks and collect what each rank returns.
 
-``run_ranks(fn, 2, *args)`` calls ``fn(rank, world, *args)`` on 2 spawned processes, each in its
-own gloo process group, and returns the ranks' results (a rank that raises fails the call with
-its traceback). ``fn`` must be importable (a module-level function) for spawn to find it. Used by
+``run_ranks(fn, 2, *args)`` calls ``fn(rank, world, *args)`` on 2 new processes (:func:`start_method`),
+each in its own gloo process group, and returns the ranks' results (a rank that raises fails the call with
+its traceback). ``fn`` must be importable (a module-level function) for the new processes to find it. Used by
 the demo, the benchmarks and the multi-process tests.
 
 ``run_threads(fn, 2, *args)`` is the same contract in this process: one thread per rank, joined
@@ -26,6 +26,7 @@ random generator is shared by the threads: seed through the factories' ``seed`` 
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import tempfile
@@ -60,12 +61,27 @@ def _worker(rank: int, world: int, fn: Callable, args: tuple, out_dir: str) -> N
         dist.destroy_process_group()
 
 
+def start_method() -> str:
+    """How :func:`run_ranks` starts its processes: ``forkserver`` where the platform has it (a server
+    process imports what :func:`preload` names once, and every rank is forked from it with those
+    modules already imported: a run pays for ``import torch`` once, not once per rank and run),
+    else ``spawn``. Both start each rank without the caller's threads or state."""
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
+def preload(modules: list[str]) -> None:
+    """Name the modules the ranks' server process imports before forking them (``forkserver`` only;
+    call before the first :func:`run_ranks`). A module that fails to import there is skipped."""
+    if start_method() == "forkserver":
+        multiprocessing.get_context("forkserver").set_forkserver_preload(modules)
+
+
 def run_ranks(fn: Callable, world: int, *args: Any) -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` gloo processes; returns every rank's result."""
     with tempfile.TemporaryDirectory() as out_dir:
         try:
             mp.start_processes(_worker, args=(world, fn, args, out_dir), nprocs=world, join=True,
-                               start_method="spawn")
+                               start_method=start_method())
             exited = None
         except mp.ProcessExitedException as err:  # a rank failed; the others were ended
             exited = err

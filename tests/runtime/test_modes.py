@@ -55,7 +55,7 @@ def _split(plan) -> list:
     return [name for name, placements in plan.parameter_placements.items() if placements != "R"]
 
 
-def _ranks(rank, world, built):
+def _ranks(rank, world, built, budgets):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -69,8 +69,7 @@ def _ranks(rank, world, built):
 
     # -- GPT-2: dropout 0.1 in train mode ---------------------------------------------------------
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    budget = _sharding_budget(model, (ids,), 0.6)
-    pm = autotp.parallelize(model, mesh, (ids,), hardware="h100-sxm", memory_budget=budget)
+    pm = autotp.parallelize(model, mesh, (ids,), hardware="h100-sxm", memory_budget=budgets[0])
     out["gpt2_train_split"] = _split(pm.plan)
     with torch.no_grad():
         a, b = pm(ids).logits, pm(ids).logits
@@ -99,7 +98,7 @@ def _ranks(rank, world, built):
     out["gpt2_module_changed"] = sum(not torch.equal(p.to_local(), local[k]) for k, p in pm.named_parameters())
     # inference: traced in eval mode whatever mode the model is in
     pmi = autotp.parallelize(model, mesh, (ids,), hardware="h100-sxm", mode="inference",
-                              memory_budget=_sharding_budget(model, (ids,), 0.7, "inference"))
+                              memory_budget=budgets[1])
     with torch.no_grad():
         out["gpt2_inference_vs_model"] = (pmi(ids).logits - reference).abs().max().item()
     out["gpt2_inference_training"] = pmi.training
@@ -161,7 +160,10 @@ def ranks():
     net = _NormNet()
     ref = _NormNet()
     ref.load_state_dict(net.state_dict())
-    return run_threads_tracing_in_turns(_ranks, 2, (_gpt2(), (net, ref)))
+    model, ids = _gpt2()
+    # the budgets are the same on every rank: planned once here, not traced again on each
+    budgets = (_sharding_budget(model, (ids,), 0.6), _sharding_budget(model, (ids,), 0.7, "inference"))
+    return run_threads_tracing_in_turns(_ranks, 2, ((model, ids), (net, ref)), budgets)
 
 
 def test_eval_turns_dropout_off_and_equals_the_model_in_eval_mode(ranks):
