@@ -1,0 +1,90 @@
+"""Mixture-of-Experts layers written by hand (examples/own_experts.py), their experts on ranks.
+
+The forms with one batched parameter per projection (``einsum`` on every token, GShard's capacity
+dispatch with ``bmm``, ``torch._grouped_mm`` over tokens sorted by expert) pinned ``S(0)`` on 2
+threaded ranks: each rank holds half of the experts, and the output and every gradient equal one
+process's. The list of ``nn.Linear`` experts splits by features, exact too. The loop over experts
+with ``nonzero`` is refused at capture naming the op.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autotp
+from autotp.planning.planner import plan_graph
+from autotp.runtime.module import build_parallel_module
+from autotp.runtime.shards import placements_of
+from autotp.weights.checkpoint import full_tensor
+from examples.own_experts import GroupedExperts, batched_expert_weights, own_moe
+from examples.ranks import run_threads
+
+
+def _step(rank, world, graph, plan, model, ids):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    pm = build_parallel_module(graph, plan, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)), model)
+    out = pm(ids)
+    out.pow(2).sum().backward()
+    local = {n: tuple(p.to_local().shape if hasattr(p, "to_local") else p.shape) for n, p in pm.named_parameters()}
+    return out.detach(), {n: full_tensor(p.grad, placements_of(p)) for n, p in pm.named_parameters()}, local
+
+
+def check_exact(model, ids, pin, split=()):
+    """The model planned with ``pin`` on 2 threaded ranks: output and every gradient of
+    ``sum(out ** 2)`` equal one process's; each tensor of ``split`` holds half its experts per rank."""
+    graph = autotp.capture(model, (ids,))
+    plan = plan_graph(graph, (2,), "cpu-gloo", "train", pin=pin)
+    reference = model(ids)
+    reference.pow(2).sum().backward()
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    for out, grads, local in run_threads(_step, 2, graph, plan, model, ids):
+        torch.testing.assert_close(out, reference.detach(), rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-5 * p.grad.abs().max().item(), msg=n)
+        for n in split:
+            assert local[n] == (shapes[n][0] // 2, *shapes[n][1:]), (n, local[n])
+    model.zero_grad()
+    return graph, plan
+
+
+def every_expert_routed(model, ids) -> bool:
+    seen = []
+    hook = model.moe.router.register_forward_hook(lambda m, args, out: seen.append(out[1]))
+    with torch.no_grad():
+        model(ids)
+    hook.remove()
+    return bool(torch.bincount(seen[0].flatten(), minlength=model.moe.router.gate.out_features).min() > 0)
+
+
+@pytest.mark.parametrize("form", ["dense", "capacity", "grouped"])
+def test_batched_experts_whole_on_ranks_equal_one_process(form):
+    model, (ids,) = own_moe(form)
+    assert every_expert_routed(model, ids)
+    experts = batched_expert_weights(model)
+    assert experts == ["moe.w1", "moe.w2"]
+    check_exact(model, ids, {n: "S(0)" for n in experts}, split=experts)
+
+
+def test_list_experts_split_by_features_equal_one_process():
+    """A list of ``nn.Linear`` experts has no expert dim: each expert splits as an MLP does, its
+    ``w1`` by output features and ``w2`` by input features (one partial sum for the whole layer)."""
+    model, (ids,) = own_moe("list", hidden=64)
+    pin = {n: "S(0)" if ".w1." in n else "S(1)" for n, _ in model.named_parameters() if n.startswith("moe.experts.")}
+    _, plan = check_exact(model, ids, pin)
+    forward = [c for c in plan.collectives() if c.phase == "forward"]
+    assert [c.kind for c in forward] == ["all_reduce"], [str(c) for c in forward]
+
+
+def _state(model):
+    return {n: t.clone() for n, t in model.state_dict().items()}
+
+
+def test_the_loop_over_experts_is_refused_naming_nonzero_and_its_module():
+    model, (ids,) = own_moe("loop")
+    before = _state(model)
+    with pytest.raises(autotp.CaptureError, match=r"(?s)nonzero.*at module 'moe' \(LoopExperts\).*depends on tensor values"):
+        autotp.capture(model, (ids,))
+    assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())
+    assert model(ids).shape == (*ids.shape, 64)  # the model still runs as it did
