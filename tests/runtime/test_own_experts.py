@@ -67,6 +67,17 @@ def test_batched_experts_whole_on_ranks_equal_one_process(form):
     check_exact(model, ids, {n: "S(0)" for n in experts}, split=experts)
 
 
+def test_grouped_experts_with_a_bias_per_expert_split_with_the_weights():
+    """``h + b1[ids]``, the offsets ``counts.cumsum(0).to(torch.int32)``: the table gathered by the
+    sorted ids splits with the experts (each rank adds its experts' rows, the others zero)."""
+    model, (ids,) = own_moe("grouped", bias=True)
+    assert isinstance(model.moe, GroupedExperts) and model.moe.b1 is not None
+    experts = batched_expert_weights(model)
+    assert experts == ["moe.w1", "moe.w2", "moe.b1"]
+    _, plan = check_exact(model, ids, {n: "S(0)" for n in experts}, split=experts)
+    assert {str(plan.parameter_placements[n]) for n in experts} == {"S(0)"}
+
+
 def test_list_experts_split_by_features_equal_one_process():
     """A list of ``nn.Linear`` experts has no expert dim: each expert splits as an MLP does, its
     ``w1`` by output features and ``w2`` by input features (one partial sum for the whole layer)."""
