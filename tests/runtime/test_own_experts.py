@@ -4,7 +4,8 @@ The forms with one batched parameter per projection (``einsum`` on every token, 
 dispatch with ``bmm``, ``torch._grouped_mm`` over tokens sorted by expert) pinned ``S(0)`` on 2
 threaded ranks: each rank holds half of the experts, and the output and every gradient equal one
 process's. The list of ``nn.Linear`` experts splits by features, exact too. The loop over experts
-with ``nonzero`` is refused at capture naming the op.
+with ``nonzero`` is refused at capture naming the op; so are per-expert counts by ``bincount``
+(pointing to ``histc``).
 """
 
 from __future__ import annotations
@@ -99,3 +100,21 @@ def test_the_loop_over_experts_is_refused_naming_nonzero_and_its_module():
         autotp.capture(model, (ids,))
     assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())
     assert model(ids).shape == (*ids.shape, 64)  # the model still runs as it did
+
+
+class _BincountExperts(GroupedExperts):
+    def forward(self, x):
+        weights, ids = self.router(x)
+        expert_ids, order = ids.flatten().sort()
+        offsets = torch.bincount(expert_ids, minlength=self.w1.shape[0]).cumsum(0).to(torch.int32)
+        h = torch._grouped_mm(x[order // self.k].to(self.w1.dtype), self.w1, offs=offsets)
+        return torch._grouped_mm(h, self.w2, offs=offsets).sum() * x
+
+
+def test_per_expert_counts_by_bincount_are_refused_pointing_to_histc():
+    """``bincount``'s length is ``max(ids) + 1`` or ``minlength``, whichever is larger: a size the
+    trace cannot know. The refusal names it and the fixed-size count."""
+    model, (ids,) = own_moe("grouped")
+    model.moe = _BincountExperts(32, 32, 4, 2)
+    with pytest.raises(autotp.CaptureError, match=r"(?s)bincount.*at module 'moe'.*histc\(ids.float\(\), bins=E, min=0, max=E - 1\)"):
+        autotp.capture(model, (ids,))
