@@ -5,7 +5,7 @@ dispatch with ``bmm``, ``torch._grouped_mm`` over tokens sorted by expert) pinne
 threaded ranks: each rank holds half of the experts, and the output and every gradient equal one
 process's. The list of ``nn.Linear`` experts splits by features, exact too. The loop over experts
 with ``nonzero`` is refused at capture naming the op; so are per-expert counts by ``bincount``
-(pointing to ``histc``).
+(pointing to ``histc``) and ``torch._grouped_mm`` in float32 (pointing to bfloat16).
 """
 
 from __future__ import annotations
@@ -117,4 +117,13 @@ def test_per_expert_counts_by_bincount_are_refused_pointing_to_histc():
     model, (ids,) = own_moe("grouped")
     model.moe = _BincountExperts(32, 32, 4, 2)
     with pytest.raises(autotp.CaptureError, match=r"(?s)bincount.*at module 'moe'.*histc\(ids.float\(\), bins=E, min=0, max=E - 1\)"):
+        autotp.capture(model, (ids,))
+
+
+def test_grouped_mm_in_float32_is_refused_pointing_to_bfloat16():
+    """torch traces ``torch._grouped_mm`` in bfloat16 only (its meta kernel), though it runs float32
+    on CPU: the refusal says so instead of torch's bare dtype check."""
+    model, (ids,) = own_moe("grouped")
+    model.float()
+    with pytest.raises(autotp.CaptureError, match=r"(?s)torch._grouped_mm.*bfloat16"):
         autotp.capture(model, (ids,))
