@@ -127,3 +127,19 @@ def test_grouped_mm_in_float32_is_refused_pointing_to_bfloat16():
     model.float()
     with pytest.raises(autotp.CaptureError, match=r"(?s)torch._grouped_mm.*bfloat16"):
         autotp.capture(model, (ids,))
+
+
+@pytest.mark.slow  # plans at a real width: about 8 s here
+@pytest.mark.parametrize("form", ["dense", "grouped"])
+def test_at_a_real_width_the_planner_prices_its_choice_at_most_each_pinned_one(form):
+    """64 experts, width 2048, hidden 768, top 8, 4 x 2048 tokens on (8,) h100-sxm (plan only): the
+    plan chosen is no slower than the experts pinned whole or by features; the dense form places
+    whole experts on ranks (its (E, N, d) outputs split with them), as docs/training.md says."""
+    from benchmarks.own_experts_choice import choices
+
+    found = {c.label: c for c in choices(form)}
+    chosen = found.pop("chosen")
+    assert set(found) == {"whole (pinned S(0))", "features (pinned)"}
+    assert all(chosen.step_s <= c.step_s * (1 + 1e-6) for c in found.values()), [str(c) for c in found.values()]
+    if form == "dense":
+        assert chosen.placements == {"S(0)": 2}, str(chosen)
