@@ -2,7 +2,7 @@
 
 Each form of ``examples/own_experts.py`` (a list of ``nn.Linear`` experts, one batched parameter by
 ``einsum`` on every token, GShard's capacity dispatch with ``bmm``, ``torch._grouped_mm`` over tokens
-sorted by expert) with 64 experts, top 8, width 2048, expert hidden 768, a 32768-token vocabulary,
+sorted by expert, its rows added back by ``index_add`` or summed as Hugging Face does) with 64 experts, top 8, width 2048, expert hidden 768, a 32768-token vocabulary,
 a batch of 4 x 2048, on ``h100-sxm``, mesh (8,), training; planned only (meta weights, no process
 group). Per form: the plan autotp chooses, and the plans with the experts pinned whole on ranks
 (``S(0)``, the forms with a batched parameter) and split by features (``w1`` by its hidden
@@ -52,21 +52,27 @@ def pins(model) -> dict[str, Optional[dict]]:
     return alternatives
 
 
-def choices(form: str, mesh=(8,), hardware: str = "h100-sxm", **width) -> list[Choice]:
-    model, inputs = own_moe(form, device="meta", **{**WIDTH, **width})
+def choices(form: str, mesh=(8,), hardware: str = "h100-sxm", **options) -> list[Choice]:
+    """The plans of :func:`pins` for ``own_moe(form, **options)`` at :data:`WIDTH` (``options`` may
+    change it), each with its predicted step; the form's label names the options."""
+    model, inputs = own_moe(form, device="meta", **{**WIDTH, **options})
     graph = autotp.capture(model, inputs)
+    named = form + "".join(f" {k}={v}" for k, v in options.items())
     out = []
     for label, pin in pins(model).items():
         plan = plan_graph(graph, mesh, hardware, "train", pin=pin)
         placed = Counter(str(v) for n, v in plan.parameter_placements.items()
                          if n.startswith("moe.") and ".router." not in n)
-        out.append(Choice(form, label, plan.predicted_time().total_s, dict(placed)))
+        a2a = sum(c.kind == "all_to_all" for c in plan.collectives())
+        out.append(Choice(named, label + (f", {a2a} all-to-alls" if a2a else ""), plan.predicted_time().total_s,
+                          dict(placed)))
     return out
 
 
 def main() -> None:
-    for form in ("list", "dense", "capacity", "grouped"):
-        for choice in choices(form):
+    for form, options in (("list", {}), ("dense", {}), ("capacity", {}), ("grouped", {}),
+                          ("grouped", {"combine": "sum"})):
+        for choice in choices(form, **options):
             print(choice)
 
 

@@ -123,10 +123,16 @@ class CapacityExperts(Batched):
 
 class GroupedExperts(Batched):
     """(c) The routed rows sorted by expert, ``torch._grouped_mm`` over the experts' offsets; the
-    weights (and the optional per-expert bias ``b1 (E, hidden)``) in bfloat16, the rows cast to it."""
+    weights (and the optional per-expert bias ``b1 (E, hidden)``) in bfloat16, the rows cast to it.
+    ``combine``: how the weighted rows go back to their tokens, ``"index_add"`` (added at each row's
+    token) or ``"sum"`` (as Hugging Face: put back in token order, viewed ``(N, k, dim)``, summed
+    over ``k``)."""
 
-    def __init__(self, dim: int, hidden: int, experts: int, k: int, bias: bool = False):
+    def __init__(self, dim: int, hidden: int, experts: int, k: int, bias: bool = False, combine: str = "index_add"):
         super().__init__(dim, hidden, experts, k, dtype=torch.bfloat16)
+        if combine not in ("index_add", "sum"):
+            raise ValueError(f"GroupedExperts: combine {combine!r} is not 'index_add' or 'sum'")
+        self.combine = combine
         self.b1 = nn.Parameter(0.2 * torch.randn(experts, hidden, dtype=torch.bfloat16)) if bias else None
 
     def forward(self, x):  # (N, dim)
@@ -139,8 +145,12 @@ class GroupedExperts(Batched):
         h = torch._grouped_mm(x[token].to(self.w1.dtype), self.w1, offs=offsets)
         if self.b1 is not None:
             h = h + self.b1[expert_ids]
-        y = torch._grouped_mm(F.silu(h), self.w2, offs=offsets).to(x.dtype)
-        return torch.zeros_like(x).index_add(0, token, y * weights.flatten()[order, None])
+        y = torch._grouped_mm(F.silu(h), self.w2, offs=offsets).to(x.dtype) * weights.flatten()[order, None]
+        if self.combine == "index_add":
+            return torch.zeros_like(x).index_add(0, token, y)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.shape[0], device=order.device)
+        return y[inverse].view(x.shape[0], self.k, x.shape[1]).sum(1)
 
 
 class LoopExperts(ListExperts):

@@ -20,6 +20,7 @@ from autotp.runtime.shards import placements_of
 from autotp.weights.checkpoint import full_tensor
 from examples.own_experts import GroupedExperts, batched_expert_weights, own_moe
 from examples.ranks import run_threads
+from tests.runtime.test_experts_all_to_all import tightest_plan
 
 
 def _step(rank, world, graph, plan, model, ids):
@@ -32,11 +33,12 @@ def _step(rank, world, graph, plan, model, ids):
     return out.detach(), {n: full_tensor(p.grad, placements_of(p)) for n, p in pm.named_parameters()}, local
 
 
-def check_exact(model, ids, pin, split=()):
-    """The model planned with ``pin`` on 2 threaded ranks: output and every gradient of
-    ``sum(out ** 2)`` equal one process's; each tensor of ``split`` holds half its experts per rank."""
+def check_exact(model, ids, pin, split=(), plan_with=None):
+    """The model planned with ``pin`` (by ``plan_with(graph, pin)``, default ``plan_graph`` on
+    ``(2,)``) on 2 threaded ranks: output and every gradient of ``sum(out ** 2)`` equal one
+    process's; each tensor of ``split`` holds half its experts per rank."""
     graph = autotp.capture(model, (ids,))
-    plan = plan_graph(graph, (2,), "cpu-gloo", "train", pin=pin)
+    plan = (plan_with or (lambda g, p: plan_graph(g, (2,), "cpu-gloo", "train", pin=p)))(graph, pin)
     reference = model(ids)
     reference.pow(2).sum().backward()
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
@@ -78,6 +80,19 @@ def test_grouped_experts_with_a_bias_per_expert_split_with_the_weights():
     assert experts == ["moe.w1", "moe.w2", "moe.b1"]
     _, plan = check_exact(model, ids, {n: "S(0)" for n in experts}, split=experts)
     assert {str(plan.parameter_placements[n]) for n in experts} == {"S(0)"}
+
+
+def test_grouped_experts_combined_as_hugging_face_does_send_tokens_by_all_to_all():
+    """The rows put back in token order and summed over ``k`` (not ``index_add``): the routed region
+    is found, and under the least memory each rank routes its own tokens and sends them to their
+    experts' ranks and back; equal to one process."""
+    model, (ids,) = own_moe("grouped", combine="sum", batch=4, seq=16)  # at 2 x 12 tokens the rows cost too little to move
+    assert every_expert_routed(model, ids)
+    experts = batched_expert_weights(model)
+    graph, plan = check_exact(model, ids, {n: "S(0)" for n in experts}, split=experts, plan_with=tightest_plan)
+    grouped = [n.name for n in plan.nodes if n.target == "aten._grouped_mm.default"]
+    assert [str(plan.strategy(n)) for n in grouped] == ["(St, S(0), Pt) -> Se", "(Se, S(0), Pt) -> St"]
+    assert {c.kind for c in plan.collectives() if c.at in grouped} == {"all_to_all"}
 
 
 def test_list_experts_split_by_features_equal_one_process():
@@ -131,16 +146,19 @@ def test_grouped_mm_in_float32_is_refused_pointing_to_bfloat16():
 
 
 @pytest.mark.slow  # plans at a real width: about 8 s here
-@pytest.mark.parametrize("form", ["dense", "grouped"])
-def test_at_a_real_width_the_planner_prices_its_choice_at_most_each_pinned_one(form):
+@pytest.mark.parametrize("form, options", [("dense", {}), ("grouped", {}), ("grouped", {"combine": "sum"})])
+def test_at_a_real_width_the_planner_prices_its_choice_at_most_each_pinned_one(form, options):
     """64 experts, width 2048, hidden 768, top 8, 4 x 2048 tokens on (8,) h100-sxm (plan only): the
-    plan chosen is no slower than the experts pinned whole or by features; the dense form places
-    whole experts on ranks (its (E, N, d) outputs split with them), as docs/training.md says."""
+    plan chosen is no slower than the experts pinned whole or by features. As docs/training.md says:
+    the dense form places whole experts on ranks (its (E, N, d) outputs split with them), and the
+    grouped one combined as Hugging Face does places them whole with the tokens sent by all-to-all."""
     from benchmarks.own_experts_choice import choices
 
-    found = {c.label: c for c in choices(form)}
+    found = {c.label.split(",")[0]: c for c in choices(form, **options)}
     chosen = found.pop("chosen")
     assert set(found) == {"whole (pinned S(0))", "features (pinned)"}
     assert all(chosen.step_s <= c.step_s * (1 + 1e-6) for c in found.values()), [str(c) for c in found.values()]
-    if form == "dense":
+    if form == "dense" or options:
         assert chosen.placements == {"S(0)": 2}, str(chosen)
+    if options:
+        assert "all-to-alls" in chosen.label, str(chosen)
