@@ -15,22 +15,9 @@ import torch
 
 import autotp
 from autotp.planning.planner import plan_graph
-from autotp.runtime.module import build_parallel_module
-from autotp.runtime.shards import placements_of
-from autotp.weights.checkpoint import full_tensor
 from examples.own_experts import GroupedExperts, batched_expert_weights, own_moe
-from examples.ranks import run_threads
+from tests.helpers.exactness import assert_step_matches_one_process
 from tests.runtime.test_experts_all_to_all import tightest_plan
-
-
-def _step(rank, world, graph, plan, model, ids):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    pm = build_parallel_module(graph, plan, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)), model)
-    out = pm(ids)
-    out.pow(2).sum().backward()
-    local = {n: tuple(p.to_local().shape if hasattr(p, "to_local") else p.shape) for n, p in pm.named_parameters()}
-    return out.detach(), {n: full_tensor(p.grad, placements_of(p)) for n, p in pm.named_parameters()}, local
 
 
 def check_exact(model, ids, pin, split=(), plan_with=None):
@@ -39,13 +26,8 @@ def check_exact(model, ids, pin, split=(), plan_with=None):
     process's; each tensor of ``split`` holds half its experts per rank."""
     graph = autotp.capture(model, (ids,))
     plan = (plan_with or (lambda g, p: plan_graph(g, (2,), "cpu-gloo", "train", pin=p)))(graph, pin)
-    reference = model(ids)
-    reference.pow(2).sum().backward()
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    for out, grads, local in run_threads(_step, 2, graph, plan, model, ids):
-        torch.testing.assert_close(out, reference.detach(), rtol=1e-5, atol=1e-5 * reference.abs().max().item())
-        for n, p in model.named_parameters():
-            torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-5 * p.grad.abs().max().item(), msg=n)
+    for local in assert_step_matches_one_process(graph, plan, model, ids):
         for n in split:
             assert local[n] == (shapes[n][0] // 2, *shapes[n][1:]), (n, local[n])
     model.zero_grad()
