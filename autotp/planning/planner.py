@@ -16,6 +16,7 @@ import torch
 
 from autotp.mesh import MeshSpec
 from autotp.placement import Strategy, format_placements, parse_placements, piece_sizes
+from autotp.planning.choices.expert_lists import warn_expert_lists
 from autotp.planning.choices.strategies import all_strategies, stored_strategy
 from autotp.planning.choices.tying import tie
 from autotp.planning.costs.costing import MODES, CostModel, MemoryParts
@@ -185,6 +186,7 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
         budget = float(profile.device.memory_bytes)
 
     t0 = time.perf_counter()
+    warn_expert_lists(graph)
     rep, chain_paths = tie(graph, _pinned_nodes(graph, keep or {}))  # weights stored apart stay apart
     reps = [n for n in graph.nodes if rep[n.name] == n.name]
     strat_rep = all_strategies(graph, spec.shape, reps)

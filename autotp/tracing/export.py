@@ -62,6 +62,11 @@ def _explain_export_failure(err: BaseException) -> str:
                                       "] x [")):
         hints.append("check the example inputs: they must be what model(*example_inputs) is called with "
                      "(how many, their shapes and dtypes)")
+    if _raised_in(err, "_meta_grouped_mm_common") and "bf16" in low:
+        hints.append("torch traces torch._grouped_mm (F.grouped_mm) in bfloat16 only (its meta kernel checks the "
+                     "dtype, though the op runs other dtypes on CPU): keep the experts' weights in bfloat16 and cast "
+                     "the rows to them (x.to(w.dtype)), or call Hugging Face's transformers::grouped_mm_fallback op, "
+                     "which traces in any dtype")
     if "decoder_input_ids" in low or "decoder_inputs_embeds" in low:  # T5, Marian: no decoder inputs of their own
         hints.append("give the decoder's inputs in the example inputs, e.g. {'input_ids': ids, "
                      "'decoder_input_ids': ids[:, :4]} (this encoder-decoder does not make them from input_ids)")
@@ -76,6 +81,17 @@ def _explain_export_failure(err: BaseException) -> str:
         f"  (the original error is this error's __cause__, its traceback in .original_traceback; "
         f"AUTOTP_FULL_TRACEBACK=1 prints it too)"
     )
+
+
+def _raised_in(err: BaseException, function: str) -> bool:
+    """Whether ``function`` is a frame of the traceback of ``err`` or of an error it was raised from."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if any(frame.name == function for frame in traceback.extract_tb(err.__traceback__)):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def capture_error(err: BaseException) -> CaptureError:

@@ -80,10 +80,18 @@ def check_data_dependent_sizes(exported: torch.export.ExportedProgram, model: to
                 continue
             path, mtype, _ = module_info(node)
             where = f"module {path!r} ({mtype})" if path else f"{type(model).__name__}.forward()"
+            instead = FIXED_SIZE.get(str(node.target), "")
             raise CaptureError(
                 f"autotp cannot plan {node.target} (node {node.name}) at {where}: {what}.\n  what to do: compute "
-                f"with tensors and with sizes fixed by the inputs' shapes (for experts, a batched or padded "
+                f"with tensors and with sizes fixed by the inputs' shapes{instead} (for experts, a batched or padded "
                 f"implementation rather than splitting the tokens by the counts the router gives each expert).")
+
+
+# ops whose size depends on values and the op of a fixed size that computes the same
+FIXED_SIZE = {
+    "aten.bincount.default": (": bincount's length is the largest id + 1 where that exceeds minlength; counts "
+                              "of E ids have the fixed length E by torch.histc(ids.float(), bins=E, min=0, max=E - 1)"),
+}
 
 
 def check_written_arguments(node: torch.fx.Node) -> None:

@@ -19,14 +19,20 @@ def _step(rank, world, graph, plan, model, x):
     from autotp.weights.checkpoint import full_tensor
     from autotp.runtime.shards import placements_of
 
-    return out.detach(), {n: full_tensor(p.grad, placements_of(p)) for n, p in pm.named_parameters()}
+    local = {n: tuple(p.to_local().shape if hasattr(p, "to_local") else p.shape) for n, p in pm.named_parameters()}
+    return out.detach(), {n: full_tensor(p.grad, placements_of(p)) for n, p in pm.named_parameters()}, local
 
 
-def assert_step_matches_one_process(graph, plan, model, x, world: int = 2) -> None:
-    """Output and every gradient of ``sum(model(x)**2)`` on ``world`` ranks equal one process's."""
+def assert_step_matches_one_process(graph, plan, model, x, world: int = 2) -> list[dict[str, tuple[int, ...]]]:
+    """Output and every gradient of ``sum(model(x)**2)`` on ``world`` ranks equal one process's.
+    Returns each rank's local shape of every parameter (the model's gradients are left as one
+    process's backward made them)."""
     ref = model(x)
     ref.pow(2).sum().backward()
-    for out, grads in run_threads(_step, world, graph, plan, model, x):
+    shapes = []
+    for out, grads, local in run_threads(_step, world, graph, plan, model, x):
         torch.testing.assert_close(out, ref.detach(), rtol=1e-4, atol=1e-5 * ref.abs().max().item())
         for name, p in model.named_parameters():
-            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5 * p.grad.abs().max().item())
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5 * p.grad.abs().max().item(), msg=name)
+        shapes.append(local)
+    return shapes

@@ -298,3 +298,11 @@ def test_check_rule_runs_each_rank_as_the_rewrite_does(op, args):
     not exact). Each check compares the pieces with the op on the whole inputs."""
     splits = [s for s in check_rule(op, args) if any(p.is_shard or p.is_partial for p in s.output)]
     assert any(any(p.is_shard for q in s.inputs if q for p in q) for s in splits), [str(s) for s in splits]
+
+
+def test_one_hot_splits_the_dims_of_its_indices_not_its_classes():
+    """GShard-style dispatch masks (``F.one_hot(top_ids, E)``): each index's row of classes is its
+    own, so any dim of the indices splits; the classes' dim stays whole. Each strategy is exact."""
+    ids = torch.randint(0, 5, (4, 6), generator=torch.Generator().manual_seed(0))
+    assert [str(s) for s in check_rule(torch.ops.aten.one_hot.default, (ids, 5))] == [
+        "(R) -> R", "(S(0)) -> S(0)", "(S(1)) -> S(1)"]

@@ -6,6 +6,8 @@ output on every mesh axis) out, with the nodes that share variables found.
 - ``dtensor_rules``  DTensor's op-strategy registry, behind one adapter, for the ops left over
 - ``followers``      views merged into the op they follow, before the integer program
 - ``tying``          repeated layers found, to share one set of the integer program's variables
+- ``expert_lists``   experts written as a list of alike modules, stacked: named in a warning, as
+                     their weights have no expert dim to place whole on ranks
 - ``check``          ``check_rule`` (``autotp.check_rule``): an op's strategies checked on data, each
                      rank's pieces against the op's output
 """

@@ -33,7 +33,7 @@ from typing import Iterable, Mapping, Optional
 
 from autotp.tracing.graph import OP, PARAMETER, OpGraph
 
-__all__ = ["find_repeats", "find_chains", "tie"]
+__all__ = ["find_repeats", "find_chains", "tie", "module_members", "signature", "outside_reads"]
 
 
 def _members(graph: OpGraph) -> tuple[dict[str, list[str]], dict[str, list[str]], list[str]]:
@@ -52,7 +52,12 @@ def _members(graph: OpGraph) -> tuple[dict[str, list[str]], dict[str, list[str]]
     return members, children, tops
 
 
-def _signature(graph: OpGraph, names: list[str], fixed: Mapping[str, str]) -> tuple[tuple, list[str]]:
+def module_members(graph: OpGraph) -> dict[str, list[str]]:
+    """The op nodes of every module path, in graph order."""
+    return _members(graph)[0]
+
+
+def signature(graph: OpGraph, names: list[str], fixed: Mapping[str, str]) -> tuple[tuple, list[str]]:
     """A hashable description of a module's subgraph, and its private parameters in first-use order
     (with the placements ``fixed`` gives them: layers whose weights must stay apart are not alike)."""
     local = {n: i for i, n in enumerate(names)}
@@ -76,7 +81,7 @@ def _signature(graph: OpGraph, names: list[str], fixed: Mapping[str, str]) -> tu
     return tuple(entries), params
 
 
-def _outside_reads(graph: OpGraph, names: list[str]) -> list[str]:
+def outside_reads(graph: OpGraph, names: list[str]) -> list[str]:
     """Op nodes outside ``names`` that the nodes in ``names`` read (parameters and inputs excluded)."""
     inside = set(names)
     return list(dict.fromkeys(src for n in names for src in graph[n].inputs
@@ -118,9 +123,9 @@ def _chains(graph: OpGraph, members: dict[str, list[str]], group: list[tuple[str
     for j in range(len(group)):
         if chains:
             prev, links = chains[-1][-1], set(chains[-1])
-            prev_reads = set(_outside_reads(graph, names[prev]))
+            prev_reads = set(outside_reads(graph, names[prev]))
             start = graph.position(names[prev][0])
-            reads = _outside_reads(graph, names[j])
+            reads = outside_reads(graph, names[j])
 
             def carries_prev(r: str) -> bool:
                 # the previous link's output, and no other member's; another sibling's output only if
@@ -170,7 +175,7 @@ def _tie(graph: OpGraph, fixed: Mapping[str, str]) -> tuple[dict[str, str], list
         groups: dict[tuple, list[tuple[str, list[str]]]] = {}
         order: list[tuple] = []
         for path in paths:
-            sig, params = _signature(graph, members[path], fixed)
+            sig, params = signature(graph, members[path], fixed)
             if sig not in groups:
                 groups[sig] = []
                 order.append(sig)

@@ -141,9 +141,12 @@ _ADDS = frozenset({"aten.add.Tensor", "aten.add_.Tensor"})  # a bias added in pl
 
 def _sorted_ids(graph: OpGraph, offsets: str) -> Optional[tuple[str, int]]:
     """The sorted expert ids an offsets node counts, and the number of experts: ``offsets =
-    cumsum(histc(ids, bins=E, min=0, max=E - 1))`` (a cast of ``ids`` between), ``ids`` the sorted
-    values of ``sort``. None where the offsets are made otherwise."""
+    cumsum(histc(ids, bins=E, min=0, max=E - 1))`` (casts of ``ids`` and of the offsets between:
+    ``counts.cumsum(0).to(torch.int32)``), ``ids`` the sorted values of ``sort``. None where the
+    offsets are made otherwise."""
     node = graph[offsets]
+    while node.target in ops.CASTS and len(node.inputs) == 1:
+        node = graph[node.inputs[0]]
     if node.target != "aten.cumsum.default" or len(node.inputs) != 1:
         return None
     histc = graph[node.inputs[0]]

@@ -1,4 +1,7 @@
-"""Elementwise ops: split any output dim the inputs share; partial sums where the op is linear."""
+"""Elementwise ops: split any output dim the inputs share; partial sums where the op is linear.
+
+``one_hot`` is elementwise too, each index becoming a row of ``num_classes`` (a dim added last): any
+dim of the indices splits, the classes' dim never (a rank would need the classes of its piece)."""
 
 from __future__ import annotations
 
@@ -40,7 +43,14 @@ def softmax_choices(node: OpNode, n: int) -> list[AxisChoice]:
     return pointwise_choices(node, n, no_shard_dims=(node.args.int("dim", node.output.ndim),))
 
 
+def one_hot_choices(node: OpNode, n: int) -> list[AxisChoice]:
+    """one_hot(ids, num_classes): ``ids``' dims split with the output's; the classes' dim whole."""
+    ids = node.input_infos[0]
+    return [((R,), R)] + [((S(d),), S(d)) for d in range(ids.ndim) if divisible(ids.shape[d], n)]
+
+
 RULES = {
+    "aten.one_hot.default": one_hot_choices,
     # x[:, 0] = start: each rank fills its piece; never a partial sum (fill_ is in no linear set)
     "aten.fill_.Tensor": pointwise_choices,
     "aten.fill_.Scalar": pointwise_choices,
