@@ -48,7 +48,7 @@ def eight_experts(name: str):
 # (variant, model, mesh): the cheapest in the default run, the others slow
 CASES = [("routed", "qwen3_moe", (4,))] + [
     pytest.param(*case, marks=pytest.mark.slow) for case in
-    [("routed", name, (4,)) for name in ("mixtral", "olmoe")]
+    [("routed", name, (4,)) for name in ("mixtral", "olmoe", "deepseek_v3", "gpt_oss")]
     + [("pd", name, (4,)) for name in ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss")]
     + [("pd", "qwen3_moe", (2, 2)), ("routed", "qwen3_moe", (2, 2))]]
 
