@@ -17,6 +17,10 @@ runs in three parts:
 3. :class:`CombinedGroupedMM`: the grouped matmul on those rows, put back in source order and sent
    back (all-to-all): each rank gets its own rows, in its own order.
 
+A per-expert table added to the rows between (gpt-oss's biases, ``(E, N)`` split by experts as the
+weights are) follows the rows to their experts' ranks: :class:`ExpertTableRows` looks up each
+received row's expert's row in this rank's part of the table, nothing sent.
+
 Dropless: every row reaches its expert whatever the routing (the buffers are the sizes the counts
 give), so the result is the one process's, row for row. Both all-to-alls are autograd-aware (their
 backward is the reverse all-to-all).
@@ -31,7 +35,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-__all__ = ["Routes", "ExpertRoutes", "DispatchedGroupedMM", "CombinedGroupedMM"]
+__all__ = ["Routes", "ExpertRoutes", "DispatchedGroupedMM", "CombinedGroupedMM", "ExpertTableRows"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,7 +45,8 @@ class Routes:
     ``sent_rows[j]``: rows this rank sends to rank ``j`` (its rows of ``j``'s experts);
     ``received_rows[j]``: rows it receives from rank ``j``. ``order``: the received rows (by source,
     then expert) gathered into local-expert order; ``restore``: its inverse. ``offsets``: the local
-    experts' cumulative counts over the received rows (int32, as the grouped matmul takes them).
+    experts' cumulative counts over the received rows (int32, as the grouped matmul takes them);
+    ``experts``: the local expert of each received row in that order.
     """
 
     sent_rows: tuple[int, ...]
@@ -49,6 +54,7 @@ class Routes:
     order: torch.Tensor
     restore: torch.Tensor
     offsets: torch.Tensor
+    experts: torch.Tensor
 
 
 class ExpertRoutes(nn.Module):
@@ -79,8 +85,10 @@ class ExpertRoutes(nn.Module):
         order = torch.sort(keys, stable=True).indices
         restore = torch.empty_like(order)
         restore[order] = torch.arange(total, device=offs.device)
-        offsets = torch.cumsum(received.sum(0), 0, dtype=torch.int32)
-        return Routes(sent, got, order, restore, offsets)
+        per_expert = received.sum(0)
+        offsets = torch.cumsum(per_expert, 0, dtype=torch.int32)
+        experts = torch.repeat_interleave(torch.arange(local, device=offs.device), per_expert, output_size=total)
+        return Routes(sent, got, order, restore, offsets, experts)
 
 
 def _exchange(x: torch.Tensor, received: tuple[int, ...], sent: tuple[int, ...], group: Any) -> torch.Tensor:
@@ -128,3 +136,13 @@ class CombinedGroupedMM(_RoutedGroupedMM):
             raise ValueError(f"{x.shape[0]} rows given; this rank's experts received {sum(routes.received_rows)}")
         out = self.op(x, weight, routes.offsets)
         return _exchange(out[routes.restore], routes.sent_rows, routes.received_rows, self.group)
+
+
+class ExpertTableRows(nn.Module):
+    """``table[ids]`` for the rows this rank's experts received: ``table`` holds this rank's experts'
+    rows of a per-expert table (``(E / n, N)``), and each received row (local-expert order, as
+    :class:`DispatchedGroupedMM` gives them) gets its expert's row. The gradient stays with the
+    expert's rank, as the weights' does."""
+
+    def forward(self, table: torch.Tensor, routes: Routes) -> torch.Tensor:
+        return table[routes.experts]

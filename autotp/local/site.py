@@ -13,12 +13,16 @@ op while it builds one rank's graph. It is handed a :class:`LocalSite`:
   (the process group and the name of each mesh axis), ``seed`` (the base seed of random draws);
 - ``target``, ``args``, ``kwargs``: the op's call, its tensor arguments already read as local fx
   values in their planned placements and on the mesh's device;
+- ``graph``: the :class:`~autotp.tracing.graph.OpGraph` the node is of (None where a node is run alone,
+  as :func:`autotp.check_rule` runs it);
 
 and the means to build: :meth:`LocalSite.call` and :meth:`LocalSite.call_module` emit a call (of a
 function, or of a module the graph then holds), :meth:`LocalSite.local_sizes` a shape argument
 made local, :meth:`LocalSite.new_stream` a fresh random stream for a dropout-like op; the values
 :meth:`LocalSite.piece` and :meth:`LocalSite.piece_of` (this rank's part of a split dim) and
-:meth:`LocalSite.shard_key` are computed from the placements alone.
+:meth:`LocalSite.shard_key` are computed from the placements alone; :meth:`LocalSite.value` is the
+local value an earlier node of the graph left on this rank (an op whose local code needs a value it
+does not read: a table gathered by rows that an earlier op routed).
 
 It returns one of:
 
@@ -46,7 +50,7 @@ from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, Union
 from torch import nn
 
 from autotp.placement import Placement, Strategy, local_shape, piece_range
-from autotp.tracing.graph import OpNode
+from autotp.tracing.graph import OpGraph, OpNode
 
 __all__ = ["Call", "Emitter", "EagerEmitter", "LocalSite", "LocalExecution", "LocalCall", "run_locally"]
 
@@ -81,6 +85,8 @@ class Emitter(Protocol):
 
     def new_stream(self) -> int: ...
 
+    def local_value(self, name: str) -> Any: ...
+
 
 class EagerEmitter:
     """An :class:`Emitter` whose calls run at once on tensors (the rewrite's emit graph nodes instead):
@@ -103,6 +109,9 @@ class EagerEmitter:
         self.streams += 1
         return self.streams - 1
 
+    def local_value(self, name: str) -> Any:
+        raise LookupError(f"node {name}: an op run alone sees no other node's value")
+
 
 @dataclass(frozen=True)
 class LocalSite:
@@ -120,6 +129,7 @@ class LocalSite:
     kwargs: Mapping[str, Any]
     seed: int = 0
     emitter: Optional[Emitter] = None
+    graph: Optional[OpGraph] = None
 
     # -- values from the placements ---------------------------------------------------------
 
@@ -176,6 +186,11 @@ class LocalSite:
         """A random stream of its own for this node's draws (seeded with :attr:`seed`): numbered
         in the order the graph is built, the same on every rank."""
         return self._emitter().new_stream()
+
+    def value(self, name: str) -> Any:
+        """The local value node ``name`` of the graph (one built before this one) left on this rank,
+        in its output's placements."""
+        return self._emitter().local_value(name)
 
 
 LocalExecution = Callable[[LocalSite], Union[None, Call, Any]]

@@ -304,7 +304,7 @@ class GraphRewrite:
         site = LocalSite(node=op, strategy=strat, reads=tuple(self.read_placements(op, k) for k in range(len(op.inputs))),
                          mesh_shape=self.mesh_shape, coordinate=tuple(self.coordinate or ()), groups=tuple(self.groups),
                          axis_names=tuple(self.axis_names), target=node.target, args=args, kwargs=kwargs,
-                         seed=self.seed, emitter=self)
+                         seed=self.seed, emitter=self, graph=self.g)
         self.local[node.name] = run_locally(site, local_executions(op.target))
 
     # -- what a local execution emits through (autotp.local.site.Emitter) ------------------------
@@ -319,6 +319,12 @@ class GraphRewrite:
         """The next random stream of this graph: one per dropout-like node, in the graph's order."""
         self.n_dropouts += 1
         return self.n_dropouts - 1
+
+    def local_value(self, name: str) -> torch.fx.Node:
+        """The local value node ``name`` left (one emitted before)."""
+        if name not in self.local:
+            raise LookupError(f"node {name} has no local value yet: a local execution reads only the nodes before it")
+        return self.local[name]
 
     def read_placements(self, op, k: int) -> tuple[Placement, ...]:
         """The placements op ``op`` reads its ``k``-th tensor argument with."""

@@ -36,9 +36,13 @@ _TIMES_GROUP_SIZE = {"all_gather", "all_to_all"}
 
 @dataclass(frozen=True)
 class Seen:
+    """One collective run: ``bytes`` as the plan counts them (module docstring), ``sent_bytes`` the
+    rank's own input (for an all_to_all, the sum of its send sizes)."""
+
     kind: str
     mesh_axis: str
     bytes: int
+    sent_bytes: int = 0
 
 
 class CollectiveLog(TorchDispatchMode):
@@ -59,10 +63,10 @@ class CollectiveLog(TorchDispatchMode):
             if group not in self.axis_of_group:
                 raise AssertionError(f"{kind} on process group {group!r}, which is no axis of the mesh "
                                      f"{self.axis_of_group}")
-            nbytes = x.numel() * x.element_size()
+            sent = nbytes = x.numel() * x.element_size()
             if kind in _TIMES_GROUP_SIZE:
                 nbytes *= self.size_of_group[group]
-            self.seen.append(Seen(kind, self.axis_of_group[group], nbytes))
+            self.seen.append(Seen(kind, self.axis_of_group[group], nbytes, sent))
         return func(*args, **kwargs)
 
     def counts(self) -> Counter:
@@ -73,11 +77,38 @@ class CollectiveLog(TorchDispatchMode):
         return Counter(s.kind for s in self.seen)
 
 
+def _phases(phase: str) -> set[str]:
+    return {phase, "recompute"} if phase == "backward" else {phase}
+
+
 def planned(plan, phase: str) -> Counter:
     """``plan.collectives()`` of one phase as ``{(kind, mesh_axis, bytes): count}``; the backward's
     includes the forward collectives of recomputed layers, which run during it."""
-    phases = {phase, "recompute"} if phase == "backward" else {phase}  # a recomputed layer's run in the backward
-    return Counter((c.kind, c.mesh_axis, int(round(c.bytes))) for c in plan.collectives() if c.phase in phases)
+    # a recomputed layer's forward collectives run in the backward
+    return Counter((c.kind, c.mesh_axis, int(round(c.bytes))) for c in plan.collectives() if c.phase in _phases(phase))
+
+
+def assert_kinds_as_planned(log: CollectiveLog, plan, phase: str) -> None:
+    """What ran equals what the plan says by kind and mesh axis, collective by collective; and each
+    all_to_all a rank ran sent no more than the plan's ``rank_sent_bytes`` (the collectives of a kind
+    and axis matched largest to largest: if any one-to-one matching keeps every one within its bound,
+    this one does)."""
+    want = [c for c in plan.collectives() if c.phase in _phases(phase)]
+    ran = Counter((s.kind, s.mesh_axis) for s in log.seen)
+    planned_kinds = Counter((c.kind, c.mesh_axis) for c in want)
+    if ran != planned_kinds:
+        raise AssertionError(f"{phase}: the run and the plan differ by kind and axis.\n"
+                             f"  ran, not planned: {dict(ran - planned_kinds)}\n"
+                             f"  planned, not run: {dict(planned_kinds - ran)}")
+    for kind, axis in ran:
+        if kind != "all_to_all":
+            continue
+        sent = sorted(s.sent_bytes for s in log.seen if (s.kind, s.mesh_axis) == (kind, axis))
+        bounds = sorted(c.rank_sent_bytes for c in want if (c.kind, c.mesh_axis) == (kind, axis))
+        over = [(s, b) for s, b in zip(sent, bounds) if s > b]
+        if over:
+            raise AssertionError(f"{phase}: all_to_all over {axis} sent more than planned (sent, planned): {over}; "
+                                 f"sent {sent}, planned {bounds}")
 
 
 def assert_as_planned(log: CollectiveLog, plan, phase: str) -> None:

@@ -42,3 +42,21 @@ def solver_objective() -> Iterator[dict]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(autotp.planning.planner, "solve", recording)
         yield objective
+
+
+@contextmanager
+def without_pd() -> Iterator[None]:
+    """Inside, the planner offers no ``Pd`` (sums of disjoint parts: experts placed whole with every
+    token on every rank), so experts pinned ``S(0)`` run the all-to-all variant (the routed region)
+    wherever the graph has one, whatever the cost model prefers."""
+    from autotp.placement import Pd
+    from autotp.planning.choices import strategies
+
+    offered = strategies.axis_choices
+
+    def choices(node, n, warned=None, graph=None):
+        return [c for c in offered(node, n, warned, graph) if c[1] != Pd and Pd not in c[0]]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(strategies, "axis_choices", choices)
+        yield

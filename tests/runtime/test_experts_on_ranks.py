@@ -13,6 +13,7 @@ model's loss; and ``generate`` with the experts on ranks gives the model's own t
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -80,15 +81,16 @@ def expert_tensors(model) -> list[str]:
     return [names[id(p)] for m in experts_of(model) for p in m.parameters(recurse=False)]
 
 
-def inputs_for(model):
-    ids = torch.randint(0, model.config.vocab_size, TOKENS, generator=torch.Generator().manual_seed(1))
+def inputs_for(model, tokens=TOKENS):
+    ids = torch.randint(0, model.config.vocab_size, tokens, generator=torch.Generator().manual_seed(1))
     return {"input_ids": ids, "labels": ids}
 
 
-def _step(rank, world, graph, plan, model, inputs):
+def _step(rank, world, graph, plan, model, inputs, mesh_shape=None):
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    shape = tuple(mesh_shape or (world,))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("tp",) if len(shape) == 1 else ("dp", "tp"))
     pm = build_parallel_module(graph, plan, mesh, model)
     loss = pm(**inputs).loss
     loss.backward()
@@ -136,18 +138,21 @@ def check_split_whole(model, inputs, forward_reduces: int = 1):
     check_exact(graph, plan, model, inputs, whole=expert_tensors(model))
 
 
-def check_exact(graph, plan, model, inputs, whole=()):
-    """The plan on 2 threaded ranks gives one process's loss and every gradient; the tensors ``whole``
-    hold half of their experts on each rank."""
+def check_exact(graph, plan, model, inputs, whole=(), mesh_shape=(2,), pieces=None):
+    """The plan on threaded ranks of ``mesh_shape`` gives one process's loss and every gradient; the
+    tensors ``whole`` hold ``1 / pieces`` of their experts on each rank (every rank a piece of its
+    own where ``pieces`` is not given)."""
+    world = math.prod(mesh_shape)
+    pieces = pieces or world
     out = model(**inputs)
     out.loss.backward()
-    for loss, grads, local in run_threads(_step, 2, graph, plan, model, inputs):
+    for loss, grads, local in run_threads(_step, world, graph, plan, model, inputs, tuple(mesh_shape)):
         torch.testing.assert_close(loss, out.loss.detach(), rtol=1e-5, atol=1e-6)
         for n, p in model.named_parameters():
             torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-5 * p.grad.abs().max().item(), msg=n)
-        for n in whole:  # whole experts on each rank, half of them
+        for n in whole:  # whole experts on each rank, a piece of them
             shape = dict(model.named_parameters())[n].shape
-            assert local[n] == (shape[0] // 2, *shape[1:]), (n, local[n])
+            assert local[n] == (shape[0] // pieces, *shape[1:]), (n, local[n])
     model.zero_grad()
 
 

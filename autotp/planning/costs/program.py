@@ -66,16 +66,25 @@ class Read:
 @dataclass(frozen=True)
 class Collective:
     """One collective of one step: kind, phase ("forward", "backward", or "recompute": a forward
-    collective of a recomputed layer, run again during the backward), mesh axis name, bytes, node."""
+    collective of a recomputed layer, run again during the backward), mesh axis name, bytes, node.
+
+    ``rank_sent_bytes``, for an all_to_all: the bytes one rank sends in it, as planned (the sum of
+    its send sizes). A redistribution's rank sends its even piece, ``bytes / n``. A routed
+    all-to-all's (:mod:`autotp.planning.rules.routed`) are the busiest rank's rows
+    (:func:`autotp.planning.rules.experts.busiest_rows`), the rows it is priced at: a price, not a
+    cap (dropless routing sends every row, and a rank sent more runs slower than priced). None
+    for the other kinds."""
 
     kind: str
     phase: str
     mesh_axis: str
     bytes: float
     at: str
+    rank_sent_bytes: Optional[float] = None
 
     def __str__(self) -> str:
-        return f"{self.phase} {self.kind} over {self.mesh_axis}: {format_bytes(self.bytes)} at {self.at}"
+        sent = "" if self.rank_sent_bytes is None else f" ({format_bytes(self.rank_sent_bytes)} sent a rank)"
+        return f"{self.phase} {self.kind} over {self.mesh_axis}: {format_bytes(self.bytes)}{sent} at {self.at}"
 
 
 @dataclass(frozen=True)
@@ -144,12 +153,13 @@ def program(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, trai
             return
         node = graph[name]
         for kind, phase, a, size in inner_collectives(node, chosen[name], mesh.shape, train and node.requires_grad):
+            sent = size if kind == "all_to_all" else None  # an op's own all-to-all is priced at a rank's buffer
             if phase == "backward":
-                bwd.append(Collective(kind, phase, mesh.axis_names[a], size, name))
+                bwd.append(Collective(kind, phase, mesh.axis_names[a], size, name, sent))
                 continue
-            fwd.append(Collective(kind, phase, mesh.axis_names[a], size, name))
+            fwd.append(Collective(kind, phase, mesh.axis_names[a], size, name, sent))
             if name in recomputed:
-                rec.append(Collective(kind, "recompute", mesh.axis_names[a], size, name))
+                rec.append(Collective(kind, "recompute", mesh.axis_names[a], size, name, sent))
 
     for r in reads(graph, chosen, mesh, train):
         if r.consumer != last:
@@ -170,12 +180,17 @@ def program(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, trai
                 axis = mesh.axis_names[step.axis]
                 backward = train and src.requires_grad
                 again = r.consumer in recomputed
+
+                def step_collective(kind: str, phase: str) -> Collective:
+                    sent = size / mesh.shape[step.axis] if kind == "all_to_all" else None  # a rank's even piece
+                    return Collective(kind, phase, axis, size, r.producer, sent)
+
                 if step.forward:
-                    fwd.append(Collective(step.forward, "forward", axis, size, r.producer))
+                    fwd.append(step_collective(step.forward, "forward"))
                     if again:
-                        rec.append(Collective(step.forward, "recompute", axis, size, r.producer))
+                        rec.append(step_collective(step.forward, "recompute"))
                 if step.backward and backward:
-                    bwd.append(Collective(step.backward, "backward", axis, size, r.producer))
+                    bwd.append(step_collective(step.backward, "backward"))
                 copies_fwd, copies_bwd = step_copies(step, steps.shape, mesh.shape[step.axis], info.nbytes)
                 fwd_copies += [LocalCopy("forward", axis, b, info.dtype, r.producer) for b in copies_fwd]
                 if again:

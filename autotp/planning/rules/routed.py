@@ -15,7 +15,11 @@ computes from that rank's tokens alone (placement ``St``, :mod:`autotp.placement
 runs as it is on them (sizes made local), the counts are the rank's own (``Pt``: summed over the
 ranks, the whole batch's), and the rows between the two grouped matmuls are those routed to this
 rank's experts (``Se``). The first grouped matmul sends the rows and the second sends them back
-(:mod:`autotp.local.dispatch`). The exit is exact as ``S(0)`` of the tokens because each token's
+(:mod:`autotp.local.dispatch`). A per-expert table gathered by the sorted expert ids
+(:func:`autotp.planning.rules.experts.expert_table_gathers`: gpt-oss's biases) follows the rows:
+added between the grouped matmuls it is ``Se``, the table split ``S(0)`` with the weights and each
+received row given its expert's row on the expert's rank (:func:`local_table_rows`); added after the
+combine it is ``St``, the table read whole (``R``) on the tokens' rank. The exit is exact as ``S(0)`` of the tokens because each token's
 output depends on its own rows alone (dropless routing, each row through its own expert, the rows
 put back where they came from). A value of the region read outside it, another op in it (a
 capacity limit that drops rows by what other tokens chose), or shapes that do not split evenly:
@@ -35,12 +39,13 @@ import weakref
 from typing import Any, Mapping, Optional, Sequence
 
 from autotp import ops
-from autotp.local.dispatch import CombinedGroupedMM, DispatchedGroupedMM, ExpertRoutes
+from autotp.local.dispatch import CombinedGroupedMM, DispatchedGroupedMM, ExpertRoutes, ExpertTableRows
 from autotp.local.site import Call, LocalSite
-from autotp.placement import Pt, S, Se, St, Strategy
+from autotp.placement import Pt, R, S, Se, St, Strategy
 from autotp.planning.rules.common import AxisChoice, divisible
-from autotp.planning.rules.experts import GROUPED_MM, SORTS, busiest_rows, expert_split
+from autotp.planning.rules.experts import GROUPED_MM, SORTS, busiest_rows, expert_split, expert_table_gathers
 from autotp.planning.rules.views import SPLITS
+from autotp.tracing.aliasing import writes_first_argument
 from autotp.tracing.graph import OP, OpGraph, OpNode
 
 __all__ = ["routed_region", "routed_choices", "routed_work_divisor", "routed_collectives", "routed_kept_bytes",
@@ -50,18 +55,23 @@ COUNT_BYTES = 8  # each rank's count of rows per expert, exchanged as int64
 
 _ROLE_PLACEMENT = {"t": St, "e": Se, "p": Pt, "x": S(0)}
 _SUM = "aten.sum.dim_IntList"
+_SLICE = "aten.slice.Tensor"
+_GATHER = "aten.index.Tensor"
 _ARANGE = "aten.arange.default"
 _REGIONS: "weakref.WeakKeyDictionary[OpGraph, Mapping[str, tuple[str, int, int]]]" = weakref.WeakKeyDictionary()
 
 
 def _passes_rows(node: OpNode, held: set[str]) -> bool:
     """An op between the grouped matmuls that keeps each row to itself: one tensor elementwise, a
-    cut of the last dim, an item of a cut, or two such rows combined elementwise."""
+    cut or a slice of the last dim (gpt-oss's ``x[..., ::2]``), an item of a cut, or two such rows
+    combined elementwise, in place or not."""
     if node.target == "getitem" or node.target in ops.CASTS:
         return True
-    if node.target in SPLITS:
+    if node.target in SPLITS or node.target == _SLICE:
         return node.args.get("dim", 0) in (-1, node.input_infos[0].ndim - 1)
-    return node.target in ops.POINTWISE and all(i in held for i in node.inputs)
+    in_place = writes_first_argument(node.target)  # out.add_(bias): the op of out-of-place form
+    target = node.target.replace("_.", ".", 1) if in_place else node.target
+    return target in ops.POINTWISE and all(i in held for i in node.inputs)
 
 
 def _ancestors(graph: OpGraph, name: str) -> set[str]:
@@ -78,12 +88,14 @@ def _one_region(graph: OpGraph, first: OpNode, second: OpNode) -> Optional[dict[
     """The roles of the nodes of the region around two grouped matmuls of one offsets node, each
     with the region's routed rows and tokens."""
     offsets = graph[first.inputs[2]]
+    tables = {g for g, o in expert_table_gathers(graph).items() if o == offsets.name}
     between = {first.name}
     for node in graph.nodes[graph.position(first.name) + 1:graph.position(second.name)]:
         if any(i in between for i in node.inputs):
-            if not _passes_rows(node, between):
+            if not _passes_rows(node, between | tables):
                 return None
             between.add(node.name)
+    between |= {t for t in tables if any(c in between for c in graph.consumers(t))}  # a bias on the rows: with them
     if second.inputs[0] not in between or any(c not in between and c != second.name
                                               for b in between for c in graph.consumers(b)):
         return None
@@ -149,20 +161,25 @@ def routed_choices(node: OpNode, n: int, graph: OpGraph) -> list[AxisChoice]:
     """The one choice of a node of a routed region on an axis of ``n`` ranks: its region inputs in
     their roles' placements, a grouped matmul's weight split by experts ``S(0)``, any other input
     (the tokens, their routing: ``rows`` or ``tokens`` long) split by tokens ``S(0)``, the rank's
-    own in order; none where the tokens or the experts do not split evenly, or another input enters."""
+    own in order, a per-expert table ``S(0)`` where gathered for the experts' rows (``Se``) and ``R``
+    where gathered for the rank's own rows; none where the tokens or the experts do not split evenly,
+    or another input enters."""
     roles = routed_region(graph)
     if node.name not in roles or n == 1:
         return []
     role, rows, tokens = roles[node.name]
     if not divisible(tokens, n):
         return []
+    table = node.name in expert_table_gathers(graph)
     inputs = []
     for k, i in enumerate(node.inputs):
         info = node.input_infos[k]
         if i in roles:
             inputs.append(_ROLE_PLACEMENT[roles[i][0]])
-        elif expert_split(node) and k == 1 and divisible(info.shape[0], n):
-            inputs.append(S(0))
+        elif (expert_split(node) and k == 1 or table and k == 0 and role == "e") and divisible(info.shape[0], n):
+            inputs.append(S(0))  # the experts' weights, or their table gathered on their ranks
+        elif table and k == 0 and role == "t":
+            inputs.append(R)  # a table gathered for the rank's own rows: every expert's row
         elif graph[i].role == OP and info.ndim and info.shape[0] in (rows, tokens):
             inputs.append(S(0))
         else:
@@ -232,6 +249,17 @@ def _axis(site: LocalSite) -> Optional[int]:
     return axes[0] if axes else None
 
 
+def _routes(site: LocalSite, offs: Any, experts: int, a: int) -> Any:
+    """The routes of the rows ``offs`` counts (:class:`ExpertRoutes`), made once per offsets node:
+    the grouped matmuls and the tables gathered for their rows read the same."""
+    routes = getattr(offs, "meta", {}).get("autotp_routes")
+    if routes is None:
+        routes = site.call_module(ExpertRoutes(experts, site.mesh_shape[a], site.groups[a]), "expert_routes", (offs,))
+        if hasattr(offs, "meta"):
+            offs.meta["autotp_routes"] = routes
+    return routes
+
+
 def local_routed(site: LocalSite) -> Optional[Any]:
     """A grouped matmul of a routed region: the dispatch (rows sent, this rank's experts run) or the
     combine (this rank's experts run, rows sent back). None for any other split."""
@@ -240,12 +268,7 @@ def local_routed(site: LocalSite) -> Optional[Any]:
         return None
     x, weight, offs = site.args[:3]
     group = site.groups[a]
-    routes = getattr(offs, "meta", {}).get("autotp_routes")
-    if routes is None:  # once per offsets node: both grouped matmuls read the same routes
-        routes = site.call_module(ExpertRoutes(site.node.input_infos[1].shape[0], site.mesh_shape[a], group),
-                                  "expert_routes", (offs,))
-        if hasattr(offs, "meta"):
-            offs.meta["autotp_routes"] = routes
+    routes = _routes(site, offs, site.node.input_infos[1].shape[0], a)
     if site.strategy.output[a] == Se:
         return site.call_module(DispatchedGroupedMM(site.target, group), "dispatched_grouped_mm", (x, weight, routes))
     return site.call_module(CombinedGroupedMM(site.target, group), "combined_grouped_mm", (x, weight, routes))
@@ -260,4 +283,16 @@ def local_positions(site: LocalSite) -> Optional[Call]:
     return site.called(args=(end, *site.args[1:]))
 
 
-LOCAL = {**{name: local_routed for name in sorted(GROUPED_MM)}, _ARANGE: local_positions}
+def local_table_rows(site: LocalSite) -> Optional[Any]:
+    """A per-expert table gathered for the rows routed to this rank's experts (``Se``: a bias added
+    between the grouped matmuls): each received row's expert's row of this rank's part of the table
+    (:class:`ExpertTableRows`). None for any other gather."""
+    a = _axis(site)
+    if a is None or site.strategy.output[a] != Se or site.graph is None:
+        return None
+    offsets = expert_table_gathers(site.graph)[site.node.name]
+    routes = _routes(site, site.value(offsets), site.node.input_infos[0].shape[0], a)
+    return site.call_module(ExpertTableRows(), "expert_table_rows", (site.args[0], routes))
+
+
+LOCAL = {**{name: local_routed for name in sorted(GROUPED_MM)}, _ARANGE: local_positions, _GATHER: local_table_rows}
