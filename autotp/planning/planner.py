@@ -366,7 +366,8 @@ def _plan_layout(model: torch.nn.Module, devices: int, example_inputs: Any, prof
     import contextlib  # noqa: PLC0415
     import dataclasses  # noqa: PLC0415
 
-    from autotp.planning.search.layer_kinds import expand_units, find_kind_stack, representatives_only  # noqa: PLC0415
+    from autotp.planning.search.layer_kinds import (  # noqa: PLC0415
+        KindStack, expand_units, find_kind_stack, representatives_only)
     from autotp.planning.search.pipeline_search import search_layouts, units_of_plan  # noqa: PLC0415
     from autotp.tracing.repeats import find_stacks  # noqa: PLC0415
 
@@ -378,18 +379,22 @@ def _plan_layout(model: torch.nn.Module, devices: int, example_inputs: Any, prof
     if stack is None:
         raise ValueError(f"pipeline=True: {type(model).__name__} has no stack of alike layers to cut into stages "
                          f"(a ModuleList or Sequential of at least 4 alike layers); plan a device count without it")
-    kinds = getattr(stack, "runs", None)
-    graphs: dict[int, OpGraph] = {}
+    # a Mixture-of-Experts model is priced from one layer of each kind (its search plans an ILP per
+    # expert axis and micro-batch too); its chosen layout planned on the whole graph afterwards
+    one_each = stack if isinstance(stack, KindStack) else KindStack(stack.path, ((0, stack.count),))
+    with representatives_only(model, one_each):
+        first = capture(model, _first_rows(example_inputs, batch, 1), False, training=None, unroll=True)
+    experts = routed_expert_count(first) if batch > 1 else 0
+    kinds = one_each.runs if experts or isinstance(stack, KindStack) else None
+    graphs: dict[int, OpGraph] = {1: first} if kinds else {}
     plans: dict[tuple[int, int, int], tuple[Plan, Any]] = {}
     paths: list[str] = [stack.layer(i) for i in range(stack.count)]
 
     def graph_of(rows: int) -> OpGraph:
-        nonlocal paths
         if rows not in graphs:
-            with representatives_only(model, stack) if kinds else contextlib.nullcontext() as cut:
+            with representatives_only(model, one_each) if kinds else contextlib.nullcontext():
                 graphs[rows] = capture(model, _first_rows(example_inputs, batch, rows), False, training=None,
                                        unroll=True)
-            paths = cut or paths
         return graphs[rows]
 
     def plan_for(tp: int, b: int, ep: int = 1) -> tuple[Plan, Any]:
@@ -404,16 +409,22 @@ def _plan_layout(model: torch.nn.Module, devices: int, example_inputs: Any, prof
             units = units_of_plan(p, graph, paths)
             if kinds:
                 units = dataclasses.replace(units, **dict(zip(("units", "parameters"),
-                                                              expand_units(units.units, units.parameters, stack))))
+                                                              expand_units(units.units, units.parameters, one_each))))
             plans[tp, b, ep] = (p, units)
         return plans[tp, b, ep]
 
-    experts = routed_expert_count(graph_of(1)) if batch > 1 else 0
+    if kinds:
+        paths = one_each.layers()
     choice = search_layouts(devices, profile, budget, stack.path, stack.count, batch,
                             lambda tp, b, ep=1: plan_for(tp, b, ep)[1], only=only, experts=experts)
     best = choice.chosen
+    if kinds and not isinstance(stack, KindStack):  # the chosen layout's plan of the whole model
+        kinds, paths = None, [stack.layer(i) for i in range(stack.count)]
+        graphs.clear()
+        plans.clear()
     stage_plan, _ = plan_for(best.tp, best.micro_batch_size, best.ep)
-    choice = dataclasses.replace(choice, search_s=time.perf_counter() - t0, kinds=tuple(kinds or ()))
+    choice = dataclasses.replace(choice, search_s=time.perf_counter() - t0,
+                                 kinds=tuple(one_each.runs) if isinstance(stack, KindStack) else ())
     return dataclasses.replace(stage_plan, pipeline=choice,
                                memory=dataclasses.replace(stage_plan.memory, budget_bytes=budget),
                                hardware_source=hardware_origin(hardware))

@@ -42,6 +42,10 @@ class KindStack:
     def layer(self, index: int) -> str:
         return f"{self.path}.{index}" if self.path else str(index)
 
+    def layers(self) -> list[str]:
+        """The paths of the first layer of each run, as :func:`representatives_only` numbers them."""
+        return [self.layer(k) for k in range(len(self.runs))]
+
     @property
     def kind_of_layer(self) -> tuple[int, ...]:
         """Each layer's run, by index into :attr:`runs`."""
