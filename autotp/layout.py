@@ -8,14 +8,21 @@ A mesh's axis has one of these roles:
   (:mod:`autotp.runtime.data_parallel`); the ILP does not plan it;
 - **tensor** (``tp``): planned by the ILP, which decides per op whether it splits the weights, the
   batch or both;
-- **expert** (``ep``) and **context** (``cp``): named and sized here, refused where used (no planner
-  or runtime places experts or sequence chunks on an axis of their own yet).
+- **expert** (``ep``): planned by the ILP like the tensor axis, for a Mixture-of-Experts model: the
+  batch split over it (each rank routes its own rows) and the routed experts split over it, the
+  tokens sent to their experts' ranks by all-to-all (:mod:`autotp.planning.rules.routed`); the
+  weights the experts do not hold are replicated over it, their gradients summed over it once a
+  step. The search sizes it (:mod:`autotp.planning.search.pipeline_search`); no runtime builds it
+  yet (``autotp.parallelize`` refuses such a plan);
+- **context** (``cp``): named and sized here, refused where used (no planner or runtime places
+  sequence chunks on an axis of its own yet).
 
 :class:`Layout` is what ``autotp.plan(..., pipeline=True)`` chooses (``plan.pipeline.layout``), what
 the report prints and what the runtime builds its sub-meshes from. The mesh of a layout has its
-axes in the order pipeline, data, tensor (ranks numbered row-major, so the tensor axis holds
+axes in the order pipeline, data, expert, tensor (ranks numbered row-major, so the tensor axis holds
 neighbouring ranks): the tensor axis always; the pipeline axis with stages or replicas (of size 1
-for replicas without stages, which the runtime runs as one stage); the data axis with replicas.
+for replicas without stages, which the runtime runs as one stage); the data axis with replicas;
+the expert axis where experts are split.
 ``pp 1 x dp 1 x tp n`` is a plain tensor-parallel plan on ``(tp,)``.
 
 A **plain mesh** (``autotp.plan(model, (2, 4), ...)``, ``autotp.parallelize`` without a pipeline
@@ -34,6 +41,8 @@ pp 4 x dp 2 (ZeRO 1) x tp 8
 (('pp', 'tp'), ('pp', 'dp', 'tp'), ('tp',))
 >>> Layout(dp=2, tp=4).planned_axes, Layout(dp=2, tp=4).replica_axes
 (('tp',), ('dp',))
+>>> Layout(pp=4, ep=8).axis_names, Layout(pp=4, ep=8).planned_axes, str(Layout(pp=4, ep=8))
+(('pp', 'ep', 'tp'), ('ep',), 'pp 4 x dp 1 x ep 8 x tp 1')
 >>> plain_axis_names(2)
 ('dp', 'tp')
 """
@@ -48,7 +57,7 @@ __all__ = ["Layout", "DataAxis", "ROLES", "AXIS_NAMES", "ZERO_STAGES", "plain_ax
 PIPELINE, DATA, EXPERT, CONTEXT, TENSOR = "pipeline", "data", "expert", "context", "tensor"
 ROLES = (PIPELINE, DATA, EXPERT, CONTEXT, TENSOR)  # the order of a layout's axes, outermost first
 AXIS_NAMES = {PIPELINE: "pp", DATA: "dp", EXPERT: "ep", CONTEXT: "cp", TENSOR: "tp"}
-UNSUPPORTED = (EXPERT, CONTEXT)
+UNSUPPORTED = (CONTEXT,)
 ZERO_STAGES = (0, 1, 3)  # what the search prices and the runtime runs over a data axis
 # a plain mesh's default names; every one of its axes is planned by the ILP (module docstring)
 _PLAIN_NAMES = {1: (AXIS_NAMES[TENSOR],), 2: ("dp", AXIS_NAMES[TENSOR])}
@@ -107,20 +116,21 @@ class Layout:
         return out
 
     def check_supported(self) -> None:
-        """Raises ``NotImplementedError`` for an expert or context axis: roles with no planner or
-        runtime yet."""
+        """Raises ``NotImplementedError`` for a context axis: a role with no planner or runtime yet."""
         used = [f"{AXIS_NAMES[r]} {self.sizes[r]}" for r in UNSUPPORTED if self.sizes[r] > 1]
         if used:
-            raise NotImplementedError(f"layout {self}: {' and '.join(used)} are not supported yet (expert and "
-                                      f"context axes have no planner or runtime); lay out the devices as pp x dp x tp")
+            raise NotImplementedError(f"layout {self}: {' and '.join(used)} is not supported yet (a context "
+                                      f"axis has no planner or runtime); lay out the devices as pp x dp x ep x tp")
 
     @property
     def roles(self) -> tuple[str, ...]:
         """The roles of the mesh's axes, outermost first (module docstring): the tensor axis always,
-        the pipeline axis with stages or replicas, the data axis with replicas."""
+        the pipeline axis with stages or replicas, the data axis with replicas, the expert axis with
+        experts split."""
         self.check_supported()
         staged = self.pp > 1 or self.dp > 1
-        return ((PIPELINE,) if staged else ()) + ((DATA,) if self.dp > 1 else ()) + (TENSOR,)
+        return (((PIPELINE,) if staged else ()) + ((DATA,) if self.dp > 1 else ()) + ((EXPERT,) if self.ep > 1 else ())
+                + (TENSOR,))
 
     @property
     def plain(self) -> bool:
@@ -137,8 +147,16 @@ class Layout:
 
     @property
     def planned_axes(self) -> tuple[str, ...]:
-        """The axes the ILP plans: the tensor axis."""
-        return (AXIS_NAMES[TENSOR],)
+        """The axes the ILP plans: the tensor axis, or with experts split the expert axis and the tensor
+        axis where it has more than one rank (the plan's mesh)."""
+        if self.ep == 1:
+            return (AXIS_NAMES[TENSOR],)
+        return (AXIS_NAMES[EXPERT],) + ((AXIS_NAMES[TENSOR],) if self.tp > 1 else ())
+
+    @property
+    def planned_shape(self) -> tuple[int, ...]:
+        """The sizes of :attr:`planned_axes`: the mesh the ILP plans one micro-batch on."""
+        return tuple(self.sizes[r] for r in (EXPERT, TENSOR) if AXIS_NAMES[r] in self.planned_axes)
 
     @property
     def replica_axes(self) -> tuple[str, ...]:

@@ -182,6 +182,16 @@ def _parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, plan
     from autotp.runtime.pipeline.module import build_pipeline_module
 
     c = plan.pipeline.chosen
+    if c.ep > 1:  # before the mesh is read: no runtime builds an expert axis yet (autotp/layout.py)
+        raise PlanError(f"the plan's layout is {c.describe()}: its expert axis (ep {c.ep}) splits the routed experts "
+                        f"and each micro-batch's rows over {c.ep} ranks, and autotp.parallelize does not run an expert "
+                        f"axis yet (docs/pipelines.md#limits); plan with pipeline={{'ep': 1}} for a layout it runs, or "
+                        f"on a plain mesh, where the planner may split the experts on any axis itself")
+    if plan.pipeline.kinds:
+        raise PlanError(f"the plan's stack {plan.pipeline.stack} has layers of {len(plan.pipeline.kinds)} kinds "
+                        f"(runs {list(plan.pipeline.kinds)} as (first layer, layers)) and was priced from the first "
+                        f"layer of each kind: it prices the layouts, and its graph is not the model's; "
+                        f"autotp.parallelize runs a pipeline plan of a stack of alike layers only")
     problem = plan.pipeline.layout.mesh_problem(mesh, c.describe())
     if problem:
         raise PlanError(problem)

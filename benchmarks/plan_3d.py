@@ -19,8 +19,24 @@ Hand configurations, as published:
 A hand configuration that does not fit the budget as published is priced with every layer
 recomputing, then with ZeRO 3 as well; the row says which.
 
+Mixture-of-Experts rows (bf16, AdamW, sequences of 4096 tokens, 7.5 of them per device per step:
+DeepSeek-V3's 15360 sequences on 2048 GPUs, scaled to the device count), the models built from
+transformers' configs on the meta device, the search with its expert axis
+(``autotp.planning.search.pipeline_search``), the hand layout priced by the same search kept to it
+(``pipeline={...}``), so both are priced alike:
+
+- DeepSeek-V3 671B (61 layers, the first 3 dense; MLA; 256 routed experts + 1 shared, top 8) on
+  256: DeepSeek-V3's report (PP 16, EP 64 across 8 nodes, ZeRO-1 data parallelism, no TP, on 2048
+  H800) scaled to 256: PP 16 x EP 16, no TP, no data axis left;
+- the same on 512: torchtitan's DeepSeek-V3 671B configuration (train_configs/deepseek_v3_671b.toml:
+  tensor_parallel_degree 8, data_parallel_shard_degree -1 (FSDP over the rest), expert and pipeline
+  degree 1, activation checkpointing full): FSDP 64 x TP 8, layers recomputed;
+- Qwen3-235B-A22B (94 layers, 128 experts top 8) on 64: torchtitan's configuration as above:
+  FSDP 8 x TP 8, layers recomputed.
+
     .venv/bin/python -m benchmarks.plan_3d
     .venv/bin/python -m benchmarks.plan_3d --only 8b-8
+    .venv/bin/python -m benchmarks.plan_3d --only ds-256 --only ds-512 --only qwen3-235b-64
 """
 
 from __future__ import annotations
@@ -49,6 +65,68 @@ ROWS = {
                                    micro_batch_size=1, zero=1, recompute=False), "Llama 3: TP 8 x PP 16 x DP 4"),
 }
 HARDWARE = "h100-sxm"
+MOE_SEQ = 4096
+SEQUENCES_PER_DEVICE = 7.5  # DeepSeek-V3: 15360 sequences on 2048 GPUs
+MOE_SHAPES = {  # transformers config classes and their kwargs
+    "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+        first_k_dense_replace=3, num_attention_heads=128, num_key_value_heads=128, n_routed_experts=256,
+        n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, tie_word_embeddings=False)),
+    "qwen3-235b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536, num_hidden_layers=94,
+        num_attention_heads=64, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        tie_word_embeddings=False)),
+}
+MOE_ROWS = {  # row: (shape, devices, hand layout as pipeline={...} fields, where it comes from)
+    "ds-256": ("deepseek-v3", 256, dict(pp=16, dp=1, ep=16, tp=1, zero=0),
+               "DeepSeek-V3 report scaled: PP 16 x EP 16"),
+    "ds-512": ("deepseek-v3", 512, dict(pp=1, dp=64, ep=1, tp=8, zero=3, recompute=True),
+               "torchtitan 671B: FSDP 64 x TP 8"),
+    "qwen3-235b-64": ("qwen3-235b", 64, dict(pp=1, dp=8, ep=1, tp=8, zero=3, recompute=True),
+                      "torchtitan: FSDP 8 x TP 8"),
+}
+
+
+def moe_model(shape: str, layers: int | None = None, **overrides):
+    """The shape's model on the meta device in bf16, train mode (``layers`` and ``overrides``: a
+    shrunk one)."""
+    import torch
+    import transformers
+
+    config_cls, model_cls, kwargs = MOE_SHAPES[shape]
+    kwargs = {**kwargs, **overrides, **({"num_hidden_layers": layers} if layers else {})}
+    config = getattr(transformers, config_cls)(**kwargs)
+    with torch.device("meta"):
+        model = getattr(transformers, model_cls)(config)
+    return model.to(torch.bfloat16).train()
+
+
+def moe_row(name: str, layers: int | None = None, seq: int = MOE_SEQ, **overrides) -> dict:
+    """The search's choice and the hand layout on the row's devices, priced alike."""
+    import torch
+
+    import autotp
+    from autotp.planning.errors import MemoryBudgetError
+
+    shape, devices, hand, source = MOE_ROWS[name]
+    model = moe_model(shape, layers, **overrides)
+    ids = torch.zeros(int(SEQUENCES_PER_DEVICE * devices), seq, dtype=torch.long, device="meta")
+    inputs = {"input_ids": ids, "labels": ids}
+    t0 = time.perf_counter()
+    plan = autotp.plan(model, devices, inputs, hardware=HARDWARE, pipeline=True)
+    search_s = time.perf_counter() - t0
+    priced, note = None, ""
+    for changed, note in (({}, ""), ({"recompute": True}, " +recompute"), ({"recompute": True, "zero": 3},
+                                                                           " +recompute, zero 3")):
+        try:
+            kept = autotp.plan(model, devices, inputs, hardware=HARDWARE, pipeline={**hand, **changed})
+        except (MemoryBudgetError, ValueError):
+            continue
+        priced = kept.pipeline.chosen
+        break
+    return dict(name=name, devices=devices, chosen=plan.pipeline.chosen, hand=priced, source=source + note,
+                search_s=search_s, priced=plan.pipeline.priced)
 
 
 def row(name: str) -> dict:
@@ -94,18 +172,19 @@ def _units(model, ids, plan, tp, b, seen):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", choices=sorted(ROWS), action="append")
+    ap.add_argument("--only", choices=sorted(ROWS) + sorted(MOE_ROWS), action="append")
     args = ap.parse_args()
-    print(f"HF LlamaForCausalLM on meta, bf16, AdamW, {BATCH} sequences of {SEQ} per step, hardware {HARDWARE}")
-    head = f"{'row':<9} {'autotp':<62} {'step s':>8} {'hand':<44} {'step s':>8} {'ratio':>6} {'search s':>8}"
+    print(f"HF LlamaForCausalLM on meta, bf16, AdamW, {BATCH} sequences of {SEQ} per step, hardware {HARDWARE}; "
+          f"MoE rows: {SEQUENCES_PER_DEVICE} sequences of {MOE_SEQ} per device")
+    head = f"{'row':<9} {'autotp':<80} {'step s':>8} {'hand':<44} {'step s':>8} {'ratio':>6} {'search s':>8}"
     print(head)
     print("-" * len(head))
-    for name in args.only or list(ROWS):
-        r = row(name)
+    for name in args.only or list(ROWS) + list(MOE_ROWS):
+        r = moe_row(name) if name in MOE_ROWS else row(name)
         c, h = r["chosen"], r["hand"]
-        hand_s = h.step_s if h.step_s is not None else float("nan")
-        hand = r["source"] if h.step_s is not None else r["source"] + " (no fit)"
-        print(f"{name:<9} {c.describe():<62} {c.step_s:>8.2f} {hand:<44} {hand_s:>8.2f} "
+        hand_s = h.step_s if h is not None and h.step_s is not None else float("nan")
+        hand = r["source"] if h is not None and h.step_s is not None else r["source"] + " (no fit)"
+        print(f"{name:<9} {c.describe():<80} {c.step_s:>8.2f} {hand:<44} {hand_s:>8.2f} "
               f"{c.step_s / hand_s:>6.2f} {r['search_s']:>8.1f}", flush=True)
 
 

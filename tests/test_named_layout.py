@@ -61,12 +61,20 @@ def test_bad_layouts_are_refused_saying_what_was_given(fields, message):
         Layout(**fields)
 
 
-def test_expert_and_context_axes_are_values_refused_where_used():
+def test_a_context_axis_is_a_value_refused_where_used():
     layout = Layout(dp=2, tp=4, ep=2, cp=2)
     assert str(layout) == "pp 1 x dp 2 (ZeRO 0) x ep 2 x cp 2 x tp 4" and layout.devices == 32
     for use in (lambda: layout.mesh_shape, lambda: layout.axis_names, lambda: layout.sub_mesh(None, "tensor")):
-        with pytest.raises(NotImplementedError, match=r"ep 2 and cp 2 are not supported yet"):
+        with pytest.raises(NotImplementedError, match=r"cp 2 is not supported yet"):
             use()
+
+
+def test_an_expert_axis_sits_between_the_data_and_the_tensor_axes_and_is_planned():
+    layout = Layout(pp=2, dp=2, ep=4, tp=1, zero=1)
+    assert layout.mesh_shape == (2, 2, 4, 1) and layout.axis_names == ("pp", "dp", "ep", "tp")
+    assert layout.planned_axes == ("ep",) and layout.planned_shape == (4,) and layout.replica_axes == ("dp",)
+    assert Layout(ep=2, tp=4).planned_axes == ("ep", "tp") and Layout(ep=2, tp=4).planned_shape == (2, 4)
+    assert not Layout(ep=2).plain
 
 
 def test_a_plain_mesh_s_default_names_are_the_layout_s():

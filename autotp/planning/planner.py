@@ -14,6 +14,7 @@ from typing import Any, Collection, Mapping, Optional, Sequence
 
 import torch
 
+from autotp.layout import AXIS_NAMES, EXPERT
 from autotp.mesh import MeshSpec
 from autotp.placement import Strategy, format_placements, parse_placements, piece_sizes
 from autotp.planning.choices.expert_lists import warn_expert_lists
@@ -35,6 +36,7 @@ from autotp.planning.result.plan import (
     module_choices,
 )
 from autotp.planning.rules.gradients import partial_gradient_variants
+from autotp.planning.search.expert_axis import routed_expert_count, routed_expert_weights
 from autotp.planning.search.mesh_search import mesh_shapes, search_meshes
 from autotp.planning.solve.solver import solve
 from autotp.tracing.dynamic import requirements
@@ -360,9 +362,14 @@ def _plan_layout(model: torch.nn.Module, devices: int, example_inputs: Any, prof
                  memory_budget: Any, time_limit_s: float, pin: Optional[Mapping[str, str]], optimizer: Any,
                  only: Optional[Mapping[str, Any]] = None) -> Plan:
     """``autotp.plan(..., pipeline=True)``: the model captured at each micro-batch size the search
-    needs, planned on each tensor axis once, every layout priced (autotp/planning/search/pipeline_search.py)."""
+    needs, planned on each tensor axis (and, for a Mixture-of-Experts model, each expert axis) once,
+    every layout priced (autotp/planning/search/pipeline_search.py). A stack of layers of a few kinds
+    (autotp/planning/search/layer_kinds.py) is priced from one layer of each kind."""
+    import contextlib  # noqa: PLC0415
     import dataclasses  # noqa: PLC0415
 
+    from autotp.planning.search.layer_kinds import (  # noqa: PLC0415
+        KindStack, expand_units, find_kind_stack, representatives_only)
     from autotp.planning.search.pipeline_search import search_layouts, units_of_plan  # noqa: PLC0415
     from autotp.tracing.repeats import find_stacks  # noqa: PLC0415
 
@@ -370,28 +377,57 @@ def _plan_layout(model: torch.nn.Module, devices: int, example_inputs: Any, prof
     batch = _batch_size(example_inputs)
     budget = parse_bytes(memory_budget) or float(profile.device.memory_bytes)
     stacks = find_stacks(model)
-    stack = max(stacks, key=lambda s: s.count) if stacks else None
-    layer_paths = [stack.layer(i) for i in range(stack.count)] if stack else []
-    graphs: dict[int, OpGraph] = {}
-    plans: dict[tuple[int, int], tuple[Plan, Any]] = {}
-
-    def plan_for(tp: int, b: int) -> tuple[Plan, Any]:
-        if b not in graphs:
-            graphs[b] = capture(model, _first_rows(example_inputs, batch, b), False, training=None, unroll=True)
-        if (tp, b) not in plans:
-            p = plan_graph(graphs[b], (tp,), hardware, "train", 1e18, time_limit_s, pin=pin, optimizer=optimizer,
-                           recompute=False, explainable=False)
-            plans[tp, b] = (p, units_of_plan(p, graphs[b], layer_paths) if layer_paths else None)
-        return plans[tp, b]
-
-    if not layer_paths:
+    stack = max(stacks, key=lambda s: s.count) if stacks else find_kind_stack(model)
+    if stack is None:
         raise ValueError(f"pipeline=True: {type(model).__name__} has no stack of alike layers to cut into stages "
                          f"(a ModuleList or Sequential of at least 4 alike layers); plan a device count without it")
+    # a Mixture-of-Experts model is priced from one layer of each kind (its search plans an ILP per
+    # expert axis and micro-batch too); its chosen layout planned on the whole graph afterwards
+    one_each = stack if isinstance(stack, KindStack) else KindStack(stack.path, ((0, stack.count),))
+    with representatives_only(model, one_each):
+        first = capture(model, _first_rows(example_inputs, batch, 1), False, training=None, unroll=True)
+    experts = routed_expert_count(first) if batch > 1 else 0
+    kinds = one_each.runs if experts or isinstance(stack, KindStack) else None
+    graphs: dict[int, OpGraph] = {1: first} if kinds else {}
+    plans: dict[tuple[int, int, int], tuple[Plan, Any]] = {}
+    paths: list[str] = [stack.layer(i) for i in range(stack.count)]
+
+    def graph_of(rows: int) -> OpGraph:
+        if rows not in graphs:
+            with representatives_only(model, one_each) if kinds else contextlib.nullcontext():
+                graphs[rows] = capture(model, _first_rows(example_inputs, batch, rows), False, training=None,
+                                       unroll=True)
+        return graphs[rows]
+
+    def plan_for(tp: int, b: int, ep: int = 1) -> tuple[Plan, Any]:
+        if (tp, b, ep) not in plans:
+            graph = graph_of(b * ep)
+            mesh, pins = (tp,), dict(pin or {})
+            if ep > 1:  # the expert axis: the routed experts split by expert there, the ILP places the rest
+                mesh = MeshSpec((ep,), (AXIS_NAMES[EXPERT],))
+                pins.update({fqn: "S(0)" for fqn in routed_expert_weights(graph)})
+            p = plan_graph(graph, mesh, hardware, "train", 1e18, time_limit_s, pin=pins or None, optimizer=optimizer,
+                           recompute=False, explainable=False)
+            units = units_of_plan(p, graph, paths)
+            if kinds:
+                units = dataclasses.replace(units, **dict(zip(("units", "parameters"),
+                                                              expand_units(units.units, units.parameters, one_each))))
+            plans[tp, b, ep] = (p, units)
+        return plans[tp, b, ep]
+
+    if kinds:
+        paths = one_each.layers()
     choice = search_layouts(devices, profile, budget, stack.path, stack.count, batch,
-                            lambda tp, b: plan_for(tp, b)[1], only=only)
+                            lambda tp, b, ep=1: plan_for(tp, b, ep)[1], only=only, experts=experts)
     best = choice.chosen
-    stage_plan, _ = plan_for(best.tp, best.micro_batch_size)
-    return dataclasses.replace(stage_plan, pipeline=dataclasses.replace(choice, search_s=time.perf_counter() - t0),
+    if kinds and not isinstance(stack, KindStack):  # the chosen layout's plan of the whole model
+        kinds, paths = None, [stack.layer(i) for i in range(stack.count)]
+        graphs.clear()
+        plans.clear()
+    stage_plan, _ = plan_for(best.tp, best.micro_batch_size, best.ep)
+    choice = dataclasses.replace(choice, search_s=time.perf_counter() - t0,
+                                 kinds=tuple(one_each.runs) if isinstance(stack, KindStack) else ())
+    return dataclasses.replace(stage_plan, pipeline=choice,
                                memory=dataclasses.replace(stage_plan.memory, budget_bytes=budget),
                                hardware_source=hardware_origin(hardware))
 

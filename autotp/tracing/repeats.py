@@ -34,7 +34,7 @@ from torch import nn
 
 from autotp.tracing.graph import BUFFER, OP, PARAMETER, OpGraph, OpNode, ParameterInfo
 
-__all__ = ["Stack", "find_stacks", "capture_unrolled", "unroll"]
+__all__ = ["Stack", "find_stacks", "layers_alike", "capture_unrolled", "unroll"]
 
 _SUFFIX = re.compile(r"(.*)_(\d+)$")
 
@@ -63,7 +63,7 @@ def find_stacks(model: nn.Module, least: int = 4) -> list[Stack]:
         if keys != [str(i) for i in range(len(keys))]:
             continue
         layers = list(module._modules.values())
-        if all(_alike(layers[0], 0, layer, i) for i, layer in enumerate(layers[1:], 1)):
+        if all(layers_alike(layers[0], 0, layer, i) for i, layer in enumerate(layers[1:], 1)):
             stacks.append(Stack(path, len(layers)))
     return stacks
 
@@ -72,7 +72,7 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
           "_state_dict_hooks", "_load_state_dict_pre_hooks")
 
 
-def _alike(first: nn.Module, i0: int, other: nn.Module, i: int) -> bool:
+def layers_alike(first: nn.Module, i0: int, other: nn.Module, i: int) -> bool:
     """Same class, parameters, buffers and submodules, no hooks, and the same attributes but ints
     that hold each layer's own index (``layer_idx``)."""
     mods_a, mods_b = list(first.named_modules()), list(other.named_modules())

@@ -12,6 +12,14 @@ recompute choice, and keeps the layout of least predicted step that fits the mem
    ILP, so every stage of a pipeline gets the same layer plan: identical stages are planned once.
    :func:`autotp.planning.search.stages.unit_costs` reads that plan by unit (before the stack, each layer,
    after it).
+   For a Mixture-of-Experts model whose routed experts the all-to-all variant may split
+   (:mod:`autotp.planning.rules.routed`), layouts ``pp × dp × ep`` too: one ILP per (ep,
+   micro-batch) on the expert axis ``(ep,)``, the model captured at ``ep`` micro-batches of rows
+   (each rank of the axis its own), the experts' weights pinned split by expert there and the ILP
+   left to place everything else (it splits the batch and sends the routed rows by all-to-all
+   where that prices cheaper, the all-to-alls priced on the axis's link at the busiest rank's
+   rows). The gradients of the weights replicated over it are summed once per step, as a data
+   axis's (:class:`autotp.planning.search.stages.UnitCost`'s ``step_reduce_s``).
 2. **Stages.** The stack is cut into ``pp * v`` stages balanced by predicted time
    (:func:`autotp.planning.search.stages.balanced_cut`), the embedding in the first, the head and loss in
    the last; stage ``s`` runs on pipeline rank ``s % pp``.
@@ -49,7 +57,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from autotp.layout import DATA, PIPELINE, TENSOR, Layout
+from autotp.layout import DATA, EXPERT, PIPELINE, TENSOR, Layout
 from autotp.planning.costs.buckets import assign_buckets, exposed_all_reduce_s
 from autotp.planning.costs.costing import CostModel
 from autotp.planning.search.schedules import held_bytes
@@ -90,11 +98,12 @@ class Candidate:
     bubble_s: Optional[float] = None
     peak_bytes: Optional[float] = None
     why: str = ""
+    ep: int = 1  # the expert axis: experts and each micro-batch's rows split over it
 
     @property
     def layout(self) -> Layout:
         """The mesh's axes and their roles (:class:`autotp.layout.Layout`)."""
-        return Layout(pp=self.pp, dp=self.dp, tp=self.tp, zero=self.zero)
+        return Layout(pp=self.pp, dp=self.dp, tp=self.tp, zero=self.zero, ep=self.ep)
 
     @property
     def bubble_fraction(self) -> Optional[float]:
@@ -103,8 +112,10 @@ class Candidate:
     def describe(self) -> str:
         sched = "" if self.pp == 1 else (f", {self.schedule}" + (f" x{self.stages_per_rank}" if self.stages_per_rank > 1
                                                                   else ""))
-        return (f"pp {self.pp} x dp {self.dp} x tp {self.tp}{sched}, {self.micro_batches} micro-batches of "
-                f"{self.micro_batch_size}, zero {self.zero}{', recompute' if self.recompute else ''}")
+        ep = f" x ep {self.ep}" if self.ep > 1 else ""
+        return (f"pp {self.pp} x dp {self.dp}{ep} x tp {self.tp}{sched}, {self.micro_batches} micro-batches of "
+                f"{self.micro_batch_size}{' per rank' if ep else ''}, zero {self.zero}"
+                f"{', recompute' if self.recompute else ''}")
 
 
 @dataclass(frozen=True)
@@ -143,6 +154,9 @@ class PipelineChoice:
     candidates: tuple[Candidate, ...]
     priced: int
     search_s: Optional[float] = None  # not saved
+    # a stack of layers of a few kinds, priced from the first of each run (layer, layers in the run):
+    # the plan is of those layers only (autotp.planning.search.layer_kinds); empty: the whole stack
+    kinds: tuple[tuple[int, int], ...] = ()
 
     @property
     def layout(self) -> Layout:
@@ -152,11 +166,14 @@ class PipelineChoice:
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("search_s")
+        if not d["kinds"]:  # a plan of the whole stack saves as before
+            d.pop("kinds")
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "PipelineChoice":
         return cls(**{**d, "links": tuple(tuple(x) for x in d["links"]), "chosen": Candidate(**d["chosen"]),
+                      "kinds": tuple(tuple(x) for x in d.get("kinds", ())),
                       "stages": tuple(StageChoice(**s) for s in d["stages"]),
                       "candidates": tuple(Candidate(**c) for c in d["candidates"])})
 
@@ -182,30 +199,45 @@ def units_of_plan(plan: Any, graph: Any, layer_paths: Sequence[str]) -> _Units:
     return _Units(tuple(units), params)
 
 
-def layouts(devices: int, devices_per_node: int, layers: int, batch: int) -> list[Candidate]:
+def layouts(devices: int, devices_per_node: int, layers: int, batch: int, experts: int = 0) -> list[Candidate]:
     """Every layout the search prices (unpriced): ``tp`` dividing a node, ``pp`` at most the layers,
-    the batch split evenly over the replicas, micro-batches of :data:`MICRO_BATCH_SIZES`."""
+    the batch split evenly over the replicas, micro-batches of :data:`MICRO_BATCH_SIZES`. With
+    ``experts`` (a model whose routed experts the all-to-all variant may split), layouts with an
+    expert axis too: ``ep`` > 1 dividing the experts, each rank of it a micro-batch of its own rows,
+    ``tp`` 1 (the routed rows sit on one axis, every tensor of the experts whole on the others:
+    :mod:`autotp.planning.rules.routed`; and a two-axis ILP per layout is ten times a one-axis one)."""
     out = []
     for tp in _divisors(devices):
         if tp > devices_per_node or devices_per_node % tp:
             continue
         for pp in _divisors(devices // tp):
-            dp = devices // (tp * pp)
-            if pp > max(layers, 1) or batch % dp:
-                continue
-            per_replica = batch // dp
-            for b in sorted({b for b in MICRO_BATCH_SIZES if per_replica % b == 0} | ({per_replica} if per_replica
-                                                                                      <= max(MICRO_BATCH_SIZES) else set())):
-                m = per_replica // b
-                # as torch.distributed.pipelining runs them: 1F1B needs a micro-batch per stage at least,
-                # interleaved 1F1B a whole number of rounds of pp micro-batches
-                schedules = [("none", 1)] if pp == 1 else [
-                    (s, v) for s, v in SCHEDULE_OPTIONS if pp * v <= layers and (v == 1 or m % pp == 0)
-                    and (s != "1f1b" or m >= pp)]
-                for s, v in schedules:
-                    for zero in ((0, 1, 3) if dp > 1 else (0,)):
-                        for recompute in (False, True):
-                            out.append(Candidate(pp, dp, tp, s, v, m, b, zero, recompute))
+            out += _arrangements(pp, devices // (tp * pp), tp, 1, layers, batch)
+    for ep in _divisors(devices) if experts else ():
+        if ep > 1 and experts % ep == 0:
+            for pp in _divisors(devices // ep):
+                out += _arrangements(pp, devices // (ep * pp), 1, ep, layers, batch)
+    return out
+
+
+def _arrangements(pp: int, dp: int, tp: int, ep: int, layers: int, batch: int) -> list[Candidate]:
+    """The candidates of one ``pp x dp x ep x tp``: each micro-batch size, schedule, ZeRO stage and
+    recompute choice (none where the layout cannot take the batch or the layers)."""
+    out: list[Candidate] = []
+    if pp > max(layers, 1) or batch % (dp * ep):
+        return out
+    per_rank = batch // (dp * ep)  # a replica's rows, each rank of the expert axis its own share
+    for b in sorted({b for b in MICRO_BATCH_SIZES if per_rank % b == 0} | ({per_rank} if per_rank
+                                                                        <= max(MICRO_BATCH_SIZES) else set())):
+        m = per_rank // b
+        # as torch.distributed.pipelining runs them: 1F1B needs a micro-batch per stage at least,
+        # interleaved 1F1B a whole number of rounds of pp micro-batches
+        schedules = [("none", 1)] if pp == 1 else [
+            (s, v) for s, v in SCHEDULE_OPTIONS if pp * v <= layers and (v == 1 or m % pp == 0)
+            and (s != "1f1b" or m >= pp)]
+        for s, v in schedules:
+            for zero in ((0, 1, 3) if dp > 1 else (0,)):
+                for recompute in (False, True):
+                    out.append(Candidate(pp, dp, tp, s, v, m, b, zero, recompute, ep=ep))
     return out
 
 
@@ -243,7 +275,7 @@ def _prepare(layout: Candidate, plan_units: _Units, profile: HardwareProfile) ->
     n_layers = len(units) - 2
     pp, dp, tp, v, m = layout.pp, layout.dp, layout.tp, layout.stages_per_rank, layout.micro_batches
     n_stages = pp * v
-    shape = (pp, dp, tp)
+    shape = (pp, dp, layout.ep, tp)  # the links of the pipeline and data axes: the expert axis inside them
     dpn = profile.devices_per_node
     pp_link = profile.links[axis_link_name(shape, 0, dpn)]
     dp_link = profile.links[axis_link_name(shape, 1, dpn)]
@@ -268,13 +300,15 @@ def _prepare(layout: Candidate, plan_units: _Units, profile: HardwareProfile) ->
             holders.setdefault(n, set()).add(k % pp)
         p, g, o, t = (sum(plan_units.parameters[n][j] for n in names) for j in range(4))
         buffers = sum(u.buffers_bytes for u in us)
-        step_end = 0.0  # what the data axis adds once per step, past the last backward it overlaps
+        # what the data axis adds once per step, past the last backward it overlaps; and the sums of
+        # the gradients an expert axis replicates, once per step (exposed: priced as they come last)
+        step_end = sum(u.step_reduce_s for u in us)
         during, at_step = p, p + g  # parameters (and gradients) held through the step, at the optimizer's step
         if dp > 1 and layout.zero == 0:  # DDP's buckets over the last micro-batch's backward
             ordered = list(dict.fromkeys(n for i in sorted(idx) for n in units[i].parameters))
             sizes = [plan_units.parameters[n][1] for n in ordered]
             buckets = [sum(sizes[j] for j in b) for b in assign_buckets(sizes)]
-            step_end = exposed_all_reduce_s(buckets, lambda b: collective_time_s(dp_link, "all_reduce", b, dp), b_comp)
+            step_end += exposed_all_reduce_s(buckets, lambda b: collective_time_s(dp_link, "all_reduce", b, dp), b_comp)
         elif dp > 1:  # FSDP2 as the runtime runs it (autotp/runtime/pipeline/stage_units.py): each layer of the stage one
             # unit, the rest of the stage (what comes before or after the stack) another; at the
             # optimizer's step every state sharded over the data axis
@@ -284,7 +318,7 @@ def _prepare(layout: Candidate, plan_units: _Units, profile: HardwareProfile) ->
             if layout.zero == 1:  # every unit gathered at the step's first forward (prefetched beside its
                 # compute) and kept to the last backward; the gradients reduce-scattered after it, exposed
                 during = p + p / dp
-                step_end = reduce + max(gather - f_comp, 0.0)
+                step_end += reduce + max(gather - f_comp, 0.0)
             else:  # zero 3: each unit gathered for each micro-batch's forward and backward, reduce-scattered
                 # after its backward, beside the compute: only what the compute cannot hide adds. Held at
                 # once: the shards, the rest of the stage's unit (whole through the forward) and a layer
@@ -343,10 +377,12 @@ def _finish(prep: _Prepared, budget_bytes: float) -> Candidate:
 
 
 def search_layouts(devices: int, profile: HardwareProfile, budget_bytes: float, stack: str, layers: int, batch: int,
-                   units_for: Callable[[int, int], _Units], keep: int = 20,
-                   only: Optional[Mapping[str, Any]] = None) -> PipelineChoice:
+                   units_for: Callable[..., _Units], keep: int = 20,
+                   only: Optional[Mapping[str, Any]] = None, experts: int = 0) -> PipelineChoice:
     """Every layout of :func:`layouts` priced with ``units_for(tp, micro_batch_size)`` (cached by the
-    caller), the fastest that fits chosen. Raises :class:`MemoryBudgetError` when none fits.
+    caller; ``units_for(tp, micro_batch_size, ep)`` for a layout with an expert axis, the micro-batch
+    size per rank of it), the fastest that fits chosen. Raises :class:`MemoryBudgetError` when none
+    fits. ``experts``: the routed experts of a model the expert axis may split (0: none).
 
     Two cuts keep it quick, neither losing the fastest: for each ``tp`` the micro-batch sizes go
     up only while some layout of the last size fits (a larger one holds more); and a layout's
@@ -357,7 +393,7 @@ def search_layouts(devices: int, profile: HardwareProfile, budget_bytes: float, 
     t0 = time.perf_counter()
     dpn = profile.devices_per_node
     grouped: dict[tuple[int, int], list[Candidate]] = {}
-    every = layouts(devices, dpn, layers, batch)
+    every = layouts(devices, dpn, layers, batch, experts)
     if only:
         fields = {f.name for f in dataclasses.fields(Candidate)} - {"step_s", "compute_s", "communication_s", "bubble_s",
                                                                   "peak_bytes", "why"}
@@ -371,17 +407,17 @@ def search_layouts(devices: int, profile: HardwareProfile, budget_bytes: float, 
                              f"occur: {values}")
         every = kept
     for layout in every:
-        grouped.setdefault((layout.tp, layout.micro_batch_size), []).append(layout)
+        grouped.setdefault((layout.ep, layout.tp, layout.micro_batch_size), []).append(layout)
     prepared: list[_Prepared] = []
     skipped = 0
-    for tp in sorted({tp for tp, _ in grouped}):
+    for ep, tp in sorted({(ep, tp) for ep, tp, _ in grouped}):
         fits_smaller = True
-        for b in sorted(b for t, b in grouped if t == tp):
+        for b in sorted(b for e, t, b in grouped if (e, t) == (ep, tp)):
             if not fits_smaller:
-                skipped += len(grouped[tp, b])
+                skipped += len(grouped[ep, tp, b])
                 continue
-            units = units_for(tp, b)
-            batch_prepared = [_prepare(layout, units, profile) for layout in grouped[tp, b]]
+            units = units_for(tp, b) if ep == 1 else units_for(tp, b, ep)
+            batch_prepared = [_prepare(layout, units, profile) for layout in grouped[ep, tp, b]]
             prepared += batch_prepared
             fits_smaller = any(p.peak_bytes <= budget_bytes for p in batch_prepared)
     fitting = sorted((p for p in prepared if p.peak_bytes <= budget_bytes), key=lambda p: p.bound_s)
@@ -411,12 +447,13 @@ def search_layouts(devices: int, profile: HardwareProfile, budget_bytes: float, 
     # shown: each arrangement of stages and micro-batches once, at its best ZeRO stage and recompute
     seen, shown = set(), []
     for c in ranked:
-        key = (c.pp, c.dp, c.tp, c.schedule, c.stages_per_rank, c.micro_batches)
+        key = (c.pp, c.dp, c.ep, c.tp, c.schedule, c.stages_per_rank, c.micro_batches)
         if key not in seen:
             seen.add(key)
             shown.append(c)
-    shape = (best.pp, best.dp, best.tp)
-    links = tuple((name, axis_link_name(shape, a, dpn)) for a, name in enumerate((PIPELINE, DATA, TENSOR)))
+    shape = (best.pp, best.dp, best.ep, best.tp)
+    links = tuple((name, axis_link_name(shape, a, dpn)) for a, name in enumerate((PIPELINE, DATA, EXPERT, TENSOR))
+                  if name != EXPERT or best.ep > 1)
     return PipelineChoice(devices, dpn, stack, layers, batch, links, best, best_prep.stages, tuple(shown[:keep]),
                           len(prepared) + skipped, time.perf_counter() - t0)
 
