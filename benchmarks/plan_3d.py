@@ -107,7 +107,7 @@ def moe_row(name: str, layers: int | None = None, seq: int = MOE_SEQ, **override
     import torch
 
     import autotp
-    from autotp.planning.errors import MemoryBudgetError
+    from autotp import MemoryBudgetError
 
     shape, devices, hand, source = MOE_ROWS[name]
     model = moe_model(shape, layers, **overrides)
