@@ -185,3 +185,64 @@ def test_query_rows_split_over_two_ranks_equal_one_process(kind, monkeypatch):
     graph, plan = _check_exact(_model(kind), _inputs(True, True), 2, rows_only=monkeypatch)
     (attention,) = _attention(graph)
     assert str(plan.strategy(attention.name).inputs[0][0]) == "S(2)", str(plan.strategy(attention.name))
+
+
+# -- generate: the prompt's and the decode steps' graphs -----------------------------------------
+
+def _prompt():
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    ids[1, :3], mask[1, :3] = 0, 0
+    return ids, mask
+
+
+def _generate_rank(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    ids, mask = _prompt()
+    model = _model("mistral", window=4)
+    pm = autotp.parallelize(model, mesh, (ids,), mode="inference", hardware="cpu-gloo")
+    return pm.generate(ids, attention_mask=mask, max_new_tokens=6).tolist()
+
+
+@pytest.mark.slow
+def test_generate_with_a_sliding_window_returns_the_model_s_own_tokens():
+    """A window of 4 under a prompt of 8 and 6 new tokens, one prompt left-padded: the prompt's
+    graph and the one-token steps (queries one row against the cache) give the model's tokens."""
+    from examples.ranks import run_ranks
+
+    ids, mask = _prompt()
+    expected = _model("mistral", window=4).generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert run_ranks(_generate_rank, 2) == [expected.tolist()] * 2
+
+
+# -- a long sequence, planned only --------------------------------------------------------------
+
+def _llama_8b_layer(seq: int):
+    from transformers import LlamaConfig, LlamaModel
+
+    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=1, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=seq)
+    with torch.device("meta"):
+        model = LlamaModel(config)  # no head: the logits' 64 GiB would be the peak, past the mask
+    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    return model, {"input_ids": ids, "attention_mask": torch.ones(1, seq, dtype=torch.long, device="meta")}
+
+
+@pytest.mark.slow
+def test_at_128k_tokens_the_plan_holds_no_square_mask(monkeypatch):
+    """Llama 3 8B's widths, one layer, 1 x 131072 tokens with a padding mask, planned for 8 ranks
+    on meta: no node of the graph is (S, S) (the same model traced with its mask kept has them),
+    and the plan's whole memory per rank is less than the (S, S) boolean mask alone (16 GiB)."""
+    from autotp.tracing import export
+
+    seq = 131072
+    model, inputs = _llama_8b_layer(seq)
+    graph = autotp.capture(model, inputs)
+    assert not [n.name for n in graph.nodes for o in n.outputs if tuple(o.shape[-2:]) == (seq, seq)]
+    described = plan_graph(graph, (8,), "h100-sxm", "inference", memory_budget="1 TiB")
+    monkeypatch.setattr(export, "describe_masks", lambda gm: [])
+    kept = autotp.capture(model, inputs)
+    assert [n.name for n in kept.nodes for o in n.outputs if tuple(o.shape[-2:]) == (seq, seq)]
+    assert described.memory.peak_bytes < seq * seq, described.memory
