@@ -84,9 +84,10 @@ def attention_work_divisor(node: OpNode, strategy: Strategy, axis: int, n: int) 
     """The whole mask's pairs over the busiest rank's, where ``strategy`` splits the query rows of a
     described or causal attention on ``axis`` (rows in ``n`` pieces in order); None otherwise."""
     spec = attention_mask_of(node)
-    q = node.input_infos[0]
-    placement = strategy.inputs[0][axis] if strategy.inputs and strategy.inputs[0] is not None else R
-    if spec is None or not (placement.is_shard and placement.dim == q.ndim - 2):
+    if spec is None or not strategy.inputs or strategy.inputs[0] is None:
+        return None
+    q, placement = node.input_infos[0], strategy.inputs[0][axis]
+    if not (placement.is_shard and placement.dim == q.ndim - 2):
         return None
     rows, cols = q.shape[-2], node.input_infos[1].shape[-2]
     size = rows // n
