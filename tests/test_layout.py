@@ -1,6 +1,7 @@
 """The package's layout holds: imports run one way down the pipeline, and every package says what it holds.
 
-The order, from the bottom: the shared words (``placement``, ``ops``, ``mesh``, ``layout``, ``units``, ``words``), then
+The order, from the bottom: the shared words (``placement``, ``ops``, ``mesh``, ``layout``, ``units``, ``words``,
+``masks``), then
 ``tracing``, ``local`` (how an op runs on a rank's pieces, which the op families of planning import),
 ``planning``, ``runtime``, ``weights``; ``profiling`` stands beside them on the shared
 words alone; the faces (``autotp/__init__.py``, ``parallel``, ``cli``) may import anything. Every
@@ -19,7 +20,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "autotp"
-BASE = {"autotp.placement", "autotp.ops", "autotp.mesh", "autotp.layout", "autotp.units", "autotp.words"}
+BASE = {"autotp.placement", "autotp.ops", "autotp.mesh", "autotp.layout", "autotp.units", "autotp.words",
+        "autotp.masks"}
 STAGES = {"tracing": 1, "local": 2, "planning": 3, "runtime": 4, "weights": 5, "profiling": 1}
 FACE = 9
 

@@ -11,6 +11,8 @@ It imports nothing from the later stages.
 - ``arguments``  an op's arguments by schema name (``OpArgs``, ``TensorArg``, ``SizeArg``)
 - ``dynamic``    dynamic dims: the input sizes a graph accepts, and what a plan requires of them
 - ``regions``    ``no_grad`` and autocast-off blocks, inlined into the graph
+- ``masks``      attention masks proven causal / windowed / padded from the graph, replaced by their
+                 description (``is_causal``, ``autotp::masked_attention``), their ``S x S`` subgraph removed
 - ``refusals``   constructs a plan cannot place, each refused with what to do
 - ``aliasing``   views and writes in place: which tensors must share one storage
 - ``repeats``    stacks of alike layers traced at three layers and unrolled (for planning)

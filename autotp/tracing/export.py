@@ -29,10 +29,12 @@ import torch.fx
 from torch.utils import flop_counter
 
 from autotp import ops
+from autotp.masks import MASKED_ATTENTION, MaskSpec, spec_of
 from autotp.tracing.arguments import _node_outputs, map_tensor_arguments, op_args, tensor_arguments
 from autotp.tracing.dynamic import DynamicDim, export_spec, size_expression, size_hint
 from autotp.tracing.graph import BUFFER, CONSTANT, INPUT, OP, PARAMETER, OpGraph, OpNode, ParameterInfo, TensorInfo
 from autotp.tracing.heap import old_objects_frozen
+from autotp.tracing.masks import describe_masks
 from autotp.tracing.inputs import (buffers_on_meta, cache_off, check_devices, distinct, in_modes, meta_parameters, modes_of,
                                    normalize_inputs, on_fake_device)
 from autotp.tracing.refusals import (CaptureError, check_data_dependent_sizes, check_higher_order_ops, check_operand_dtypes,
@@ -140,9 +142,15 @@ def _flops(node: torch.fx.Node) -> float:
         a = vals[0]
         k = a.shape[-1]
         return 2.0 * out.numel() * k
-    if target is aten.scaled_dot_product_attention.default:
+    if target is aten.scaled_dot_product_attention.default or target is MASKED_ATTENTION:
+        # the pairs of (query, key) the kernel computes: every pair, but half the square and its
+        # diagonal under is_causal, and what a described mask allows (autotp/local/attention.py)
         q, k, v = vals[:3]
-        return float(flop_counter.sdpa_flop_count(tuple(q.shape), tuple(k.shape), tuple(v.shape)))
+        full = float(flop_counter.sdpa_flop_count(tuple(q.shape), tuple(k.shape), tuple(v.shape)))
+        args = op_args(node)
+        spec = spec_of(args) if target is MASKED_ATTENTION else MaskSpec() if args.get("is_causal") else None
+        rows, cols = q.shape[-2], k.shape[-2]
+        return full if spec is None or not rows * cols else full * spec.pairs(rows, cols) / (rows * cols)
     if str(target) in ops.GROUPED_MATMULS and vals[0].ndim == 2 and vals[1].ndim == 3:
         # each of the S rows through one group's (K, N) matrix (the registry counts none: Hugging
         # Face's fallback op is not in it, and aten._grouped_mm has no formula)
@@ -288,6 +296,7 @@ def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.
     for spec in exported.graph_signature.output_specs:  # outputs the inlining renamed (it stays valid)
         if renamed.get(getattr(spec.arg, "name", None)):
             spec.arg.name = renamed[spec.arg.name]
+    describe_masks(exported.graph_module)  # attention masks as descriptions, their S x S subgraph gone
     check_higher_order_ops(exported, model)
     check_data_dependent_sizes(exported, model)
     sig = exported.graph_signature

@@ -55,6 +55,7 @@ from autotp.planning.costs.redistribute import (
     step_copies,
 )
 from autotp.planning.costs.saved import forward_liveness, kept_storages
+from autotp.planning.rules.attention import attention_work_divisor
 from autotp.planning.rules.experts import expert_work_divisor
 from autotp.planning.rules.routed import routed_kept_bytes, routed_work_divisor
 from autotp.planning.rules.inner import inner_collectives
@@ -384,7 +385,12 @@ def _work_divisor(node: OpNode, strategy: Strategy, axis: int, n: int) -> float:
     full size over its largest piece (every tensor a choice splits unevenly is cut in the same units),
     or for experts split whole over the ranks, the rows over the busiest rank's
     (:func:`autotp.planning.rules.experts.expert_work_divisor`), or on routed rows, the busiest
-    rank's received rows (:func:`autotp.planning.rules.routed.routed_work_divisor`)."""
+    rank's received rows (:func:`autotp.planning.rules.routed.routed_work_divisor`), or for a causal or
+    described attention split by query rows, the mask's pairs over the busiest rank's
+    (:func:`autotp.planning.rules.attention.attention_work_divisor`)."""
+    attention = attention_work_divisor(node, strategy, axis, n)
+    if attention is not None:
+        return attention
     routed = routed_work_divisor(node, strategy, axis, n)
     if routed is not None:
         return routed

@@ -111,6 +111,7 @@ SAVES: Mapping[str, tuple[Callable[[OpGraph, OpNode], tuple[int, ...]], bool]] =
     "aten._log_softmax.default": (lambda g, n: (), True),
     "aten.log_softmax.int": (lambda g, n: (), True),
     "aten.scaled_dot_product_attention.default": (_attention, True),
+    "autotp.masked_attention.default": (_attention, True),  # its masks rebuilt in the backward, not kept
     # log_softmax (kept, input-sized: _EXTRA_INPUT) and nll_loss (its targets)
     "aten.cross_entropy_loss.default": (_indices(1), False),
     "aten.nll_loss_forward.default": (_indices(1), False),
@@ -135,6 +136,7 @@ KEEPS_NOTHING = frozenset({
 # log-sum-exp, one float32 per query row (the output's last dim is the head's); dropout's mask,
 # one bool per element
 _EXTRA = {"aten.scaled_dot_product_attention.default": lambda node: 4.0 / max(node.outputs[0].shape[-1], 1),
+          "autotp.masked_attention.default": lambda node: 4.0 / max(node.outputs[0].shape[-1], 1),
           "aten.dropout.default": lambda node: 1.0 if node.args.get("p", 0.0) and node.args.get("train", True) else 0.0}
 # ... and per element of its first input, in that input's dtype: cross-entropy keeps the
 # log-softmax of its logits, the size of the logits (as the piece of the logits it computes on)

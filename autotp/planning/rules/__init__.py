@@ -30,6 +30,8 @@ Modules:
                  ranks (each rank its experts' rows, a sum of disjoint parts ``Pd`` carried to the combine)
 - ``routed``     whole experts with the tokens split: routed rows sent to their experts' ranks and back
                  by all-to-all (a region of the graph: ``St``, ``Se``)
+- ``attention``  attention under a described mask (causal, a window, a padding vector) and causal
+                 attention split by query rows: each rank builds its rows' mask
 - ``blocks``     blocked splits: a fused projection cut into its parts, each part split
 - ``uneven``     uneven splits: units (heads, vocabulary rows) the ranks do not divide
 - ``gradients``  the ``Rg`` variants: replicated ops that pass a partial gradient on
@@ -55,6 +57,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 from autotp.local.site import LocalCall, LocalExecution, LocalSite
 from autotp.placement import Placement, R, parse_placements
 from autotp.planning.rules import (
+    attention,
     blocks,
     contractions,
     convolutions,
@@ -85,12 +88,12 @@ Local = Callable[[LocalSite], Optional[Callable[..., Any]]]  # the user's: the c
 # DTensor's registry (autotp.planning.choices.dtensor_rules).
 BUILTIN: dict[str, Callable[[OpNode, int], Optional[list[AxisChoice]]]] = {
     **contractions.RULES, **pointwise.RULES, **randomness.RULES, **reductions.RULES, **joins.RULES, **indexing.RULES,
-    **losses.RULES, **convolutions.RULES, **norms.RULES, **experts.RULES,
+    **losses.RULES, **convolutions.RULES, **norms.RULES, **experts.RULES, **attention.RULES,
 }
 
 # the families with local executions, in the order they are tried where two run the same op
-FAMILIES = (blocks, reductions, views, joins, factories, randomness, contractions, routed, experts, losses, norms,
-            convolutions)
+FAMILIES = (blocks, reductions, views, joins, factories, randomness, contractions, attention, routed, experts, losses,
+            norms, convolutions)
 
 
 def _by_op(families) -> dict[str, tuple[LocalExecution, ...]]:

@@ -25,6 +25,12 @@ def divisible(size: int, n: int) -> bool:
     return size % n == 0 and size >= n
 
 
+def is_relaxed() -> bool:
+    """Whether the rules are being asked within :func:`relaxed` (a rule whose split reads positions
+    along a dim leaves that split out then)."""
+    return _RELAXED.get()
+
+
 @contextlib.contextmanager
 def relaxed() -> Iterator[None]:
     """Within: :func:`divisible` accepts any size of two or more, so a rule lists the splits it would

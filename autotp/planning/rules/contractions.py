@@ -15,7 +15,7 @@ from autotp.local.collectives import MaskedEmbedding
 from autotp.local.dropout import SeededAttention, attention_dropout_p
 from autotp.local.site import LocalSite
 from autotp.placement import P, R, S
-from autotp.planning.rules.common import AxisChoice, broadcast_in, divisible
+from autotp.planning.rules.common import AxisChoice, broadcast_in, divisible, is_relaxed
 from autotp.tracing.graph import OpNode
 
 
@@ -97,10 +97,13 @@ def sdpa_choices(node: OpNode, n: int) -> list[AxisChoice]:
                       for m in node.input_infos[3:])
         choices.append(((S(d), S(d), S(d), *extra), S(d)))
     # the queries split along their sequence, keys and values whole: each query row attends on its
-    # own (a high-resolution image's tokens, too many and too few heads to split otherwise). Not for
-    # ``is_causal``, whose mask is placed by the rows' local index; an explicit mask splits with them
+    # own (a high-resolution image's tokens, too many and too few heads to split otherwise). An
+    # explicit mask splits with them; ``is_causal`` runs on a rank's rows with their offset
+    # (rules/attention.py), not under dropout, whose draws are placed otherwise
     d = q.ndim - 2
-    if d >= 0 and not node.args.get("is_causal", False) and divisible(q.shape[d], n):
+    causal = node.args.get("is_causal", False)
+    if d >= 0 and not (causal and (is_relaxed() or float(node.args.get("dropout_p") or 0.0) > 0)) \
+            and divisible(q.shape[d], n):
         extra = tuple(broadcast_in(m, node.output, d) if m.ndim == node.output.ndim else R
                       for m in node.input_infos[3:])
         choices.append(((S(d), R, R, *extra), S(d)))

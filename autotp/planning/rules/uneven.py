@@ -34,7 +34,7 @@ __all__ = ["unit_counts", "takes_uneven", "uneven_choices"]
 # ops whose rules may be asked with evenness relaxed: their splits never read positions along the dim
 _RULE_OPS = frozenset({
     "aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.matmul.default",
-    "aten.embedding.default", "aten.scaled_dot_product_attention.default",
+    "aten.embedding.default", "aten.scaled_dot_product_attention.default", "autotp.masked_attention.default",
     "aten.softmax.int", "aten._softmax.default", "aten.log_softmax.int", "aten._log_softmax.default",
     "aten.layer_norm.default", "aten.rms_norm.default", "aten.sum.dim_IntList", "aten.sum.default",
     "aten.mean.dim", "aten.mean.default", "aten.cat.default", "aten.stack.default",

@@ -1,0 +1,248 @@
+"""Attention masks run as their description: found from the graph (no ``S x S`` tensor left),
+priced at the pairs the kernel computes, exact against the model in one process on 1 and 2
+threaded ranks, with the padding, the sliding window and the query rows split.
+
+References: ``scaled_dot_product_attention`` with the whole mask (the kernel), the Hugging Face
+model's own loss and gradients in one process (the models), ``torch.utils.flop_counter``'s count of
+the whole square (the FLOPs), brute-force counts of the mask's pairs.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autotp
+from autotp.masks import MaskSpec, masked_attention
+from autotp.placement import R, S
+from autotp.planning.planner import plan_graph
+from autotp.runtime.module import build_parallel_module
+from autotp.runtime.shards import placements_of
+from autotp.weights.checkpoint import full_tensor
+from examples.ranks import run_threads
+
+SEQ = 12  # not any width of the models: a (SEQ, SEQ) shape is a mask
+
+
+def _model(kind: str, window: int = 5):
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
+
+    widths = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
+    torch.manual_seed(0)
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**widths)).eval()
+    if kind == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**widths)).eval()
+    return MistralForCausalLM(MistralConfig(**widths, sliding_window=window)).eval()
+
+
+def _inputs(padded: bool, given_mask: bool = True) -> dict:
+    """Two sequences of SEQ tokens; padded: the first left-padded by 3, the second right-padded by
+    4, labels -100 on the pads."""
+    ids = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, SEQ, dtype=torch.long)
+    if padded:
+        mask[0, :3], mask[1, -4:] = 0, 0
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "labels": labels, **({"attention_mask": mask} if given_mask else {})}
+
+
+def _attention(graph):
+    return [n for n in graph.ops() if n.target in ("autotp.masked_attention.default",
+                                                   "aten.scaled_dot_product_attention.default")]
+
+
+# -- the kernel: each chunk of rows against its keys equals the whole mask -------------------------
+
+def test_pairs_count_what_the_mask_allows():
+    for causal, window, diagonal, rows, cols, start in itertools.product(
+            [True, False], [None, 1, 2, 5], [-3, 0, 2, 7], [1, 5, 9], [1, 6, 9], [0, 3]):
+        if window is not None and not causal:
+            continue
+        spec = MaskSpec(causal, window, diagonal)
+        assert spec.pairs(rows, cols, start) == int(spec.block((start, start + rows), (0, cols)).sum()), spec
+
+
+@pytest.mark.parametrize("spec", [MaskSpec(), MaskSpec(window=3), MaskSpec(causal=False), MaskSpec(window=2, diagonal=2)],
+                         ids=str)
+@pytest.mark.parametrize("offsets", [(0, 0), (3, 2)])
+def test_chunks_of_rows_equal_the_whole_mask_forward_and_backward(spec, offsets):
+    """Any block of rows and columns (a rank's rows, a later sequence split's keys), any chunking,
+    with padding that leaves a row no key: the output and gradients of sdpa under the whole block
+    of the mask."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 7, d, dtype=torch.float64, generator=g).requires_grad_() for d in (4, 4, 5))
+    pad = torch.rand(2, 7, generator=g) > 0.3
+    pad[0, :5] = False
+    rows, cols = offsets
+    whole = spec.block((rows, rows + 7), (cols, cols + 7)) & pad[:, None, None, :]
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=whole)
+    grad = torch.randn(ref.shape, dtype=ref.dtype, generator=g)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
+    for chunk in (1, 3, 100):
+        out = masked_attention(q, k, v, pad, spec, rows, cols, chunk_rows=chunk)
+        torch.testing.assert_close(out, ref)
+        for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), ref_grads):
+            torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("op", ["masked", "causal"])
+def test_query_rows_split_run_exactly_through_their_local_execution(op):
+    """Every strategy of the described op and of ``is_causal`` attention, the query rows' included,
+    on 2 ranks' pieces through the local executions the rewrite runs."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 8, 4, generator=g) for _ in range(3))
+    if op == "masked":
+        pad = torch.rand(2, 8, generator=g) > 0.3
+        strategies = autotp.check_rule(torch.ops.autotp.masked_attention.default, (q, k, v, pad, True, 3, 0))
+    else:
+        strategies = autotp.check_rule(torch.ops.aten.scaled_dot_product_attention.default,
+                                       (q, k, v, None, 0.0, True))
+    assert any(str(s.inputs[0][0]) == "S(2)" for s in strategies), [str(s) for s in strategies]
+
+
+# -- found from the graph ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind, given, padded, became", [
+    ("llama", False, False, MaskSpec()), ("llama", True, True, MaskSpec()),
+    ("qwen2", True, False, MaskSpec()), ("mistral", False, False, MaskSpec(window=5)),
+    ("mistral", True, True, MaskSpec(window=5))])
+def test_the_mask_is_described_and_no_square_tensor_is_left(kind, given, padded, became):
+    model = _model(kind)
+    graph = autotp.capture(model, {k: v for k, v in _inputs(padded, given).items() if k != "labels"})
+    (attention,) = _attention(graph)
+    if became == MaskSpec() and not (given and padded) and kind != "qwen2":
+        assert attention.target == "aten.scaled_dot_product_attention.default" and attention.args["is_causal"]
+        assert attention.args.get("attn_mask") is None
+    else:
+        assert attention.target == "autotp.masked_attention.default"
+        assert MaskSpec(attention.args["causal"], attention.args["window"], attention.args["diagonal"]) == became
+        assert (len(attention.inputs) == 4) == given  # the padding vector, where attention_mask is given
+    square = [n.name for n in graph.nodes for o in n.outputs if tuple(o.shape[-2:]) == (SEQ, SEQ)]
+    assert square == [], square
+
+
+def test_flops_are_the_pairs_the_kernel_computes():
+    """Causal: S (S + 1) / 2 of the S x S pairs; a window of 5: what it allows."""
+    for kind, spec in [("llama", MaskSpec()), ("mistral", MaskSpec(window=5))]:
+        graph = autotp.capture(_model(kind), {"input_ids": _inputs(False)["input_ids"]})
+        (attention,) = _attention(graph)
+        q, k, v = attention.input_infos[:3]
+        from torch.utils.flop_counter import sdpa_flop_count
+
+        square = sdpa_flop_count(q.shape, k.shape, v.shape)
+        assert attention.flops == pytest.approx(square * spec.pairs(SEQ, SEQ) / SEQ ** 2)
+    assert MaskSpec().pairs(SEQ, SEQ) == SEQ * (SEQ + 1) // 2
+
+
+# -- exact on ranks ----------------------------------------------------------------------------
+
+def _step(rank, world, graph, plan, model, inputs):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    pm = build_parallel_module(graph, plan, mesh, model)
+    loss = pm(**inputs).loss
+    loss.backward()
+    return loss.detach(), {n: full_tensor(p.grad, placements_of(p)) for n, p in pm.named_parameters()}
+
+
+def _check_exact(model, inputs, world, rows_only=None):
+    graph = autotp.capture(model, inputs)
+    if rows_only is not None:  # the attention offered its query-rows split alone: its rows' local execution runs
+        from autotp.planning.choices import strategies
+
+        others = strategies.user_choices
+        rows_only.setattr(strategies, "user_choices", lambda node, n: [
+            ((S(2), R, R) + (R,) * (len(node.inputs) - 3), S(2))] if node in _attention(graph) else others(node, n))
+    plan = plan_graph(graph, (world,), "cpu-gloo", "train")
+    out = model(**inputs)
+    out.loss.backward()
+    for loss, grads in run_threads(_step, world, graph, plan, model, inputs):
+        torch.testing.assert_close(loss, out.loss.detach(), rtol=1e-5, atol=1e-6)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-5 * p.grad.abs().max().item(), msg=n)
+    model.zero_grad()
+    return graph, plan
+
+
+@pytest.mark.parametrize("kind, padded, given", [("llama", True, True), ("mistral", True, True),
+                                                 ("mistral", False, False), ("qwen2", True, True)])
+@pytest.mark.parametrize("world", [1, 2])
+def test_loss_and_gradients_equal_one_process(kind, padded, given, world):
+    _check_exact(_model(kind), _inputs(padded, given), world)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_query_rows_split_over_two_ranks_equal_one_process(kind, monkeypatch):
+    """The attention pinned to its query-rows split: each rank builds its rows' mask (causal, and
+    the window smaller than the sequence) and the padded rows come out as in one process."""
+    graph, plan = _check_exact(_model(kind), _inputs(True, True), 2, rows_only=monkeypatch)
+    (attention,) = _attention(graph)
+    assert str(plan.strategy(attention.name).inputs[0][0]) == "S(2)", str(plan.strategy(attention.name))
+
+
+# -- generate: the prompt's and the decode steps' graphs -----------------------------------------
+
+def _prompt():
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    ids[1, :3], mask[1, :3] = 0, 0
+    return ids, mask
+
+
+def _generate_rank(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    ids, mask = _prompt()
+    model = _model("mistral", window=4)
+    pm = autotp.parallelize(model, mesh, (ids,), mode="inference", hardware="cpu-gloo")
+    return pm.generate(ids, attention_mask=mask, max_new_tokens=6).tolist()
+
+
+@pytest.mark.slow
+def test_generate_with_a_sliding_window_returns_the_model_s_own_tokens():
+    """A window of 4 under a prompt of 8 and 6 new tokens, one prompt left-padded: the prompt's
+    graph and the one-token steps (queries one row against the cache) give the model's tokens."""
+    from examples.ranks import run_ranks
+
+    ids, mask = _prompt()
+    expected = _model("mistral", window=4).generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert run_ranks(_generate_rank, 2) == [expected.tolist()] * 2
+
+
+# -- a long sequence, planned only --------------------------------------------------------------
+
+def _llama_8b_layer(seq: int):
+    from transformers import LlamaConfig, LlamaModel
+
+    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=1, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=seq)
+    with torch.device("meta"):
+        model = LlamaModel(config)  # no head: the logits' 64 GiB would be the peak, past the mask
+    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    return model, {"input_ids": ids, "attention_mask": torch.ones(1, seq, dtype=torch.long, device="meta")}
+
+
+@pytest.mark.slow
+def test_at_128k_tokens_the_plan_holds_no_square_mask(monkeypatch):
+    """Llama 3 8B's widths, one layer, 1 x 131072 tokens with a padding mask, planned for 8 ranks
+    on meta: no node of the graph is (S, S) (the same model traced with its mask kept has them),
+    and the plan's whole memory per rank is less than the (S, S) boolean mask alone (16 GiB)."""
+    from autotp.tracing import export
+
+    seq = 131072
+    model, inputs = _llama_8b_layer(seq)
+    graph = autotp.capture(model, inputs)
+    assert not [n.name for n in graph.nodes for o in n.outputs if tuple(o.shape[-2:]) == (seq, seq)]
+    described = plan_graph(graph, (8,), "h100-sxm", "inference", memory_budget="1 TiB")
+    monkeypatch.setattr(export, "describe_masks", lambda gm: [])
+    kept = autotp.capture(model, inputs)
+    assert [n.name for n in kept.nodes for o in n.outputs if tuple(o.shape[-2:]) == (seq, seq)]
+    assert described.memory.peak_bytes < seq * seq, described.memory
