@@ -34,7 +34,7 @@ from autotp.tracing.arguments import _node_outputs, map_tensor_arguments, op_arg
 from autotp.tracing.dynamic import DynamicDim, export_spec, size_expression, size_hint
 from autotp.tracing.graph import BUFFER, CONSTANT, INPUT, OP, PARAMETER, OpGraph, OpNode, ParameterInfo, TensorInfo
 from autotp.tracing.heap import old_objects_frozen
-from autotp.tracing.masks import describe_masks
+from autotp.tracing.masks import ERASED, describe_masks
 from autotp.tracing.inputs import (buffers_on_meta, cache_off, check_devices, distinct, in_modes, meta_parameters, modes_of,
                                    normalize_inputs, on_fake_device)
 from autotp.tracing.refusals import (CaptureError, check_data_dependent_sizes, check_higher_order_ops, check_operand_dtypes,
@@ -402,6 +402,7 @@ def graph_from_exported(exported: torch.export.ExportedProgram, model: torch.nn.
         model_type=type(model).__name__, exported=exported, alias_placeholders=rename,
         dynamic=tuple(dynamic), symbolic=symbolic, training=bool(model.training),
         other_mode=() if isinstance(modes_of(model), bool) else modes_of(model)[1],
+        erased=tuple(exported.graph_module.meta.get(ERASED, ())),
     )
     check_parameter_writes(graph)
     return graph

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from autotp.units import format_bytes
 
@@ -225,6 +225,10 @@ class OpGraph:
     training: bool = True  # the model's mode when traced (train: dropout drops, batch norm updates its statistics)
     # the modules traced in the other mode than the model's own (a frozen backbone in eval mode)
     other_mode: tuple[str, ...] = field(default=(), compare=False)
+    # the op names the capture's own passes erased (an attention mask's subgraph, autotp/tracing/masks.py),
+    # each with the op that followed it (None: the last): torch.fx had counted them, so the unroll
+    # counts them in too, where they were, when it names the layers it copies
+    erased: tuple[tuple[str, Optional[str]], ...] = field(default=(), compare=False)
     @property
     def modes(self) -> Any:
         """The modes the model was traced in (:data:`autotp.tracing.inputs.Modes`)."""

@@ -339,40 +339,49 @@ def describe_masks(gm: torch.fx.GraphModule) -> list[MaskFound]:
         pad = evaluator.pads[number] if padded else None
         if pad is not None and (_shape(pad)[1] != k[-2] or _shape(pad)[0] not in (1, q[0])):
             continue
-        with graph.inserting_before(node):
-            kw = {"scale": args.get("scale"), "enable_gqa": bool(args.get("enable_gqa", False))}
-            if spec is not None and pad is None and spec == MaskSpec() and q[-2] == k[-2]:
-                new = graph.call_function(_SDPA, (args["query"], args["key"], args["value"]),
-                                          {"is_causal": True, **kw})
-                became = "is_causal"
-            elif spec is None and pad is None:  # every key allowed: no mask at all
-                new = graph.call_function(_SDPA, (args["query"], args["key"], args["value"]), kw)
-                became = "unmasked"
-            else:
-                spec = spec or MaskSpec(causal=False)
-                new = graph.call_function(MASKED_ATTENTION, (args["query"], args["key"], args["value"], pad,
-                                                             spec.causal, spec.window, spec.diagonal), kw)
-                became = "described"
-        new.meta = dict(node.meta)
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
-        found.append(MaskFound(new.name, spec or MaskSpec(causal=False), pad is not None, became))
+        # the call changed in place: it keeps its name, as the trace gave it (the unroll names layers
+        # by fx's counts, autotp/tracing/repeats.py)
+        kw = {"scale": args.get("scale"), "enable_gqa": bool(args.get("enable_gqa", False))}
+        qkv = (args["query"], args["key"], args["value"])
+        if spec is not None and pad is None and spec == MaskSpec() and q[-2] == k[-2]:
+            node.args, node.kwargs, became = qkv, {"is_causal": True, **kw}, "is_causal"
+        elif spec is None and pad is None:  # every key allowed: no mask at all
+            node.args, node.kwargs, became = qkv, kw, "unmasked"
+        else:
+            spec = spec or MaskSpec(causal=False)
+            node.target = MASKED_ATTENTION
+            node.args, node.kwargs = qkv + (pad, spec.causal, spec.window, spec.diagonal), kw
+            became = "described"
+        found.append(MaskFound(node.name, spec or MaskSpec(causal=False), pad is not None, became))
     if found:
-        _remove_unread(graph, evaluator.visited)
+        gm.meta.setdefault(ERASED, []).extend(_remove_unread(graph, evaluator.visited))
         gm.recompile()
     return found
 
 
 _CHECKS = (aten._assert_tensor_metadata.default,)
+ERASED = "autotp_erased"  # the graph module's meta: the op nodes erased here (_remove_unread), in graph order
 
 
-def _remove_unread(graph: torch.fx.Graph, candidates: set[torch.fx.Node]) -> None:
-    """Erase the nodes of ``candidates`` nothing reads any more (but the checks on their own metadata)."""
+def _remove_unread(graph: torch.fx.Graph, candidates: set[torch.fx.Node]) -> list[tuple[str, Optional[str]]]:
+    """Erase the nodes of ``candidates`` nothing reads any more (but the checks on their own metadata);
+    their names in graph order, each with the name of the op kept after it (``OpGraph.erased``)."""
+    order = [n.name for n in graph.nodes if n.op == "call_function"]
+    erased = []
     for node in reversed(list(graph.nodes)):
         if node not in candidates or node.op != "call_function":
             continue
         if all(u.op == "call_function" and u.target in _CHECKS for u in node.users):
             for check in list(node.users):
+                erased.append(check.name)
                 graph.erase_node(check)
+            erased.append(node.name)
             graph.erase_node(node)
+    gone, result, following = set(erased), [], None
+    for name in reversed(order):  # each erased op with the op kept after it
+        if name in gone:
+            result.append((name, following))
+        else:
+            following = name
+    return result[::-1]
 

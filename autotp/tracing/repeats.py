@@ -157,7 +157,7 @@ def unroll(graph: OpGraph, stacks: list[Stack]) -> Optional[OpGraph]:
         if done is None:
             return None
         nodes, outputs, params = done
-    names = _fx_names(nodes, base)
+    names = _fx_names(nodes, base, graph.erased)
     if names is None:
         return None
 
@@ -168,7 +168,7 @@ def unroll(graph: OpGraph, stacks: list[Stack]) -> Optional[OpGraph]:
     params = [replace(p, node=rn(p.node)) for p in params]
     return OpGraph(nodes=tuple(nodes), outputs=tuple(rn(o) for o in outputs), parameters=tuple(params),
                    model_type=graph.model_type, alias_placeholders=dict(graph.alias_placeholders),
-                   training=graph.training, other_mode=graph.other_mode, unrolled=tuple(f"{s.path or 'the model'} ({s.count} layers)" for s in stacks))
+                   training=graph.training, other_mode=graph.other_mode, erased=graph.erased, unrolled=tuple(f"{s.path or 'the model'} ({s.count} layers)" for s in stacks))
 
 
 def _with(node: OpNode, **changes: Any) -> OpNode:
@@ -188,17 +188,23 @@ def _base(name: str) -> str:
     return m.group(1) if m else name
 
 
-def _fx_names(nodes: list[OpNode], base: dict[str, str]) -> Optional[dict[str, str]]:
+def _fx_names(nodes: list[OpNode], base: dict[str, str], erased: tuple = ()) -> Optional[dict[str, str]]:
     """The names torch.fx gives ``nodes`` in this order (placeholders keep theirs): op ``name`` gets
-    ``base[name]`` with fx's count. None where a placeholder's name is taken twice."""
+    ``base[name]`` with fx's count, the ops the capture erased (``OpGraph.erased``: a model's attention
+    mask) counted where they were. None where a placeholder's name is taken twice."""
     ns = fx_graph._Namespace()
     names: dict[str, str] = {}
     for n in nodes:
         if n.role != OP:
             if ns.create_name(n.name, None) != n.name:
                 return None
+    before: dict[Optional[str], list[str]] = {}
+    for name, following in erased:
+        before.setdefault(following, []).append(name)
     for n in nodes:
         if n.role == OP:
+            for name in before.pop(n.name, ()):
+                ns.create_name(name, None)
             names[n.name] = ns.create_name(base[n.name], None)
     return names
 
@@ -206,7 +212,7 @@ def _fx_names(nodes: list[OpNode], base: dict[str, str]) -> Optional[dict[str, s
 def _names_as_traced(graph: OpGraph, base: dict[str, str]) -> bool:
     """The trace's op names are what :func:`_fx_names` makes of their bases: a full trace's names can
     then be told."""
-    names = _fx_names(list(graph.nodes), base)
+    names = _fx_names(list(graph.nodes), base, graph.erased)
     return names is not None and all(k == v for k, v in names.items())
 
 
