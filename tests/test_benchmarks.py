@@ -241,3 +241,18 @@ def test_the_experts_benchmark_runs_each_variant_as_one_process_computes():
     assert "down_proj R, gate_up_proj R" in described["replicated"], described
     lines = experts.report(experts.QUICK, [row])
     assert any(line.startswith("2 ranks: experts / features = ") for line in lines), lines
+
+
+@pytest.mark.parametrize("shape", [pytest.param("qwen3-30b-a3b", marks=pytest.mark.slow), "deepseek-v3"])
+def test_experts_choice_prices_each_placement_of_a_shrunk_shape(shape):
+    """benchmarks/experts_choice.py's row at tiny widths on (2,): one kind of MoE layer (DeepSeek-V3's
+    first layer dense, found as no MoE layer), each placement of its experts priced, the unpinned plan's the least. The
+    Qwen3 row is slow: tests/planning/test_expert_choice.py plans a tiny Qwen3-MoE by default."""
+    from benchmarks import experts_choice
+
+    row = experts_choice.row(shape, 2, tiny=True)
+    steps, plan = row["steps_s"], row["plan"]
+    assert steps[row["placement"]] == plan.predicted_time().total_s
+    assert set(steps) >= {"features", "whole", "routed"} and all(s is not None for s in steps.values())
+    assert all(s >= steps[row["placement"]] * (1 - 1e-9) for s in steps.values())
+    assert row["choice"].layers == (1 if shape == "deepseek-v3" else 2) and row["choice"].experts == 8

@@ -228,6 +228,30 @@ def test_pipeline_layouts_from_the_command_line(tmp_path, capsys):
     assert "give the number of devices" in capsys.readouterr().err
 
 
+def test_the_report_of_a_moe_model_says_where_its_experts_went(tmp_path, capsys):
+    """``autotp plan`` on a tiny Qwen3-MoE: the report's experts section names the placement chosen and
+    prices the others, the figures the plan's own (``plan.expert_choices()``)."""
+    factory = tmp_path / "factory.py"
+    factory.write_text(
+        "import torch, transformers\n\n\n"
+        "def build():\n"
+        "    config = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64,\n"
+        "        moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, num_hidden_layers=1,\n"
+        "        num_attention_heads=4, num_key_value_heads=2, head_dim=8)\n"
+        "    with torch.device('meta'):\n"
+        "        model = transformers.Qwen3MoeForCausalLM(config)\n"
+        "    ids = torch.zeros(4, 8, dtype=torch.long, device='meta')\n"
+        "    return model, {'input_ids': ids, 'labels': ids}\n")
+    out = tmp_path / "plan.json"
+    assert main(["plan", f"{factory}:build", "--mesh", "2", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    section = printed[printed.index("Experts (routed MoE layers"):]
+    words = autotp.load_plan(out).expert_choices()[0].chosen.words  # what the saved plan chose
+    assert "1 MoE layer of 4 experts" in section and f"chosen {words}, step " in section
+    assert all(f"pinned {w}" in section or f"; {w}" in section for w in ("split by features", "whole on ranks, every token on every rank",
+                                             "whole on ranks, tokens sent by all-to-all") if w not in words)
+
+
 def test_help_says_parallelize_runs_pipeline_plans(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--help"])

@@ -18,6 +18,7 @@ from autotp.layout import AXIS_NAMES, EXPERT
 from autotp.mesh import MeshSpec
 from autotp.placement import Strategy, format_placements, parse_placements, piece_sizes
 from autotp.planning.choices.expert_lists import warn_expert_lists
+from autotp.planning.choices.expert_placements import keep_placement
 from autotp.planning.choices.strategies import all_strategies, stored_strategy
 from autotp.planning.choices.tying import tie
 from autotp.planning.costs.costing import MODES, CostModel, MemoryParts
@@ -171,12 +172,16 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
                memory_budget: Any = None, time_limit_s: float = 60.0, capture_s: float = 0.0,
                pin: Optional[Mapping[str, str]] = None, optimizer: Any = "adamw",
                recompute: Optional[bool] = None, hardware_source: Optional[str] = None,
-               keep: Optional[Mapping[str, str]] = None, explainable: bool = True) -> Plan:
+               keep: Optional[Mapping[str, str]] = None, explainable: bool = True,
+               experts: Optional[Mapping[str, str]] = None) -> Plan:
     """Plan an already captured graph (see :func:`plan`). ``hardware_source`` says in the report where
     the profile came from (default: "given", or the default of :func:`plan` when ``hardware`` is None).
     ``keep``: placements the parameters must be stored with, as ``pin`` but leaving the ops that read
     them free to redistribute them (another mode's graph of a module whose weights are in place).
-    ``explainable``: the plan keeps the graph and these arguments for ``plan.explain`` (in memory only)."""
+    ``explainable``: the plan keeps the graph and these arguments for ``plan.explain`` (in memory only).
+    ``experts``: grouped matmul node -> how it places its experts (``"features"``, ``"whole"``,
+    ``"routed"``, ``"replicated"``; :mod:`autotp.planning.choices.expert_placements`), its expert
+    weight stored so: the best plan with those experts placed so (the report prices the others)."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: expected one of {MODES}")
     check_recompute(recompute)
@@ -194,6 +199,8 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
     strat_rep = all_strategies(graph, spec.shape, reps)
     _apply_pins(graph, spec, rep, strat_rep, pin)
     _apply_pins(graph, spec, rep, strat_rep, keep, readers=False)
+    if experts:
+        keep_placement(graph, rep, strat_rep, experts)
     if mode == "train":  # replicated ops that pass partial gradients on (Rg)
         strat_rep = partial_gradient_variants(graph, spec.ndim, rep, strat_rep)
     strategies = {n.name: strat_rep[rep[n.name]] for n in graph.nodes}
@@ -254,9 +261,10 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
                            if n.role == BUFFER and any(p.kind != "R" for p in chosen[n.name].output)},
     )
     if explainable:  # what plan.explain solves again with (autotp.planning.result.explain); never saved
-        def solve_again(pins: dict[str, str]) -> Plan:
+        def solve_again(pins: dict[str, str], placed: Optional[Mapping[str, str]] = None) -> Plan:
             return plan_graph(graph, spec, profile, mode, budget, time_limit_s, pin=pins, optimizer=optimizer,
-                              recompute=recompute, keep=keep, explainable=False)
+                              recompute=recompute, keep=keep, explainable=False,
+                              experts={**(experts or {}), **(placed or {})})
 
         object.__setattr__(result, "_context", ExplainContext(graph, dict(pin or {}), solve_again))
     return result

@@ -60,3 +60,14 @@ def without_pd() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(strategies, "axis_choices", choices)
         yield
+
+
+@contextmanager
+def without_routed() -> Iterator[None]:
+    """Inside, the planner offers no routed region (no all-to-all dispatch of the tokens), so experts
+    pinned ``S(0)`` keep every token on every rank (``Pd``), whatever the cost model prefers."""
+    from autotp.planning.choices import strategies
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(strategies, "routed_choices", lambda node, n, graph: [])
+        yield

@@ -8,6 +8,8 @@ output on every mesh axis) out, with the nodes that share variables found.
 - ``tying``          repeated layers found, to share one set of the integer program's variables
 - ``expert_lists``   experts written as a list of alike modules, stacked: named in a warning, as
                      their weights have no expert dim to place whole on ranks
+- ``expert_placements`` routed MoE layers found from their grouped matmuls, how a strategy places
+                     their experts, and strategies narrowed to one placement (priced in the report)
 - ``check``          ``check_rule`` (``autotp.check_rule``): an op's strategies checked on data, each
                      rank's pieces against the op's output
 """

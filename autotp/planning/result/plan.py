@@ -23,6 +23,7 @@ from autotp.mesh import MeshSpec
 from autotp.placement import Strategy, dim_divisor, format_placements
 from autotp.planning.costs.program import Collective
 from autotp.planning.errors import PlanError
+from autotp.planning.result.expert_choice import ExpertChoice, expert_choices
 from autotp.planning.result.explain import ExplainContext, explain
 from autotp.planning.result.report import render
 from autotp.planning.search.mesh_search import MeshCandidate
@@ -189,6 +190,8 @@ class Plan:
     _strategies: Mapping[str, Strategy] = field(default=None, repr=False)  # type: ignore[assignment]
     # the captured graph and the planner's arguments, for explain() (a plan made in this process)
     _context: Optional["ExplainContext"] = field(default=None, repr=False, compare=False)
+    # expert_choices() once computed (it solves again): kept with the plan in memory, never saved
+    _expert_choices: Optional[tuple] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self._strategies is None:
@@ -242,6 +245,15 @@ class Plan:
         """Why ``module`` is split as it is: each placement its largest weight could have, with the step
         time, collectives and memory of the best plan that stores it so (:mod:`autotp.planning.result.explain`)."""
         return explain(self, module)
+
+    def expert_choices(self) -> tuple[ExpertChoice, ...]:
+        """For each kind of routed MoE layer (found from its grouped matmuls), the placement of its
+        experts the plan chose and the best plan with each other placement, priced in the terms that
+        decide (:mod:`autotp.planning.result.expert_choice`); empty for a model without. Solved
+        once, on the first call (the report calls it), and kept."""
+        if self._expert_choices is None:
+            object.__setattr__(self, "_expert_choices", expert_choices(self))
+        return self._expert_choices
 
     def storage_pins(self, graph: OpGraph) -> dict[str, str]:
         """What a later plan of another graph of the model must store where this plan does (``keep``

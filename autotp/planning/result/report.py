@@ -4,8 +4,9 @@ Sections: per module its style, the placements of weight, input and output, and 
 recomputes its activations (a run of a stack's alike layers once, as ``model.layers.{0..79}``); the collectives of one step by kind and phase with bytes; the inputs' dynamic dims and what the plan needs of them;
 predicted compute and communication time; memory per device against the budget (with
 ``pipeline=True`` the chosen layout's, the stage plan's own figure after it, labelled); which layers
-recompute and what that frees and costs; where gradients pass on as partial sums (``Rg``); how
-the solve went.
+recompute and what that frees and costs; where gradients pass on as partial sums (``Rg``); per
+kind of routed MoE layer, where its experts went and the best plan with each other placement
+(:mod:`autotp.planning.result.expert_choice`); how the solve went.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections import Counter, defaultdict
 from typing import TYPE_CHECKING
 
 from autotp.layout import TENSOR
+from autotp.planning.result.expert_choice import expert_lines
 from autotp.planning.result.explain import explain_replicated
 from autotp.tracing.dynamic import in_input_terms
 from autotp.units import format_bytes
@@ -303,6 +305,7 @@ def _text(plan: "Plan") -> str:
         lines += ["", "Gradients passed on as partial sums (Rg: these ops run replicated and hand the sum to "
                   "their inputs' reads)"]
         lines += [f"  {line}" for line in partial]
+    lines += expert_lines(plan)
     if plan.dynamic_dims:
         lines += ["", "Dynamic dims (sizes other than the example's run without planning again)"]
         lines += [f"  {line}" for line in dynamic_lines(plan)]
