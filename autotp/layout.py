@@ -12,16 +12,17 @@ A mesh's axis has one of these roles:
   batch split over it (each rank routes its own rows) and the routed experts split over it, the
   tokens sent to their experts' ranks by all-to-all (:mod:`autotp.planning.rules.routed`); the
   weights the experts do not hold are replicated over it, their gradients summed over it once a
-  step. The search sizes it (:mod:`autotp.planning.search.pipeline_search`); no runtime builds it
-  yet (``autotp.parallelize`` refuses such a plan);
+  step. The search sizes it (:mod:`autotp.planning.search.pipeline_search`); the pipeline runtime
+  runs it as a planned axis of each stage (:meth:`Layout.planned_mesh`), every rank of it given the
+  same micro-batch of ``ep`` ranks' rows, which the plan splits;
 - **context** (``cp``): named and sized here, refused where used (no planner or runtime places
   sequence chunks on an axis of its own yet).
 
 :class:`Layout` is what ``autotp.plan(..., pipeline=True)`` chooses (``plan.pipeline.layout``), what
 the report prints and what the runtime builds its sub-meshes from. The mesh of a layout has its
 axes in the order pipeline, data, expert, tensor (ranks numbered row-major, so the tensor axis holds
-neighbouring ranks): the tensor axis always; the pipeline axis with stages or replicas (of size 1
-for replicas without stages, which the runtime runs as one stage); the data axis with replicas;
+neighbouring ranks): the tensor axis always; the pipeline axis with stages, replicas or experts
+split (of size 1 without stages, which the runtime runs as one stage); the data axis with replicas;
 the expert axis where experts are split.
 ``pp 1 x dp 1 x tp n`` is a plain tensor-parallel plan on ``(tp,)``.
 
@@ -43,6 +44,8 @@ pp 4 x dp 2 (ZeRO 1) x tp 8
 (('tp',), ('dp',))
 >>> Layout(pp=4, ep=8).axis_names, Layout(pp=4, ep=8).planned_axes, str(Layout(pp=4, ep=8))
 (('pp', 'ep', 'tp'), ('ep',), 'pp 4 x dp 1 x ep 8 x tp 1')
+>>> Layout(ep=2).mesh_shape, Layout(ep=2).plain
+((1, 2, 1), False)
 >>> plain_axis_names(2)
 ('dp', 'tp')
 """
@@ -125,16 +128,17 @@ class Layout:
     @property
     def roles(self) -> tuple[str, ...]:
         """The roles of the mesh's axes, outermost first (module docstring): the tensor axis always,
-        the pipeline axis with stages or replicas, the data axis with replicas, the expert axis with
-        experts split."""
+        the pipeline axis with stages, replicas or experts split (each run by the pipeline runtime), the
+        data axis with replicas, the expert axis with experts split."""
         self.check_supported()
-        staged = self.pp > 1 or self.dp > 1
+        staged = self.pp > 1 or self.dp > 1 or self.ep > 1
         return (((PIPELINE,) if staged else ()) + ((DATA,) if self.dp > 1 else ()) + ((EXPERT,) if self.ep > 1 else ())
                 + (TENSOR,))
 
     @property
     def plain(self) -> bool:
-        """No stages and no replicas (pp 1 x dp 1): a plain tensor-parallel plan on ``(tp,)``."""
+        """No stages, no replicas and no expert axis (pp 1 x dp 1 x ep 1): a plain tensor-parallel plan
+        on ``(tp,)``."""
         return self.roles == (TENSOR,)
 
     @property
@@ -174,6 +178,13 @@ class Layout:
         if role not in ROLES:
             raise ValueError(f"role {role!r}: expected one of {ROLES}")
         return mesh[AXIS_NAMES[role]] if role in self.roles else None
+
+    def planned_mesh(self, mesh: Any) -> Any:
+        """The sub-mesh of ``mesh`` the plan's collectives run on: :attr:`planned_axes` (the tensor axis,
+        or the expert axis and a tensor axis of more than one rank), shaped :attr:`planned_shape`."""
+        self.check_supported()
+        axes = self.planned_axes
+        return mesh[axes[0]] if len(axes) == 1 else mesh[axes]
 
     def mesh_problem(self, mesh: Any, described: str = "") -> str:
         """What is wrong with ``mesh`` (a ``DeviceMesh``) for this layout, or ``""``: its shape and axis

@@ -63,7 +63,7 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
                 check_inputs: Any = DEFAULT_INPUT_CHECKS, loss_fn: Any = None) -> Parallelized:
     """Return a module that computes what ``model`` computes, sharded over ``mesh`` as planned: a
     :class:`autotp.runtime.interface.Parallelized`, a ``ParallelModule`` for a plan on a plain mesh,
-    a ``PipelineModule`` for a plan whose layout has pipeline stages or a data axis.
+    a ``PipelineModule`` for a plan whose layout has pipeline stages, a data axis or an expert axis.
 
     ``mesh`` must be a ``DeviceMesh`` over a live process group (every rank calls this with the same
     model and inputs). On a CUDA mesh each process must be set to a GPU of its own
@@ -176,17 +176,13 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
 
 
 def _parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, plan: Plan) -> Parallelized:
-    """This rank's stages of a layout with stages or replicas (:mod:`autotp.runtime.pipeline.module`): the
-    model captured at the plan's micro-batch size (the example inputs' first rows), as the plan was."""
+    """This rank's stages of a layout with stages, replicas or an expert axis
+    (:mod:`autotp.runtime.pipeline.module`): the model captured at the plan's micro-batch (the example
+    inputs' first rows), as the plan was."""
     from autotp.planning.planner import _batch_size, _first_rows
     from autotp.runtime.pipeline.module import build_pipeline_module
 
     c = plan.pipeline.chosen
-    if c.ep > 1:  # before the mesh is read: no runtime builds an expert axis yet (autotp/layout.py)
-        raise PlanError(f"the plan's layout is {c.describe()}: its expert axis (ep {c.ep}) splits the routed experts "
-                        f"and each micro-batch's rows over {c.ep} ranks, and autotp.parallelize does not run an expert "
-                        f"axis yet (docs/pipelines.md#limits); plan with pipeline={{'ep': 1}} for a layout it runs, or "
-                        f"on a plain mesh, where the planner may split the experts on any axis itself")
     if plan.pipeline.kinds:
         raise PlanError(f"the plan's stack {plan.pipeline.stack} has layers of {len(plan.pipeline.kinds)} kinds "
                         f"(runs {list(plan.pipeline.kinds)} as (first layer, layers)) and was priced from the first "
@@ -198,8 +194,10 @@ def _parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, plan
     batch = _batch_size(example_inputs)
     if batch != plan.pipeline.global_batch:
         raise ValueError(f"the plan was made for a batch of {plan.pipeline.global_batch} ({c.micro_batches} "
-                         f"micro-batches of {c.micro_batch_size}); the example inputs' batch is {batch}")
-    micro = _first_rows(example_inputs, batch, c.micro_batch_size)
+                         f"micro-batches of {c.micro_batch_rows} rows); the example inputs' batch is {batch}")
+    # one micro-batch as the plan was made on it: on an expert axis, every rank of it given all of its
+    # ranks' rows, which the plan splits
+    micro = _first_rows(example_inputs, batch, c.micro_batch_rows)
     # in train mode, each module's own flag kept (a frozen submodule in eval mode stays so)
     graph = capture(model, micro, False, training=None if model.training else True,
                     device=getattr(mesh, "device_type", None))

@@ -102,14 +102,20 @@ def moe_model(shape: str, layers: int | None = None, **overrides):
     return model.to(torch.bfloat16).train()
 
 
-def moe_row(name: str, layers: int | None = None, seq: int = MOE_SEQ, **overrides) -> dict:
-    """The search's choice and the hand layout on the row's devices, priced alike."""
+def moe_row(name: str, layers: int | None = None, seq: int = MOE_SEQ, devices: int | None = None,
+            **overrides) -> dict:
+    """The search's choice and the hand layout on the row's devices, priced alike. ``layers``,
+    ``seq``, ``devices`` and ``overrides`` (config fields) shrink the row; on other ``devices`` the
+    hand layout's data axis is what is left (its source's "FSDP over the rest")."""
     import torch
 
     import autotp
     from autotp import MemoryBudgetError
 
-    shape, devices, hand, source = MOE_ROWS[name]
+    shape, row_devices, hand, source = MOE_ROWS[name]
+    if devices is not None and devices != row_devices:
+        hand = {**hand, "dp": devices // (hand["pp"] * hand["ep"] * hand["tp"])}
+    devices = devices or row_devices
     model = moe_model(shape, layers, **overrides)
     ids = torch.zeros(int(SEQUENCES_PER_DEVICE * devices), seq, dtype=torch.long, device="meta")
     inputs = {"input_ids": ids, "labels": ids}
@@ -186,6 +192,10 @@ def main() -> None:
         hand = r["source"] if h is not None and h.step_s is not None else r["source"] + " (no fit)"
         print(f"{name:<9} {c.describe():<80} {c.step_s:>8.2f} {hand:<44} {hand_s:>8.2f} "
               f"{c.step_s / hand_s:>6.2f} {r['search_s']:>8.1f}", flush=True)
+        for who, x in (("autotp", c), ("hand", h)):  # the busiest rank's terms, as the search priced them
+            if x is not None and x.step_s is not None:
+                print(f"{'':<9}   {who}: compute {x.compute_s:.2f} s, communication {x.communication_s:.2f} s, "
+                      f"bubble {x.bubble_s:.2f} s, peak {x.peak_bytes / 2**30:.1f} GiB", flush=True)
 
 
 if __name__ == "__main__":

@@ -256,3 +256,19 @@ def test_experts_choice_prices_each_placement_of_a_shrunk_shape(shape):
     assert set(steps) >= {"features", "whole", "routed"} and all(s is not None for s in steps.values())
     assert all(s >= steps[row["placement"]] * (1 - 1e-9) for s in steps.values())
     assert row["choice"].layers == (1 if shape == "deepseek-v3" else 2) and row["choice"].experts == 8
+
+@pytest.mark.slow  # about 28 s: the search plans one ILP per (ep or tp, micro-batch), as the full row does
+def test_a_shrunk_moe_row_of_plan_3d_prices_the_search_no_slower_than_its_hand_layout():
+    """benchmarks/plan_3d.py's Qwen3-235B-A22B row through the same code, shrunk (4 layers, 8 experts,
+    width 64, sequences of 64, 16 devices): the hand layout (FSDP over the rest x TP 8, layers
+    recomputed) is priced by the search kept to it, and the search's choice prices no slower."""
+    from benchmarks.plan_3d import moe_row
+
+    r = moe_row("qwen3-235b-64", layers=4, seq=64, devices=16, vocab_size=128, hidden_size=64,
+                intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, num_experts=8)
+    h, c = r["hand"], r["chosen"]
+    assert (h.pp, h.dp, h.ep, h.tp, h.zero, h.recompute) == (1, 2, 1, 8, 3, True) and h.step_s > 0
+    assert c.step_s <= h.step_s * (1 + 1e-9) and r["priced"] > 1
+    for x in (c, h):  # the terms the script prints: each part of the step, none negative
+        assert min(x.compute_s, x.communication_s, x.bubble_s) >= 0 and x.compute_s > 0

@@ -58,9 +58,11 @@ def test_a_layout_with_an_expert_axis_plans_the_experts_whole_on_its_ranks(moe_o
     assert plan.inputs[0].shape[0] == chosen.ep * chosen.micro_batch_size
 
 
-def test_the_weights_the_expert_axis_replicates_sum_their_gradients_once_a_step():
-    """The plan on (ep,) sums the replicated weights' gradients over ep in each backward; the pipeline
-    sums them once a step: a second micro-batch adds its forward and backward, not them again."""
+def test_the_weights_the_expert_axis_replicates_sum_their_gradients_in_each_micro_batch():
+    """The plan on (ep,) sums the replicated weights' gradients over ep in each backward, where it reads
+    the weights, and the runtime runs the plan so in each micro-batch: the pipeline prices them so, in
+    the backward of every micro-batch, with nothing added once a step
+    (tests/runtime/test_expert_axis_runtime.py counts the collectives a step runs)."""
     config = transformers.Qwen3MoeConfig(vocab_size=1024, hidden_size=1024, intermediate_size=2048,
                                          moe_intermediate_size=512, num_experts=8, num_experts_per_tok=2,
                                          num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=128)
@@ -75,12 +77,13 @@ def test_the_weights_the_expert_axis_replicates_sum_their_gradients_once_a_step(
     cost = CostModel(plan.mesh, plan.hardware, "train", plan.optimizer, graph)
     sums = sum(cost.collective_s(c.kind, 0, c.bytes) for c in plan.collectives()
                if c.kind == "all_reduce" and c.phase == "backward" and graph[c.at].role == PARAMETER)
-    assert sums > 0 and sum(u.step_reduce_s for u in units.units) == pytest.approx(sums)
+    backward = sum(cost.collective_s(c.kind, 0, c.bytes) for c in plan.collectives() if c.phase == "backward")
+    assert sums > 0 and sum(u.backward_comm_s for u in units.units) >= backward - 1e-12
     steps = [price_layout(Candidate(1, 1, 1, "none", 1, m, 1, 0, False, ep=2), units, plan.hardware, 1e18)[0].step_s
              for m in (1, 2)]
     per_micro_batch = sum(u.forward_s + u.backward_s for u in units.units)
     assert steps[1] - steps[0] == pytest.approx(per_micro_batch)
-    assert steps[0] == pytest.approx(per_micro_batch + sum(u.step_reduce_s for u in units.units))
+    assert steps[0] == pytest.approx(per_micro_batch)
 
 
 def _refused(rank, world, model, inputs, plan):
@@ -93,13 +96,6 @@ def _refused(rank, world, model, inputs, plan):
         return None, False
     except PlanError as err:
         return str(err), all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-
-
-def test_parallelize_refuses_an_expert_axis_saying_so_and_leaves_the_model(moe_on_ep):
-    model, inputs, plan = moe_on_ep
-    message, untouched = run_threads(_refused, 1, model, inputs, plan)[0]
-    assert untouched and re.search(r"expert axis \(ep 2\).*does not run an expert axis yet.*pipeline=\{'ep': 1\}",
-                                   message), message
 
 
 def test_a_stack_of_dense_then_moe_layers_is_priced_from_one_layer_of_each_kind():

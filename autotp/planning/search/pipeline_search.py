@@ -14,12 +14,12 @@ recompute choice, and keeps the layout of least predicted step that fits the mem
    after it).
    For a Mixture-of-Experts model whose routed experts the all-to-all variant may split
    (:mod:`autotp.planning.rules.routed`), layouts ``pp × dp × ep`` too: one ILP per (ep,
-   micro-batch) on the expert axis ``(ep,)``, the model captured at ``ep`` micro-batches of rows
-   (each rank of the axis its own), the experts' weights pinned split by expert there and the ILP
+   micro-batch) on the expert axis ``(ep,)``, the model captured at ``ep`` ranks' rows (the runtime
+   gives every rank of the axis that micro-batch and the plan splits it, as on any planned axis), the experts' weights pinned split by expert there and the ILP
    left to place everything else (it splits the batch and sends the routed rows by all-to-all
    where that prices cheaper, the all-to-alls priced on the axis's link at the busiest rank's
-   rows). The gradients of the weights replicated over it are summed once per step, as a data
-   axis's (:class:`autotp.planning.search.stages.UnitCost`'s ``step_reduce_s``).
+   rows). The plan's collectives run once per micro-batch, as the runtime runs them, the gradient
+   sums of the weights replicated over the expert axis among them.
 2. **Stages.** The stack is cut into ``pp * v`` stages balanced by predicted time
    (:func:`autotp.planning.search.stages.balanced_cut`), the embedding in the first, the head and loss in
    the last; stage ``s`` runs on pipeline rank ``s % pp``.
@@ -104,6 +104,12 @@ class Candidate:
     def layout(self) -> Layout:
         """The mesh's axes and their roles (:class:`autotp.layout.Layout`)."""
         return Layout(pp=self.pp, dp=self.dp, tp=self.tp, zero=self.zero, ep=self.ep)
+
+    @property
+    def micro_batch_rows(self) -> int:
+        """The rows of one micro-batch as the schedule runs it: ``micro_batch_size`` per rank of the
+        expert axis, every rank of it given all ``ep`` ranks' rows, which the plan splits."""
+        return self.micro_batch_size * self.ep
 
     @property
     def bubble_fraction(self) -> Optional[float]:
@@ -300,9 +306,8 @@ def _prepare(layout: Candidate, plan_units: _Units, profile: HardwareProfile) ->
             holders.setdefault(n, set()).add(k % pp)
         p, g, o, t = (sum(plan_units.parameters[n][j] for n in names) for j in range(4))
         buffers = sum(u.buffers_bytes for u in us)
-        # what the data axis adds once per step, past the last backward it overlaps; and the sums of
-        # the gradients an expert axis replicates, once per step (exposed: priced as they come last)
-        step_end = sum(u.step_reduce_s for u in us)
+        # what the data axis adds once per step, past the last backward it overlaps
+        step_end = 0.0
         during, at_step = p, p + g  # parameters (and gradients) held through the step, at the optimizer's step
         if dp > 1 and layout.zero == 0:  # DDP's buckets over the last micro-batch's backward
             ordered = list(dict.fromkeys(n for i in sorted(idx) for n in units[i].parameters))

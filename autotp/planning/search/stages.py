@@ -11,8 +11,8 @@ embedding), each layer, and what runs after it (final norm, head, loss):
 - the bytes of state (parameters, gradients, optimizer) and of activations kept for the backward
   (and, for a layer that recomputes, only what leaves it), per rank;
 - on an expert axis (:class:`autotp.layout.Layout`), the gradient sums of the weights replicated
-  over it apart (``step_reduce_s``): the pipeline accumulates a step's gradients and sums them
-  once, as over a data axis, not once per micro-batch;
+  over it are the plan's backward all-reduces, run once per micro-batch as any of the plan's
+  collectives (the runtime sums them where the plan reads the weight, not once a step);
 - the bytes that cross each cut: the tensors made at or before a unit and read after it (the
   residual stream; masks and rotary tables made before the stack), as each rank holds them. The
   model's inputs never cross: every stage reads its inputs where it runs.
@@ -28,7 +28,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from autotp.layout import AXIS_NAMES, EXPERT
 from autotp.placement import Strategy
 from autotp.planning.costs.costing import CostModel
 from autotp.planning.costs.program import program
@@ -53,7 +52,6 @@ class UnitCost:
     transient_bytes: float
     buffers_bytes: float
     send_bytes: float  # crossing the cut after this unit
-    step_reduce_s: float = 0.0  # once per step: the gradient sums of its weights over an expert axis
 
     @property
     def forward_s(self) -> float:
@@ -102,22 +100,12 @@ def _between(graph: OpGraph, name: str, unit: Mapping[str, int]) -> int:
     return max(known) if known else 0
 
 
-def _weight_values(graph: OpGraph) -> set[str]:
-    """The parameters and the values computed from parameters alone (a transposed weight): a gradient
-    summed at one of them is a weight's."""
-    out: set[str] = set()
-    for n in graph.nodes:  # in graph order: inputs first
-        if n.role == PARAMETER or (not n.is_placeholder and n.inputs and all(i in out for i in n.inputs)):
-            out.add(n.name)
-    return out
-
-
 def unit_costs(graph: OpGraph, chosen: Mapping[str, Strategy], cost: CostModel,
                layer_paths: Sequence[str]) -> list[UnitCost]:
     """The costs of each unit (see the module's docstring) under the strategies ``chosen``."""
     unit = unit_of_nodes(graph, layer_paths)
     n_units = len(layer_paths) + 2
-    acc = [dict(fc=0.0, fm=0.0, bc=0.0, bm=0.0, again=0.0, act=0.0, left=0.0, tr=0.0, buf=0.0, send=0.0, step=0.0)
+    acc = [dict(fc=0.0, fm=0.0, bc=0.0, bm=0.0, again=0.0, act=0.0, left=0.0, tr=0.0, buf=0.0, send=0.0)
            for _ in range(n_units)]
     params: list[set] = [set() for _ in range(n_units)]
     spec = cost.mesh
@@ -140,14 +128,11 @@ def unit_costs(graph: OpGraph, chosen: Mapping[str, Strategy], cost: CostModel,
                 params[unit.get(c, unit[n.name])].add(n.name)
             params[unit[n.name]].add(n.name)
     last = n_units - 1
-    weights = _weight_values(graph)
     for c in colls:
         seconds = cost.collective_s(c.kind, spec.axis_names.index(c.mesh_axis), c.bytes)
         a = acc[unit.get(c.at, last)]
         if c.phase == "forward":
             a["fm"] += seconds
-        elif c.mesh_axis == AXIS_NAMES[EXPERT] and c.kind == "all_reduce" and c.at in weights:
-            a["step"] += seconds
         elif c.phase == "recompute":
             a["again"] += seconds
         else:
@@ -168,7 +153,7 @@ def unit_costs(graph: OpGraph, chosen: Mapping[str, Strategy], cost: CostModel,
         for u in range(unit[n.name], max(later)):
             acc[u]["send"] += local
     return [UnitCost(a["fc"], a["fm"], a["bc"], a["bm"], a["again"], tuple(sorted(params[u])), a["act"],
-                     min(a["left"], a["act"]), a["tr"], a["buf"], a["send"], a["step"]) for u, a in enumerate(acc)]
+                     min(a["left"], a["act"]), a["tr"], a["buf"], a["send"]) for u, a in enumerate(acc)]
 
 
 def balanced_cut(seconds: Sequence[float], parts: int, ranks: int = 0, micro_batches: int = 1) -> list[tuple[int, int]]:

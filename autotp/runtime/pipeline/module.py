@@ -3,9 +3,11 @@
 In: a plan made with ``autotp.plan(model, devices, inputs, pipeline=True)`` (its tensor-parallel
 plan of one micro-batch, and ``plan.pipeline``: the stages as runs of the stack's layers, the
 schedule and the micro-batches), the graph of one micro-batch, and the mesh of its layout
-(:class:`autotp.layout.Layout`: a pipeline and a tensor axis, and a data axis between them with
-replicas); the sub-meshes of each role are the layout's. Out: a :class:`PipelineModule` holding this rank's stages (its layers rewritten for
-its tensor-parallel sub-mesh, as :mod:`autotp.runtime.rewrite` writes any graph) under the
+(:class:`autotp.layout.Layout`: a pipeline and a tensor axis, and between them a data axis with
+replicas and an expert axis with experts split); the sub-meshes of each role are the layout's.
+Out: a :class:`PipelineModule` holding this rank's stages (its layers rewritten for the plan's
+sub-mesh, :meth:`autotp.layout.Layout.planned_mesh`: the tensor axis, or the expert axis, as
+:mod:`autotp.runtime.rewrite` writes any graph) under the
 schedule of ``torch.distributed.pipelining``, with :meth:`PipelineModule.step` (a training step:
 the loss on the last stage, the gradients on every stage's shards) and a forward for inference.
 
@@ -20,6 +22,10 @@ to point to the same tensor-parallel rank of the next stage: what the plan price
 (``StageChoice.send_bytes`` a micro-batch). The model's inputs are not sent: every rank is given
 them, and each stage reads those it uses (the last stage the labels of a loss computed in the
 graph).
+
+An expert axis is planned as the tensor axis is: every rank of it is given the same micro-batch
+(``Candidate.micro_batch_rows``: ``ep`` ranks' rows), which the plan splits and sends to the experts'
+ranks by all-to-all, each of the plan's collectives once per micro-batch.
 
 A data axis: each replica runs its rows of the batch, its stages one replica of the data axis's
 runtime (:mod:`autotp.runtime.data_parallel`): the gradients averaged over the axis in DDP's
@@ -44,7 +50,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from autotp.layout import DATA, PIPELINE, TENSOR
+from autotp.layout import DATA, PIPELINE
 from autotp.runtime.data_parallel import DataParallel
 from autotp.runtime.devices import mesh_device, wrong_device
 from autotp.runtime.interface import Parallelized, default_loss
@@ -172,7 +178,7 @@ class PipelineModule(Parallelized):
         self.gradient_reducer = None if self.data_parallel is None else self.data_parallel.gradient_reducer
         # the model's own loss, where it is a mean over valid targets: weighed by their counts
         self._token_mean = token_mean
-        self._merge_spec = _merge_spec(examples["<output>"], plan.pipeline.chosen.micro_batch_size,
+        self._merge_spec = _merge_spec(examples["<output>"], plan.pipeline.chosen.micro_batch_rows,
                                        plan.pipeline.chosen.micro_batches,
                                        token_mean.output if token_mean is not None else None)
 
@@ -349,7 +355,7 @@ class PipelineModule(Parallelized):
         if self.dp_group is not None:  # every replica's rows, in order: the batch's output
             import torch.distributed as dist
 
-            share = c.micro_batches * c.micro_batch_size
+            share = c.micro_batches * c.micro_batch_rows
 
             def whole(t: Any) -> Any:
                 if isinstance(t, torch.Tensor) and not t.ndim and t.is_floating_point():
@@ -381,7 +387,9 @@ def build_pipeline_module(graph: Any, plan: Any, mesh: Any, model: nn.Module, ex
     problem = layout.mesh_problem(mesh, c.describe())
     if problem:
         raise ValueError(problem)
-    tp_mesh, pp_mesh, dp_mesh = (layout.sub_mesh(mesh, role) for role in (TENSOR, PIPELINE, DATA))
+    # the plan's mesh: the tensor axis, or the expert axis (and a tensor axis of more than one rank)
+    tp_mesh = layout.planned_mesh(mesh)
+    pp_mesh, dp_mesh = (layout.sub_mesh(mesh, role) for role in (PIPELINE, DATA))
     layer_paths = [f"{choice.stack}.{i}" if choice.stack else str(i) for i in range(choice.layers)]
     unit = unit_of_nodes(graph, layer_paths)
     unit_stage = stage_of_units(choice.stages, choice.layers)

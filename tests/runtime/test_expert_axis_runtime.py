@@ -1,0 +1,104 @@
+"""A layout with an expert axis run (autotp/runtime/pipeline/module.py): the routed experts split by
+expert over ``ep``, every rank of the axis given the same micro-batch of ``ep`` ranks' rows, which the
+plan splits and sends to the experts' ranks by all-to-all (the variant forced with ``Pd`` withheld,
+:func:`tests.helpers.plans.without_pd`, so the test runs it whatever the cost model prefers at this
+size). A tiny Qwen3-MoE of 8 experts whose router reaches every one: the loss and every gradient
+equal one process's, and each collective of the plan runs once per micro-batch, as the search
+prices it. ``pp 1 x ep 2`` on 2 threaded ranks in the default run; ``pp 2 x ep 2`` on 4 gloo
+processes slow.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+
+import autotp
+from examples.ranks import run_ranks
+from tests.helpers.turns import run_threads_tracing_in_turns
+from tests.helpers.plans import without_pd
+from tests.runtime.test_experts_on_ranks import every_expert_routed
+
+transformers = pytest.importorskip("transformers")
+
+
+def _moe():
+    """4 layers (a pipeline needs a stack of 4), 8 experts, top 2: 48 tokens reach every expert."""
+    transformers.logging.set_verbosity_error()
+    config = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                         num_experts=8, num_experts_per_tok=2, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config).train()
+    ids = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(1))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def _rank(rank, world, plan_json, built=None):
+    """One rank's step. ``built``: the model and inputs, made once for threaded ranks (which share
+    torch's random generator, so each building its own would race on it)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.helpers.observed import CollectiveLog
+
+    model, inputs = copy.deepcopy(built) if built else _moe()
+    plan = autotp.Plan.from_json(plan_json)
+    layout = plan.pipeline.layout
+    mesh = init_device_mesh("cpu", layout.mesh_shape, mesh_dim_names=layout.axis_names)
+    pm = autotp.parallelize(model, mesh, inputs, plan=plan)
+    with CollectiveLog(pm.tp_mesh) as log:  # the plan's mesh: the expert axis
+        loss = pm.step(**inputs)
+    grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in pm.named_parameters()}
+    experts = {n: tuple(p.to_local().shape) for n, p in pm.named_parameters() if p.ndim == 3}
+    return (None if loss is None else loss.item(), grads, Counter((c.kind, c.mesh_axis) for c in log.seen),
+            pm.stage_indices, experts)
+
+
+def _check(plan, results) -> None:
+    model, inputs = _moe()
+    assert every_expert_routed(model, inputs)
+    loss = model(**inputs).loss
+    loss.backward()
+    c = plan.pipeline.chosen
+    planned = Counter()
+    for coll in plan.collectives():
+        planned[(coll.kind, coll.mesh_axis)] += c.micro_batches
+    assert planned[("all_to_all", "ep")] > 0, planned
+    held: dict[str, torch.Tensor] = {}
+    for got, grads, seen, stages, experts in results:
+        assert got is None or got == pytest.approx(loss.item(), rel=1e-5)
+        assert all(shape[0] == 8 // c.ep for shape in experts.values()) and experts  # each rank its experts
+        held.update(grads)
+    assert [r[0] is not None for r in results].count(True) == len(results) // c.pp  # the last stage's ranks
+    assert set(held) == {n for n, _ in model.named_parameters()}
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(held[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    # the ranks of one stage together run the plan's collectives on the expert axis, once per micro-batch
+    seen = Counter()
+    for got, grads, s, stages, experts in results[::c.ep]:
+        seen += s
+    assert seen == planned, (seen, planned)
+
+
+def _plan(layout: dict):
+    model, inputs = _moe()
+    with without_pd():
+        return autotp.plan(model, layout.get("pp", 1) * layout["ep"], inputs, hardware="cpu-gloo", pipeline=layout)
+
+
+def test_an_expert_axis_runs_and_equals_one_process():
+    plan = _plan({"ep": 2, "pp": 1, "micro_batch_size": 1})
+    c = plan.pipeline.chosen
+    assert (c.pp, c.dp, c.ep, c.tp, c.micro_batches) == (1, 1, 2, 1, 2)
+    assert plan.pipeline.layout.mesh_shape == (1, 2, 1) and plan.mesh.axis_names == ("ep",)
+    _check(plan, run_threads_tracing_in_turns(_rank, 2, plan.to_json(), _moe()))
+
+
+@pytest.mark.slow  # 4 processes
+def test_stages_on_an_expert_axis_equal_one_process():
+    plan = _plan({"ep": 2, "pp": 2, "micro_batch_size": 1, "schedule": "gpipe"})
+    assert plan.pipeline.layout.mesh_shape == (2, 2, 1)
+    _check(plan, run_ranks(_rank, 4, plan.to_json()))
