@@ -192,13 +192,12 @@ def _static(graph: OpGraph, node: OpNode, k: int, d: int) -> bool:
 
 def _valid(node: OpNode, strategy: Strategy, mesh_shape: Sequence[int]) -> bool:
     """Every sharded dim splits evenly over the axes that split it (or, for an uneven split, into
-    whole units the ranks do not divide), and no dim is split twice; routed rows (``St``, ``Se``)
-    on one axis, every tensor of the node whole on the others."""
+    whole units the ranks do not divide), and no dim is split twice; routed rows (``St``, ``Se``,
+    ``Pt``) on one axis. The other axes may split what the rows do not (the experts' features: the
+    rows' last dim, a partial sum of them), never the rows themselves (dim 0, split there already)."""
     tensors = list(zip(strategy.inputs, node.input_infos)) + [(strategy.output, o) for o in node.outputs[:1]]
     routed = {a for placements, _ in tensors if placements is not None for a, p in enumerate(placements) if p.routed}
-    if routed and (len(routed) > 1 or any(placements is not None and not p.is_replicate
-                                          for placements, _ in tensors for a, p in enumerate(placements)
-                                          if a not in routed)):
+    if len(routed) > 1:
         return False
     for placements, info in tensors:
         if placements is None:

@@ -25,12 +25,19 @@ put back where they came from). A value of the region read outside it, another o
 capacity limit that drops rows by what other tokens chose), or shapes that do not split evenly:
 no region, nothing offered.
 
+The routed rows sit on one mesh axis. Another axis may split each expert by its features as
+Megatron splits one MLP (expert x tensor parallelism): every op of the region takes its usual
+choices there (the first grouped matmul's weight by output features, the second's by input
+features, a partial sum), and runs as it is on the columns it holds; the all-to-alls move a rank's
+columns of its rows (a partial sum over the other axis moves whole rows, summed after they are
+back). The rows' dim is never split by a second axis.
+
 Costs: the grouped matmuls and the ops between at the busiest rank's received rows
 (:func:`autotp.planning.rules.experts.busiest_rows`); two all-to-alls of rows forward (the
 dispatch sized by the busiest rank's rows of the first grouped matmul's input, the combine by its
 rows of the second's output), the same two backward, and one all-to-all of ``E`` counts
-(:func:`routed_collectives`); the received rows the first grouped matmul keeps for its backward
-(:func:`routed_kept_bytes`).
+(:func:`routed_collectives`), each row at the bytes a rank holds of it; the received rows the first
+grouped matmul keeps for its backward (:func:`routed_kept_bytes`).
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from typing import Any, Mapping, Optional, Sequence
 from autotp import ops
 from autotp.local.dispatch import CombinedGroupedMM, DispatchedGroupedMM, ExpertRoutes, ExpertTableRows
 from autotp.local.site import Call, LocalSite
-from autotp.placement import Pt, R, S, Se, St, Strategy
+from autotp.placement import Placement, Pt, R, S, Se, St, Strategy, shard_divisor
 from autotp.planning.rules.common import AxisChoice, divisible
 from autotp.planning.rules.experts import GROUPED_MM, SORTS, busiest_rows, expert_split, expert_table_gathers
 from autotp.planning.rules.views import SPLITS
@@ -203,8 +210,11 @@ def routed_work_divisor(node: OpNode, strategy: Strategy, axis: int, n: int) -> 
     return rows[0] / busiest_rows(rows[0], n)
 
 
-def _row_bytes(info: Any) -> float:
-    return info.nbytes / info.shape[0]
+def _row_bytes(info: Any, placements: Sequence[Placement], mesh_shape: Sequence[int], axis: int) -> float:
+    """Bytes of one row as a rank holds it: the row's other dims cut by the other mesh axes (the
+    experts' features split over a second axis: a piece of each row moves, or a partial sum of all of it)."""
+    others = [R if a == axis else p for a, p in enumerate(placements)]
+    return info.nbytes / info.shape[0] / shard_divisor(info.shape, others, mesh_shape)
 
 
 def routed_collectives(node: OpNode, strategy: Strategy, mesh_shape: Sequence[int],
@@ -219,13 +229,13 @@ def routed_collectives(node: OpNode, strategy: Strategy, mesh_shape: Sequence[in
     for a, n in enumerate(mesh_shape):
         x, o = strategy.inputs[0][a], strategy.output[a]
         if (x, o) == (St, Se):
-            info = node.input_infos[0]
+            info, placements = node.input_infos[0], strategy.inputs[0]
             out.append(("all_to_all", "forward", a, float(node.input_infos[1].shape[0] * COUNT_BYTES)))
         elif (x, o) == (Se, St):
-            info = node.outputs[0]
+            info, placements = node.outputs[0], strategy.output
         else:
             continue
-        size = busiest_rows(info.shape[0], n) * _row_bytes(info)
+        size = busiest_rows(info.shape[0], n) * _row_bytes(info, placements, mesh_shape, a)
         out.append(("all_to_all", "forward", a, size))
         if train:
             out.append(("all_to_all", "backward", a, size))
@@ -238,8 +248,8 @@ def routed_kept_bytes(node: OpNode, strategy: Strategy, mesh_shape: Sequence[int
     if not expert_split(node):
         return 0.0
     info = node.input_infos[0]
-    return sum(busiest_rows(info.shape[0], n) * _row_bytes(info) for a, n in enumerate(mesh_shape)
-               if (strategy.inputs[0][a], strategy.output[a]) == (St, Se))
+    return sum(busiest_rows(info.shape[0], n) * _row_bytes(info, strategy.inputs[0], mesh_shape, a)
+               for a, n in enumerate(mesh_shape) if (strategy.inputs[0][a], strategy.output[a]) == (St, Se))
 
 
 def _axis(site: LocalSite) -> Optional[int]:
