@@ -286,3 +286,32 @@ def test_at_128k_tokens_the_plan_holds_no_square_mask(monkeypatch):
     kept = autotp.capture(model, inputs)
     assert [n.name for n in kept.nodes for o in n.outputs if tuple(o.shape[-2:]) == (seq, seq)]
     assert described.memory.peak_bytes < seq * seq, described.memory
+
+
+@pytest.mark.slow
+def test_at_128k_tokens_the_planner_balances_the_causal_rows():
+    """Llama 3 8B's widths, one layer, 1 x 131072 tokens (padding mask given), trained on 8 ranks,
+    planned on meta: the attention takes balanced rows, priced at the mean of the whole work (its
+    compute over 8), where the rows in order price the last rank's 15/8 of it."""
+    from cost_models import resolve_hardware
+
+    from autotp.mesh import MeshSpec
+    from autotp.planning.choices.strategies import node_strategies
+    from autotp.planning.costs.costing import CostModel
+
+    model, inputs = _llama_8b_layer(131072)
+    graph = autotp.capture(model, inputs)
+    plan = plan_graph(graph, (8,), "h100-sxm", "train", memory_budget="1 TiB")
+    (attention,) = _attention(graph)
+    chosen = plan.strategy(attention.name)
+    assert chosen.variant == "balanced" and _attention_rows(chosen), str(chosen)
+    cost = CostModel(MeshSpec((8,), ("tp",)), resolve_hardware("h100-sxm"), "train", graph=graph)
+
+    def compute_s(strategy):
+        return cost.node_compute_s(attention, strategy) - cost.inner_collectives_s(attention, strategy)
+
+    whole = compute_s(next(s for s in node_strategies(graph, attention, (8,)) if not s.sharded_on(0)))
+    in_order = next(s for s in node_strategies(graph, attention, (8,)) if _attention_rows(s) and not s.variant)
+    assert compute_s(chosen) == pytest.approx(whole / 8, rel=0.02)
+    assert compute_s(in_order) == pytest.approx(whole / 8 * 15 / 8, rel=0.02)
+    assert cost.node_compute_s(attention, chosen) < compute_s(in_order)
