@@ -269,22 +269,34 @@ def parse_placements(text: str) -> Optional[tuple[Placement, ...]]:
 
 @dataclass(frozen=True)
 class Strategy:
-    """Input placements → output placement of one node (each a tuple, one placement per mesh axis)."""
+    """Input placements → output placement of one node (each a tuple, one placement per mesh axis).
+
+    ``variant`` names a local execution that differs under the same placements (empty: the op on
+    its pieces, as its family runs it): ``"balanced"``, a causal attention split by query rows
+    that computes balanced rows inside (:mod:`autotp.planning.rules.attention`). It prints after
+    the output:
+
+    >>> str(Strategy.parse("(S(2), R, R) -> S(2) balanced"))
+    '(S(2), R, R) -> S(2) balanced'
+    """
 
     inputs: tuple[Optional[tuple[Placement, ...]], ...]
     output: tuple[Placement, ...]
+    variant: str = ""
 
     def __str__(self) -> str:
-        return "(" + ", ".join(format_placements(i) for i in self.inputs) + ") -> " + format_placements(self.output)
+        text = "(" + ", ".join(format_placements(i) for i in self.inputs) + ") -> " + format_placements(self.output)
+        return f"{text} {self.variant}" if self.variant else text
 
     @classmethod
     def parse(cls, text: str) -> "Strategy":
         left, right = text.split(" -> ")
         inner = left.strip()[1:-1]
         inputs = tuple(parse_placements(t.strip()) for t in _top_level(inner)) if inner.strip() else ()
-        out = parse_placements(right.strip())
+        placements, _, variant = right.strip().partition(" ")
+        out = parse_placements(placements)
         assert out is not None
-        return cls(inputs, out)
+        return cls(inputs, out, variant.strip())
 
     def sharded_on(self, axis: int) -> bool:
         """True when any tensor of the strategy is not replicated on ``axis``."""

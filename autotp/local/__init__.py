@@ -15,6 +15,8 @@ calls on local tensors, but ``site``, the interface every op family's local exec
 - ``batch_norm``    batch norm on a split batch or split space: statistics all-reduced inside
 - ``losses``        cross-entropy on logits split by vocabulary: two all-reduces of per-row numbers
 - ``experts``       a grouped matmul on the rows of this rank's experts, the others zero
+- ``attention``     causal attention on a rank's query rows computed as two balanced chunks,
+                    queries and outputs exchanged by all-to-all
 - ``dispatch``      routed rows sent to their experts' ranks and back (two all-to-alls), the
                     grouped matmuls between on this rank's experts
 """

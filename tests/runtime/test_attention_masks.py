@@ -41,11 +41,11 @@ def _model(kind: str, window: int = 5):
     return MistralForCausalLM(MistralConfig(**widths, sliding_window=window)).eval()
 
 
-def _inputs(padded: bool, given_mask: bool = True) -> dict:
-    """Two sequences of SEQ tokens; padded: the first left-padded by 3, the second right-padded by
+def _inputs(padded: bool, given_mask: bool = True, seq: int = SEQ) -> dict:
+    """Two sequences of ``seq`` tokens; padded: the first left-padded by 3, the second right-padded by
     4, labels -100 on the pads."""
-    ids = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones(2, SEQ, dtype=torch.long)
+    ids = torch.randint(0, 64, (2, seq), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, seq, dtype=torch.long)
     if padded:
         mask[0, :3], mask[1, -4:] = 0, 0
     labels = ids.masked_fill(mask == 0, -100)
@@ -152,14 +152,18 @@ def _step(rank, world, graph, plan, model, inputs):
     return loss.detach(), {n: full_tensor(p.grad, placements_of(p)) for n, p in pm.named_parameters()}
 
 
-def _check_exact(model, inputs, world, rows_only=None):
+def _check_exact(model, inputs, world, rows_only=None, variant=""):
+    """``rows_only`` (a monkeypatch): the attention offered its query-rows split alone, and of it
+    the strategies of ``variant`` alone (the plain split's, or the balanced rows')."""
     graph = autotp.capture(model, inputs)
     if rows_only is not None:  # the attention offered its query-rows split alone: its rows' local execution runs
         from autotp.planning.choices import strategies
 
-        others = strategies.user_choices
+        others, offered = strategies.user_choices, strategies.node_strategies
         rows_only.setattr(strategies, "user_choices", lambda node, n: [
             ((S(2), R, R) + (R,) * (len(node.inputs) - 3), S(2))] if node in _attention(graph) else others(node, n))
+        rows_only.setattr(strategies, "node_strategies", lambda graph_, node, *a: [
+            s for s in offered(graph_, node, *a) if node not in _attention(graph) or s.variant == variant])
     plan = plan_graph(graph, (world,), "cpu-gloo", "train")
     out = model(**inputs)
     out.loss.backward()
@@ -185,6 +189,42 @@ def test_query_rows_split_over_two_ranks_equal_one_process(kind, monkeypatch):
     graph, plan = _check_exact(_model(kind), _inputs(True, True), 2, rows_only=monkeypatch)
     (attention,) = _attention(graph)
     assert str(plan.strategy(attention.name).inputs[0][0]) == "S(2)", str(plan.strategy(attention.name))
+
+
+@pytest.mark.parametrize("given", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_balanced_rows_over_two_ranks_equal_one_process(given, monkeypatch):
+    """Causal attention pinned to balanced rows on 2 ranks, 16 tokens: each rank computes chunks
+    r and 3 - r of 4 (queries and outputs exchanged by all-to-all), the loss and every gradient as
+    in one process; with a padded mask (the described op) and without one (``is_causal``)."""
+    graph, plan = _check_exact(_model("llama"), _inputs(given, given, seq=16), 2, rows_only=monkeypatch,
+                               variant="balanced")
+    (attention,) = _attention(graph)
+    assert str(plan.strategy(attention.name)).endswith("-> S(2) balanced"), str(plan.strategy(attention.name))
+
+
+def test_balanced_rows_are_priced_at_the_mean():
+    """The rows split in order price the last rank's pairs (7/4 of the mean on 2 ranks of a causal
+    16 x 16, 100 of its 136 pairs); balanced, every rank's 68: the mean."""
+    from autotp.planning.choices.strategies import node_strategies
+    from autotp.planning.rules.attention import attention_collectives, attention_work_divisor
+
+    graph = autotp.capture(_model("llama"), {"input_ids": _inputs(False, seq=16)["input_ids"]})
+    (attention,) = _attention(graph)
+    rows = [s for s in node_strategies(graph, attention, (2,)) if _attention_rows(s)]
+    assert sorted(s.variant for s in rows) == ["", "balanced"], [str(s) for s in rows]
+    divisor = {s.variant: attention_work_divisor(attention, s, 0, 2) for s in rows}
+    assert divisor == {"": 136 / 100, "balanced": 2.0}
+    q_bytes = attention.input_infos[0].nbytes / 2
+    assert attention_collectives(attention, rows[-1] if rows[-1].variant else rows[0], (2,)) == [
+        ("all_to_all", phase, 0, q_bytes) for phase in ("forward", "backward") for _ in range(2)]
+    # 18 rows do not cut into 4 chunks: the plain split alone
+    graph = autotp.capture(_model("llama"), {"input_ids": _inputs(False, seq=18)["input_ids"]})
+    (attention,) = _attention(graph)
+    assert [s.variant for s in node_strategies(graph, attention, (2,)) if _attention_rows(s)] == [""]
+
+
+def _attention_rows(strategy) -> bool:
+    return str(strategy.inputs[0][0]) == "S(2)"
 
 
 # -- generate: the prompt's and the decode steps' graphs -----------------------------------------
@@ -246,3 +286,32 @@ def test_at_128k_tokens_the_plan_holds_no_square_mask(monkeypatch):
     kept = autotp.capture(model, inputs)
     assert [n.name for n in kept.nodes for o in n.outputs if tuple(o.shape[-2:]) == (seq, seq)]
     assert described.memory.peak_bytes < seq * seq, described.memory
+
+
+@pytest.mark.slow
+def test_at_128k_tokens_the_planner_balances_the_causal_rows():
+    """Llama 3 8B's widths, one layer, 1 x 131072 tokens (padding mask given), trained on 8 ranks,
+    planned on meta: the attention takes balanced rows, priced at the mean of the whole work (its
+    compute over 8), where the rows in order price the last rank's 15/8 of it."""
+    from cost_models import resolve_hardware
+
+    from autotp.mesh import MeshSpec
+    from autotp.planning.choices.strategies import node_strategies
+    from autotp.planning.costs.costing import CostModel
+
+    model, inputs = _llama_8b_layer(131072)
+    graph = autotp.capture(model, inputs)
+    plan = plan_graph(graph, (8,), "h100-sxm", "train", memory_budget="1 TiB")
+    (attention,) = _attention(graph)
+    chosen = plan.strategy(attention.name)
+    assert chosen.variant == "balanced" and _attention_rows(chosen), str(chosen)
+    cost = CostModel(MeshSpec((8,), ("tp",)), resolve_hardware("h100-sxm"), "train", graph=graph)
+
+    def compute_s(strategy):
+        return cost.node_compute_s(attention, strategy) - cost.inner_collectives_s(attention, strategy)
+
+    whole = compute_s(next(s for s in node_strategies(graph, attention, (8,)) if not s.sharded_on(0)))
+    in_order = next(s for s in node_strategies(graph, attention, (8,)) if _attention_rows(s) and not s.variant)
+    assert compute_s(chosen) == pytest.approx(whole / 8, rel=0.02)
+    assert compute_s(in_order) == pytest.approx(whole / 8 * 15 / 8, rel=0.02)
+    assert cost.node_compute_s(attention, chosen) < compute_s(in_order)

@@ -10,22 +10,35 @@ the queries runs the op with ``row_offset = r0`` (:func:`local_rows`), so its ma
 its rows: nothing of the mask crosses ranks. Its work is the mask's pairs in its rows, so a causal
 attention split by rows in order is priced at its busiest (last) rank's share
 (:func:`attention_work_divisor`), not at ``1/n``.
+
+**Balanced rows** (strategy variant ``"balanced"``, :func:`balanced_variants`): the same placements
+as the row split of a causal attention without a window (queries and output ``S`` of the sequence
+on one mesh axis, keys and values whole), but rank ``r`` computes the rows of chunks ``r`` and
+``2n - 1 - r`` of ``2n`` equal chunks, every rank the same pairs (:mod:`autotp.local.attention`):
+priced at the busiest rank's pairs of its two chunks (the mean, for a causal mask), plus two
+all-to-alls of the rank's rows forward (its queries out, their outputs back) and two backward
+(:func:`attention_collectives`). Offered where the rows cut into ``2n`` chunks, beside the plain
+row split: the planner takes whichever prices lower.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from dataclasses import replace
+from typing import Any, Optional, Sequence
 
 from autotp.masks import MASKED_ATTENTION, MaskSpec, spec_of
+from autotp.local.attention import BalancedRows, rank_chunks
 from autotp.local.site import Call, LocalSite
-from autotp.placement import R, S, Strategy
+from autotp.placement import R, S, Strategy, shard_divisor
 from autotp.planning.rules.common import AxisChoice, divisible, is_relaxed
 from autotp.tracing.graph import OpNode
 
-__all__ = ["MASKED", "CAUSAL", "masked_choices", "attention_mask_of", "attention_work_divisor", "RULES", "LOCAL"]
+__all__ = ["MASKED", "CAUSAL", "BALANCED", "masked_choices", "attention_mask_of", "attention_work_divisor",
+           "balanced_variants", "attention_collectives", "RULES", "LOCAL"]
 
 MASKED = str(MASKED_ATTENTION)
 CAUSAL = "aten.scaled_dot_product_attention.default"
+BALANCED = "balanced"
 
 
 def attention_mask_of(node: OpNode) -> Optional[MaskSpec]:
@@ -61,9 +74,28 @@ def _row_offset(site: LocalSite) -> Optional[int]:
 
 
 def local_rows(site: LocalSite) -> Optional[Any]:
-    """The described op on a rank's rows of the queries: its mask placed by the rows' offset."""
+    """The described op on a rank's rows of the queries: its mask placed by the rows' offset (or,
+    balanced, the rows of two chunks exchanged: :func:`local_balanced`)."""
+    if site.strategy.variant == BALANCED:
+        return local_balanced(site)
     start = _row_offset(site)
     return None if start is None else site.called().with_argument("row_offset", start)
+
+
+def local_balanced(site: LocalSite) -> Any:
+    """Attention whose strategy is balanced rows: :class:`autotp.local.attention.BalancedRows` on
+    the mesh axis that splits the rows, called with the queries, keys, values (and padding)."""
+    names = [a.name for a in site.target._schema.arguments]
+    given = {**dict(zip(names, site.args)), **site.kwargs}
+    axis = _rows_axis(site.node, site.strategy)
+    if site.node.target == MASKED:
+        q, k, v, padding = (given[a] for a in names[:4])
+    else:
+        (q, k, v), padding = (given[a] for a in ("query", "key", "value")), None
+    module = BalancedRows(attention_mask_of(site.node), given.get("scale"), bool(given.get("enable_gqa", False)),
+                          site.node.input_infos[0].shape[-2], site.mesh_shape[axis], site.coordinate[axis],
+                          site.groups[axis], site.axis_names[axis])
+    return site.call_module(module, "balanced_attention", (q, k, v, padding))
 
 
 def local_causal_rows(site: LocalSite) -> Optional[Any]:
@@ -71,6 +103,8 @@ def local_causal_rows(site: LocalSite) -> Optional[Any]:
     offset (``is_causal`` alone would place the mask from the rank's first row)."""
     if attention_mask_of(site.node) is None:
         return None
+    if site.strategy.variant == BALANCED:
+        return local_balanced(site)
     start = _row_offset(site)
     if start is None:
         return None
@@ -90,9 +124,57 @@ def attention_work_divisor(node: OpNode, strategy: Strategy, axis: int, n: int) 
     if not (placement.is_shard and placement.dim == q.ndim - 2):
         return None
     rows, cols = q.shape[-2], node.input_infos[1].shape[-2]
-    size = rows // n
-    busiest = max(spec.pairs(size, cols, r * size) for r in range(n))
+    if strategy.variant == BALANCED:  # two chunks of rows each
+        size = rows // (2 * n)
+        busiest = max(sum(spec.pairs(size, cols, c * size) for c in rank_chunks(r, n)) for r in range(n))
+    else:
+        size = rows // n
+        busiest = max(spec.pairs(size, cols, r * size) for r in range(n))
     return spec.pairs(rows, cols) / max(busiest, 1)
+
+
+def _rows_axis(node: OpNode, strategy: Strategy) -> Optional[int]:
+    """The one mesh axis that splits the query rows, with keys and values whole and the output's
+    rows split alike; None where no axis does, or more than one."""
+    if not strategy.inputs or any(p is None for p in strategy.inputs[:3]):
+        return None
+    d = node.input_infos[0].ndim - 2
+    axes = [a for a, p in enumerate(strategy.inputs[0]) if p.is_shard and p.dim == d]
+    if len(axes) != 1:
+        return None
+    a = axes[0]
+    whole = strategy.inputs[1][a].is_replicate and strategy.inputs[2][a].is_replicate
+    return a if whole and strategy.output[a] == strategy.inputs[0][a] else None
+
+
+def balanced_variants(node: OpNode, strategies: Sequence[Strategy], mesh_shape: Sequence[int]) -> list[Strategy]:
+    """The balanced rows of each of ``strategies`` that splits the query rows of a causal attention
+    without a window on one mesh axis (keys, values whole) into ``2n`` equal chunks; none in
+    relaxed evenness or under dropout."""
+    spec = attention_mask_of(node)
+    if spec is None or spec.window is not None or is_relaxed() or float(node.args.get("dropout_p") or 0.0) > 0:
+        return []
+    out = []
+    for strategy in strategies:
+        a = _rows_axis(node, strategy)
+        if a is not None and not strategy.variant and node.input_infos[0].shape[-2] % (2 * mesh_shape[a]) == 0:
+            out.append(replace(strategy, variant=BALANCED))
+    return out
+
+
+def attention_collectives(node: OpNode, strategy: Strategy, mesh_shape: Sequence[int],
+                          train: bool = True) -> list[tuple[str, str, int, float]]:
+    """``(kind, phase, axis, bytes)`` of the all-to-alls balanced rows run inside: the rank's
+    queries out and its outputs back forward; the outputs' and the queries' gradients backward."""
+    if strategy.variant != BALANCED or attention_mask_of(node) is None:
+        return []
+    a = _rows_axis(node, strategy)
+    if a is None:
+        return []
+    sizes = [info.nbytes / shard_divisor(info.shape, placements, mesh_shape)
+             for info, placements in ((node.input_infos[0], strategy.inputs[0]), (node.outputs[0], strategy.output))]
+    phases = ("forward", "backward") if train else ("forward",)
+    return [("all_to_all", phase, a, size) for phase in phases for size in sizes]
 
 
 RULES = {MASKED: masked_choices}

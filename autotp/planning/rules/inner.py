@@ -1,6 +1,7 @@
 """The collectives an op runs inside itself: the rules whose op does not run on its pieces
 as it is (cross-entropy on split classes, :mod:`.losses`; batch norm on a split batch,
-:mod:`.norms`; a grouped matmul that sends routed rows to their experts' ranks, :mod:`.routed`). The cost model prices them with the op, the program lists them, and the op's local
+:mod:`.norms`; a grouped matmul that sends routed rows to their experts' ranks, :mod:`.routed`;
+causal attention computing balanced rows, :mod:`.attention`). The cost model prices them with the op, the program lists them, and the op's local
 execution runs it as a module that holds them."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from autotp.placement import Strategy
+from autotp.planning.rules.attention import attention_collectives
 from autotp.planning.rules.losses import loss_collectives
 from autotp.planning.rules.norms import norm_collectives
 from autotp.planning.rules.routed import routed_collectives
@@ -22,6 +24,6 @@ def inner_collectives(node: OpNode, strategy: Strategy, mesh_shape: Sequence[int
     ``strategy``, forward ones first; the backward ones only when ``train``."""
     out = [(kind, "forward", a, size) for kind, a, size in loss_collectives(node, strategy, mesh_shape)]
     out += [c for c in norm_collectives(node, strategy, mesh_shape) if train or c[1] == "forward"]
-    routed = routed_collectives(node, strategy, mesh_shape, train)
+    routed = routed_collectives(node, strategy, mesh_shape, train) + attention_collectives(node, strategy, mesh_shape, train)
     return [c for c in out if c[1] == "forward"] + [c for c in routed if c[1] == "forward"] + \
         [c for c in (*out, *routed) if c[1] != "forward"]
