@@ -138,16 +138,20 @@ def test_embedding_strategies(ops_graph):
     assert "(R, S(0)) -> S(0)" in got  # batch
 
 
-def test_causal_sdpa_strategies_split_batch_or_heads_only(ops_graph):
+def test_causal_sdpa_strategies_split_batch_heads_or_query_rows_never_keys(ops_graph):
     g, _ = ops_graph
     (sdpa,) = nodes_of(g, "aten.scaled_dot_product_attention.default")
     got = set(strategy_texts(g, sdpa, (2,)))
     assert {"(S(1), S(1), S(1)) -> S(1)", "(S(0), S(0), S(0)) -> S(0)", "(R, R, R) -> R"} <= got
     # splitting the keys' sequence or the head_dim would not be exact (softmax over keys, dot
-    # products); nor the query rows under ``is_causal`` (its mask follows the rows' local index)
+    # products); the query rows split under ``is_causal`` only with keys and values whole, each rank's
+    # mask then offset by its first row (autotp/planning/rules/attention.py's local execution)
+    assert "(S(2), R, R) -> S(2)" in got
     for s in node_strategies(g, sdpa, (2,)):
-        for pl, _info in strategy_tensors(sdpa, s):
-            assert all(not (p.is_shard and p.dim in (2, 3)) and not p.is_partial for p in pl), str(s)
+        (q, k, v, out) = [pl[0] for pl, _info in strategy_tensors(sdpa, s)]
+        assert not any(p.is_partial or (p.is_shard and p.dim == 3) for p in (q, k, v, out)), str(s)
+        assert not any(p.is_shard and p.dim == 2 for p in (k, v)), str(s)
+        assert (q.is_shard and q.dim == 2) == (out.is_shard and out.dim == 2), str(s)
 
 
 class MaskedAttention(nn.Module):
