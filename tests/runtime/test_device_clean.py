@@ -40,13 +40,16 @@ def _on_device(example):
     return tuple(torch.zeros(t.shape, dtype=t.dtype, device=DEVICE) for t in example)
 
 
-def _step(model, example, pin=None, mode="train", backward=True, plan_of=None):
+def _step(model, example, pin=None, mode="train", backward=True, plan_of=None, planned=None):
     """One call of ``model``'s parallel module, and its backward, on fake tensors of the mesh's device;
     returns the output's device, the gradients' devices, the plan (``plan_of(graph)`` where given) and the
-    kinds of module the parallel module runs."""
-    graph = autotp.capture(model, example)
+    kinds of module the parallel module runs. ``planned``: the (graph, plan) of ``model`` made already."""
+    graph = planned[0] if planned else autotp.capture(model, example)
     with fake_ranks() as mesh:
-        plan = plan_of(graph) if plan_of else plan_graph(graph, (2,), "cpu-gloo", mode, pin=pin)
+        if planned:
+            plan = planned[1]
+        else:
+            plan = plan_of(graph) if plan_of else plan_graph(graph, (2,), "cpu-gloo", mode, pin=pin)
         with fake_tensors():
             pm = build_parallel_module(graph, plan, mesh, model)
             out = pm(*_on_device(example))
@@ -57,9 +60,20 @@ def _step(model, example, pin=None, mode="train", backward=True, plan_of=None):
     return out.device, grads, plan, {type(m).__name__ for m in pm.modules()}
 
 
-def test_a_train_step_with_the_vocabulary_split_loss_stays_on_the_device():
+@pytest.fixture(scope="module")
+def llama_with_loss():
+    """The Llama with its loss, its graph and its plan with the head split by vocabulary (the split
+    loss): captured and planned once for the train step and the harness's check of it."""
     model, example = _llama_with_loss()
-    out, grads, plan, _ = _step(model, example, pin={"lm_head.weight": "S(0)"})
+    graph = autotp.capture(model, example)
+    with fake_ranks():
+        plan = plan_graph(graph, (2,), "cpu-gloo", "train", pin={"lm_head.weight": "S(0)"})
+    return model, example, (graph, plan)
+
+
+def test_a_train_step_with_the_vocabulary_split_loss_stays_on_the_device(llama_with_loss):
+    model, example, planned = llama_with_loss
+    out, grads, plan, _ = _step(model, example, planned=planned)
     loss = next(n for n in plan.nodes if n.target == "aten.cross_entropy_loss.default")
     assert plan.strategy(loss.name).inputs[0] == (S(1),)  # the split loss ran
     assert out == DEVICE and grads == {DEVICE}
@@ -84,14 +98,14 @@ class _MadeOnTheHost:
         return on_the_host
 
 
-def test_the_harness_fails_a_cpu_tensor_made_inside_the_runtime(monkeypatch):
+def test_the_harness_fails_a_cpu_tensor_made_inside_the_runtime(llama_with_loss, monkeypatch):
     """The split loss's zeros (``torch.where(mine, picked, zeros)``) made on the CPU: the step raises."""
     import autotp.local.losses as losses
 
-    model, example = _llama_with_loss()
+    model, example, planned = llama_with_loss
     monkeypatch.setattr(losses, "torch", _MadeOnTheHost("zeros_like"))
     with pytest.raises(Exception, match=DEVICE_MISMATCH):
-        _step(model, example, pin={"lm_head.weight": "S(0)"})
+        _step(model, example, planned=planned)
 
 
 def test_an_eval_step_stays_on_the_device():

@@ -55,7 +55,11 @@ def _split(plan) -> list:
     return [name for name, placements in plan.parameter_placements.items() if placements != "R"]
 
 
-def _ranks(rank, world, built, budgets):
+def _norm_input() -> torch.Tensor:
+    return torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
+
+
+def _ranks(rank, world, built, budgets, norm_plan):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -131,11 +135,8 @@ def _ranks(rank, world, built, budgets):
     out["unchecked_ran"] = True
 
     # -- batch norm: train mode updates the statistics, eval mode reads them --------------------------
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
-    # its linears pinned colwise and rowwise around the norm (the planner's own choice at this size
-    # stores them split and gathers them: its peak is the optimizer's step, where no copy lives)
-    plan = autotp.plan(net, (2,), (x,), hardware="h100-sxm", pin={"up.weight": "S(0)", "down.weight": "S(1)"})
-    pn = autotp.parallelize(net, mesh, (x,), plan=plan)
+    x = _norm_input()
+    pn = autotp.parallelize(net, mesh, (x,), plan=autotp.Plan.from_json(norm_plan))
     out["norm_styles"] = set(pn.plan.module_styles().values())
     y = pn(x)
     y_ref = ref(x)
@@ -156,14 +157,21 @@ def _ranks(rank, world, built, budgets):
 
 @pytest.fixture(scope="module")
 def ranks():
+    import autotp
+
     torch.manual_seed(0)
     net = _NormNet()
     ref = _NormNet()
     ref.load_state_dict(net.state_dict())
     model, ids = _gpt2()
-    # the budgets are the same on every rank: planned once here, not traced again on each
+    # the budgets are the same on every rank: planned once here, not traced again on each; so is the
+    # batch norm net's plan, its linears pinned colwise and rowwise around the norm (the planner's own
+    # choice at this size stores them split and gathers them: its peak is the optimizer's step, where
+    # no copy lives)
+    norm_plan = autotp.plan(net, (2,), (_norm_input(),), hardware="h100-sxm",
+                            pin={"up.weight": "S(0)", "down.weight": "S(1)"})
     budgets = (_sharding_budget(model, (ids,), 0.6), _sharding_budget(model, (ids,), 0.7, "inference"))
-    return run_threads_tracing_in_turns(_ranks, 2, ((model, ids), (net, ref)), budgets)
+    return run_threads_tracing_in_turns(_ranks, 2, ((model, ids), (net, ref)), budgets, norm_plan.to_json())
 
 
 def test_eval_turns_dropout_off_and_equals_the_model_in_eval_mode(ranks):
