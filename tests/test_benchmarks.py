@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from benchmarks import fidelity
+from tests.helpers.captures import captures_shared
 
 
 def test_fidelity_docstring_examples_run():
@@ -52,7 +53,8 @@ def test_device_now_prices_each_plan_as_the_planner_does_with_that_device():
     same = DeviceMeasurement("cpu", "test", 1, dict(dev.peak_flops), dev.memory_bandwidth_bytes_per_s,
                              int(dev.memory_bytes), dev.kernel_overhead_s, (), dict(dev.matmul_curve or {}),
                              tuple(dev.memory_curve or ()), dev.memory_overlap)
-    planned = fidelity.plans(profile, 1, 16)
+    with captures_shared():  # its four plans (pinned and not) of one model read one capture
+        planned = fidelity.plans(profile, 1, 16)
     now = fidelity.predicted_now_s(planned, profile, [same], 1, 16)
     for name, plan in planned.items():
         assert now[name] == pytest.approx(plan.predicted_time().total_s, rel=1e-9)
@@ -183,7 +185,8 @@ def test_the_habits_matrix_runs_its_padded_and_bf16_columns_on_a_representative_
     save_pretrained (tests/weights/test_export.py), a checkpoint restored into another plan
     (tests/weights/test_loading.py, test_resume.py), a frozen batch norm (tests/runtime/test_batch_norm.py);
     the slow suite runs every cell."""
-    row = _habit_row("llama", ("padded", "bf16"))
+    with captures_shared():  # each cell's least-budget plan and its plan read one capture
+        row = _habit_row("llama", ("padded", "bf16"))
     assert row["padded"].startswith("exact"), row
     assert row["bf16"].startswith("within bf16"), row
 

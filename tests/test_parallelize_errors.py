@@ -131,7 +131,7 @@ def _one_rank_outcomes(mesh):
         mesh, model, lambda: autotp.parallelize(model, mesh, (x,), plan=narrow_plan.to_dict()))
 
     # wholly on meta, rotary inv_freq too (a non-persistent buffer no checkpoint holds): refused
-    meta_llama, meta_ids = models.hf_llama(device="meta")
+    meta_llama, meta_ids = models.hf_llama(n_layer=1, device="meta")  # one layer: the refusal is the same
     out["meta_buffers"] = _attempt(mesh, meta_llama, lambda: autotp.parallelize(meta_llama, mesh, meta_ids))
     # the control: parameters on meta, buffers real (autotp.meta_init), inputs on meta or on the device
     meta_mlp, meta_inputs = models.mlp(device="meta")
@@ -142,7 +142,7 @@ def _one_rank_outcomes(mesh):
 
     # the parallel module called with inputs of another shape or dtype than it was built for: GPT-2's
     # first op views the token ids as [8, 64], which a [16, 32] batch would pass through silently
-    gpt2, (gpt2_ids,) = models.hf_gpt2(batch=8, seq=64)
+    gpt2, (gpt2_ids,) = models.hf_gpt2(batch=8, seq=64, n_layer=1)  # one layer: its capture was most of this
     gpt2_pm = autotp.parallelize(gpt2, mesh, (gpt2_ids,), hardware="cpu-gloo", mode="inference")
     gpt2_static = autotp.parallelize(gpt2, mesh, (gpt2_ids,), hardware="cpu-gloo", mode="inference",
                                      dynamic_dims=False)

@@ -8,6 +8,7 @@
 - ``blocks``           fused-projection models and per-layer collective counts
 - ``properties``       random small models and their exactness check
 - ``plans``            a small model planned so that it shards
+- ``captures``         autotp.plan's captures shared between its calls on one model
 
 Imported as ``tests.helpers.<module>`` (the repository root is on pytest's path).
 """

@@ -186,14 +186,19 @@ def test_a_resnet_at_batch_one_on_large_images_splits_channels():
 
 
 def test_a_unet_at_batch_one_on_large_images_splits_its_convolutions_and_attention():
-    """Stable Diffusion 1.5's UNet widths (one layer per block) on a 1024² image (128² latents), batch
-    1: no batch to split, weights the planner may split. Nearly every FLOP runs on a piece (channels of
-    the convolutions, heads or rows of attention), and the step is under half that of the best plan
-    that keeps every weight whole (which can still split rows and space). Float32 convolutions are priced
-    without TF32, as a program that turns it off runs them."""
+    """Stable Diffusion 1.5's UNet, its first two widths (one layer per block: a cross-attention block
+    at 320 channels, a plain one at 640, the attending middle block) on a 1024² image (128² latents),
+    batch 1: no batch to split, weights the planner may split. Nearly every FLOP runs on a piece
+    (channels of the convolutions, heads or rows of attention), and the step is under half that of the
+    best plan that keeps every weight whole (which can still split rows and space). Float32
+    convolutions are priced without TF32, as a program that turns it off runs them. (The two deeper
+    widths repeat these blocks at a quarter of the space and doubled the test's time.)"""
     diffusers = pytest.importorskip("diffusers")
     with torch.device("meta"):
-        model = diffusers.UNet2DConditionModel(cross_attention_dim=768, layers_per_block=1).train()
+        model = diffusers.UNet2DConditionModel(
+            cross_attention_dim=768, layers_per_block=1, block_out_channels=(320, 640),
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D")).train()
     inputs = {"sample": torch.randn(1, 4, 128, 128, device="meta"), "timestep": torch.tensor([10], device="meta"),
               "encoder_hidden_states": torch.randn(1, 77, 768, device="meta")}
     graph = autotp.capture(model, inputs)
@@ -209,12 +214,12 @@ def test_a_unet_at_batch_one_on_large_images_splits_its_convolutions_and_attenti
 
 
 def test_a_segmentation_model_at_batch_one_splits_attention_by_query_rows():
-    """SegFormer-B0 on a 1024² image, batch 1: its first stage attends with one head over 65536 query
-    rows (keys spatially reduced): no batch or heads to split, so the rows are, and the step comes in
-    well under one device's."""
+    """SegFormer-B0's widths (one layer per stage, B0 has two alike) on a 1024² image, batch 1: its
+    first stage attends with one head over 65536 query rows (keys spatially reduced): no batch or
+    heads to split, so the rows are, and the step comes in well under one device's."""
     from transformers import SegformerConfig, SegformerForSemanticSegmentation
 
-    config = SegformerConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config = SegformerConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, depths=[1, 1, 1, 1])
     with torch.device("meta"):
         model = SegformerForSemanticSegmentation(config).train()
     graph = autotp.capture(model, {"pixel_values": torch.randn(1, 3, 1024, 1024, device="meta")})

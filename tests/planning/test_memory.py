@@ -287,15 +287,20 @@ def test_the_least_autotp_plan_names_says_which_trace_it_is_for_and_plans():
     """autotp.plan traces static sizes, autotp.parallelize dynamic ones by default: the least plan
     names says it is the static trace's and how to get parallelize's; that least, and the least of the
     dynamic trace it points to, each plan on their own path, and a budget under either is refused."""
+    from tests.helpers.captures import captures_shared
+
     model, inputs = tiny_llama(batch=2, seq=16, n_layer=1, device="meta")
-    for dynamic in (False, None):
-        with pytest.raises(autotp.MemoryBudgetError) as err:
-            autotp.plan(model, (2,), inputs, hardware="cpu-gloo", memory_budget=1, dynamic_dims=dynamic)
-        said = "for the model traced with static sizes" in str(err.value)
-        assert said == (dynamic is False) and (not said or "plan with dynamic_dims=None" in str(err.value))
-        least = err.value.minimum_bytes
-        plan = autotp.plan(model, (2,), inputs, hardware="cpu-gloo", memory_budget=least, dynamic_dims=dynamic)
-        assert plan.memory.peak_bytes <= least * (1 - MEMORY_MARGIN) + 1
-        with pytest.raises(autotp.MemoryBudgetError) as err:
-            autotp.plan(model, (2,), inputs, hardware="cpu-gloo", memory_budget=least * 0.97, dynamic_dims=dynamic)
-        assert err.value.minimum_bytes == least
+    with captures_shared() as captured:  # the capture was most of this test's time
+        for dynamic in (False, None):
+            with pytest.raises(autotp.MemoryBudgetError) as err:
+                autotp.plan(model, (2,), inputs, hardware="cpu-gloo", memory_budget=1, dynamic_dims=dynamic)
+            said = "for the model traced with static sizes" in str(err.value)
+            assert said == (dynamic is False) and (not said or "plan with dynamic_dims=None" in str(err.value))
+            least = err.value.minimum_bytes
+            plan = autotp.plan(model, (2,), inputs, hardware="cpu-gloo", memory_budget=least, dynamic_dims=dynamic)
+            assert plan.memory.peak_bytes <= least * (1 - MEMORY_MARGIN) + 1
+            with pytest.raises(autotp.MemoryBudgetError) as err:
+                autotp.plan(model, (2,), inputs, hardware="cpu-gloo", memory_budget=least * 0.97,
+                            dynamic_dims=dynamic)
+            assert err.value.minimum_bytes == least
+    assert len(captured) == 2  # one static and one dynamic trace, each planned three times

@@ -79,7 +79,8 @@ def _plans(model, x, mesh, hardware):
 
 def test_a_token_dispatch_sums_the_partial_gradient_on_the_hidden_states():
     tokens, hidden, k = 2048, 2048, 4
-    model = Dispatch(tokens, hidden, 4 * hidden, k).to("meta")
+    with torch.device("meta"):  # no weights initialized on the CPU: the plan reads shapes alone
+        model = Dispatch(tokens, hidden, 4 * hidden, k)
     graph, plan, without = _plans(model, torch.empty(tokens, hidden, device="meta"), (8,), "h100-sxm")
     assert plan.parameter_placements["up.weight"] == "S(0)" and plan.parameter_placements["down.weight"] == "S(1)"
     dispatch = _dispatch_node(plan)
@@ -172,8 +173,9 @@ def test_on_two_axes_the_solver_prices_what_an_rg_value_moves_on_the_other_axis(
     redistribution is in the solver's objective (it once priced it as infeasible and dropped it, so the
     objective fell short of the plan's predicted time by that collective)."""
     tokens, hidden = 1024, 512
-    graph = autotp.capture(SwiGLUDispatch(tokens, hidden, 2 * hidden, 4).to("meta"),
-                           (torch.empty(tokens, hidden, device="meta"),))
+    with torch.device("meta"):
+        model = SwiGLUDispatch(tokens, hidden, 2 * hidden, 4)
+    graph = autotp.capture(model, (torch.empty(tokens, hidden, device="meta"),))
     with solver_objective() as objective:
         plan = plan_graph(graph, (2, 2), "h100-sxm", "train")
     assert any("Rg" in n.strategy for n in plan.nodes), [n.strategy for n in plan.nodes]
@@ -235,7 +237,8 @@ def test_a_view_beside_other_readers_passes_its_gradient_on_and_shares_their_gat
     backward. 8192 tokens: at 2048, as ``h100-sxm`` prices an H100 (collectives at eager PyTorch's
     latency, matmuls at 0.7 of the peak), one all-reduce per block is the cheaper plan."""
     batch, seq, hidden = 1, 8192, 2048
-    model = nn.Sequential(*[ReadTwice(hidden, 4 * hidden) for _ in range(3)]).to("meta")
+    with torch.device("meta"):  # built on the CPU, its weights took seconds to initialize
+        model = nn.Sequential(*[ReadTwice(hidden, 4 * hidden) for _ in range(3)])
     graph = autotp.capture(model, (torch.empty(batch, seq, hidden, device="meta"),))
     plan = plan_graph(graph, (8,), "h100-sxm", "train")
     views = [n.name for n in graph.nodes if n.target == "aten.view.default" and n.output.ndim == 2]
@@ -287,7 +290,8 @@ def test_experts_fed_by_a_repeat_make_only_their_own_copies_and_share_the_gather
     gradient was gathered in the backward and the tokens gathered twice (26.7 ms a step predicted
     against 23.9 ms)."""
     tokens, hidden = 4096, 2048
-    model = nn.Sequential(*[DenseExperts(hidden, 2 * hidden, 8) for _ in range(3)]).to("meta")
+    with torch.device("meta"):  # built on the CPU, its weights took seconds to initialize
+        model = nn.Sequential(*[DenseExperts(hidden, 2 * hidden, 8) for _ in range(3)])
     graph = autotp.capture(model, (torch.empty(tokens, hidden, device="meta"),))
     plan = plan_graph(graph, (8,), "h100-sxm", "train")
     repeats = [n.name for n in graph.nodes if n.target == "aten.repeat.default"]

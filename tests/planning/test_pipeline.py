@@ -23,6 +23,7 @@ from autotp.tracing.repeats import find_stacks
 from cost_models import LinkSpec, collective_time_s, load_profile
 from examples import models as M
 from examples.ranks import run_threads
+from tests.helpers.captures import captures_shared
 
 
 def test_the_balanced_cut_is_the_least_slowest_stage():
@@ -204,8 +205,9 @@ def searched():
                                device="meta")
     model.train()
     inputs = {"input_ids": ids, "labels": ids}
-    return {flat: autotp.plan(model, 4, inputs, hardware=_two_nodes_of_two(flat), pipeline=True)
-            for flat in (True, False)}
+    with captures_shared():  # the two profiles' searches trace the same micro-batches
+        return {flat: autotp.plan(model, 4, inputs, hardware=_two_nodes_of_two(flat), pipeline=True)
+                for flat in (True, False)}
 
 
 def test_a_slower_link_across_nodes_moves_the_choice_to_pipeline_stages_across_them(searched):

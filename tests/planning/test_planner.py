@@ -226,22 +226,25 @@ def test_hf_gpt2_blocks_get_megatron_on_fast_interconnect():
     split into q, k and v along the dim Megatron shards, so there its colwise layout pays a gather
     and its local copies, and a rowwise c_attn prices within 0.2% of it: the planner may take
     either, but its plan must be no slower (by the cost model) than Megatron's pinned."""
+    from tests.helpers.captures import captures_shared
+
     model, inputs = M.hf_gpt2(hidden=DIM, heads=32, n_layer=2, vocab=50304, seq=T, batch=B, device="meta")
-    plan = autotp.plan(model, (8,), inputs, hardware=FAST, mode="train")
-    megatron = {}
-    for i in range(2):
-        h = f"transformer.h.{i}"
-        # Conv1D weights are (in, out): colwise splits dim 1, rowwise dim 0
-        megatron.update({f"{h}.attn.c_attn.weight": "S(1)", f"{h}.mlp.c_fc.weight": "S(1)",
-                         f"{h}.attn.c_proj.weight": "S(0)", f"{h}.mlp.c_proj.weight": "S(0)"})
-        assert plan.parameter_placements[f"{h}.mlp.c_fc.weight"] == "S(1)"
-        assert plan.parameter_placements[f"{h}.attn.c_proj.weight"] == "S(0)"
-        assert plan.parameter_placements[f"{h}.mlp.c_proj.weight"] == "S(0)"
-        styles = plan.module_styles()
-        assert styles[f"{h}.mlp.c_fc"] == "colwise"
-        assert styles[f"{h}.attn.c_proj"] == styles[f"{h}.mlp.c_proj"] == "rowwise"
-        assert styles[f"{h}.attn.c_attn"] in ("colwise", "rowwise")
-    pinned = autotp.plan(model, (8,), inputs, hardware=FAST, mode="train", pin=megatron)
+    with captures_shared():  # the two plans read one capture
+        plan = autotp.plan(model, (8,), inputs, hardware=FAST, mode="train")
+        megatron = {}
+        for i in range(2):
+            h = f"transformer.h.{i}"
+            # Conv1D weights are (in, out): colwise splits dim 1, rowwise dim 0
+            megatron.update({f"{h}.attn.c_attn.weight": "S(1)", f"{h}.mlp.c_fc.weight": "S(1)",
+                             f"{h}.attn.c_proj.weight": "S(0)", f"{h}.mlp.c_proj.weight": "S(0)"})
+            assert plan.parameter_placements[f"{h}.mlp.c_fc.weight"] == "S(1)"
+            assert plan.parameter_placements[f"{h}.attn.c_proj.weight"] == "S(0)"
+            assert plan.parameter_placements[f"{h}.mlp.c_proj.weight"] == "S(0)"
+            styles = plan.module_styles()
+            assert styles[f"{h}.mlp.c_fc"] == "colwise"
+            assert styles[f"{h}.attn.c_proj"] == styles[f"{h}.mlp.c_proj"] == "rowwise"
+            assert styles[f"{h}.attn.c_attn"] in ("colwise", "rowwise")
+        pinned = autotp.plan(model, (8,), inputs, hardware=FAST, mode="train", pin=megatron)
     assert plan.predicted_time().total_s <= pinned.predicted_time().total_s * (1 + 1e-5)
 
 
@@ -591,7 +594,9 @@ def test_ilp_pays_once_for_a_redistribution_two_readers_share():
     from autotp.planning.costs.program import collectives
     from autotp.planning.solve.solver import solve
 
-    graph = autotp.capture(_TwoReaders().to("meta"), (torch.randn(512, 1024, device="meta"),))
+    with torch.device("meta"):
+        model = _TwoReaders()
+    graph = autotp.capture(model, (torch.randn(512, 1024, device="meta"),))
     spec = MeshSpec.of((2,))
     fc1, fc2 = [n.name for n in graph.nodes if n.target == "aten.linear.default"]
     tanh = next(n.name for n in graph.nodes if n.target == "aten.tanh.default")
@@ -622,7 +627,9 @@ def test_ilp_prices_the_gradient_reduction_of_the_chosen_read():
     from autotp.planning.costs.costing import CostModel
     from autotp.planning.solve.solver import solve
 
-    graph = autotp.capture(_LinearSum().to("meta"), (torch.randn(8192, 4096, device="meta"),))
+    with torch.device("meta"):  # no 4096 x 4096 weight initialized on the CPU
+        model = _LinearSum()
+    graph = autotp.capture(model, (torch.randn(8192, 4096, device="meta"),))
     spec = MeshSpec.of((2, 4))
     allowed = {"p_fc_weight": {"() -> RS(0)", "() -> RR"},
                "linear": {"(S(0)R, RS(0)) -> S(0)S(1)", "(S(0)R, RR) -> S(0)R"}}
@@ -688,7 +695,8 @@ def test_a_frozen_layer_in_a_stack_is_priced_apart_from_its_trainable_siblings()
     from autotp.planning.costs.costing import CostModel
     from autotp.planning.solve.solver import solve
 
-    model = torch.nn.Sequential(*(torch.nn.Linear(256, 256, bias=False) for _ in range(3))).to("meta")
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*(torch.nn.Linear(256, 256, bias=False) for _ in range(3)))
     model[1].weight.requires_grad_(False)
     graph = autotp.capture(model, (torch.randn(65536, 256, device="meta"),))
     rep = find_repeats(graph)

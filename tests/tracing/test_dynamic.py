@@ -30,8 +30,9 @@ OTHER_SIZES = ((2, 8), (6, 24), (8, 12))
 
 
 def _model(name: str):
-    """The model, the same seeded weights at every call (room for 32 positions)."""
-    return getattr(models, name)(device="cpu", **({} if name == "mlp" else {"seq": 32}))[0]
+    """The model, the same seeded weights at every call (room for 32 positions); one layer of the
+    language models (a second, alike, doubled the capture and the plan and tested nothing more)."""
+    return getattr(models, name)(device="cpu", **({} if name == "mlp" else {"seq": 32, "n_layer": 1}))[0]
 
 
 def _inputs(name: str, batch: int, seq: int) -> tuple:
