@@ -15,12 +15,12 @@ from autotp.planning import planner
 
 def _key(value: Any) -> Any:
     """A hashable description of a capture argument: a tensor by its shape, dtype and device; a
-    module by its identity and its parameter count (a model whose stack autotp cut to one layer of
-    each kind is a different trace); containers element by element."""
+    module by its identity, its mode and its parameter count (a model whose stack autotp cut to one
+    layer of each kind is a different trace); containers element by element."""
     if isinstance(value, torch.Tensor):
         return ("tensor", tuple(value.shape), value.dtype, value.device.type)
     if isinstance(value, torch.nn.Module):
-        return ("module", id(value), sum(p.numel() for p in value.parameters()))
+        return ("module", id(value), value.training, sum(p.numel() for p in value.parameters()))
     if isinstance(value, dict):
         return ("dict", tuple((k, _key(v)) for k, v in value.items()))
     if isinstance(value, (list, tuple)):
