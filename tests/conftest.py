@@ -7,9 +7,9 @@ from, one scheduler slice at a time. The exactness check of every convolution st
 mesh took 3 to 16 s on a busy machine, and 0.5 s on one thread. The spawned ranks of
 ``examples.ranks.run_ranks`` set one thread each as well.
 
-The multi-process tests start their ranks from a fork server that has imported torch, transformers
-and autotp once (``examples.ranks.preload``): a rank that imported them itself took about 4 s of a
-core, twice per run, and the suite starts a few dozen runs.
+The multi-process tests start their ranks from a fork server that has imported torch, transformers,
+autotp and the model families the ranks build once (``examples.ranks.preload``): a rank that imported
+them itself took about 5 s of a core, twice per run.
 """
 
 from __future__ import annotations
@@ -19,4 +19,7 @@ import torch
 from examples.ranks import preload
 
 torch.set_num_threads(1)
-preload(["torch", "transformers", "autotp", "examples.models"])
+# what the ranks of the multi-process tests import: each model family's module is 0.3 to 1 s a rank
+preload(["torch", "transformers", "autotp", "examples.models", "torch._dynamo", "torch.distributed.checkpoint",
+         "torch.distributed.pipelining"] + [f"transformers.models.{m}.modeling_{m}" for m in
+                                            ("llama", "gpt2", "bert", "bart", "gpt_neo", "qwen2", "qwen3_moe")])
