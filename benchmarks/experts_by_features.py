@@ -13,10 +13,22 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections import Counter
 
 import autotp
 from autotp.planning.planner import plan_graph
-from benchmarks.experts_choice import build, describe
+from benchmarks.experts_choice import build
+
+
+def describe(graph, plan, label: str) -> str:
+    """The plan's predicted step, its grouped matmuls' strategies and the collectives at them."""
+    grouped = [n for n in plan.nodes if "grouped_mm" in graph[n.name].target]
+    names = {n.name for n in grouped}
+    at = Counter(f"{c.phase} {c.kind}" for c in plan.collectives() if c.at in names)
+    t = plan.predicted_time()
+    return (f"{label}: predicted step {t.total_s * 1e3:.1f} ms (compute {t.compute_s * 1e3:.1f} ms, "
+            f"communication {t.communication_s * 1e3:.1f} ms); grouped matmuls "
+            f"{sorted({str(plan.strategy(n.name)) for n in grouped})}; collectives at them {dict(sorted(at.items()))}")
 
 
 def pins(graph, mesh: tuple[int, ...]) -> dict[str, dict[str, str]]:
@@ -45,7 +57,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mesh", default="2,8", help="the mesh shape, comma-separated (default 2,8)")
     mesh = tuple(int(v) for v in parser.parse_args().mesh.split(","))
-    model, inputs = build()
+    model, inputs = build("qwen3-30b-a3b")
     graph = autotp.capture(model, inputs)
     for label, pin in {"autotp's choice": None, **pins(graph, mesh)}.items():
         start = time.perf_counter()

@@ -275,3 +275,42 @@ def test_a_shrunk_moe_row_of_plan_3d_prices_the_search_no_slower_than_its_hand_l
     assert c.step_s <= h.step_s * (1 + 1e-9) and r["priced"] > 1
     for x in (c, h):  # the terms the script prints: each part of the step, none negative
         assert min(x.compute_s, x.communication_s, x.bubble_s) >= 0 and x.compute_s > 0
+
+
+def test_experts_by_features_pins_the_experts_on_the_larger_axis_and_their_features_on_the_other():
+    """benchmarks/experts_by_features.py's three pinned layouts of a 2-d mesh, read from the graph."""
+    import autotp
+    from benchmarks import experts_by_features as B
+    from benchmarks.experts_choice import build
+
+    graph = autotp.capture(*build("qwen3-30b-a3b", tiny=True))
+    layouts = B.pins(graph, (2, 4))
+    assert len(layouts) == 3 and all(len(p) == 4 for p in layouts.values())  # gate_up_proj and down_proj of 2 layers
+    by_features, whole, both = layouts.values()
+    for name in whole:
+        up = name.endswith("gate_up_proj")
+        assert whole[name] == "RS(0)" and both[name] == ("S(1)[2]S(0)" if up else "S(2)S(0)")
+        assert by_features[name] == ("S(1)[2]S(2)" if up else "S(2)S(1)")
+
+
+@pytest.mark.slow  # 78 s of two-axis ILPs
+def test_experts_by_features_prices_each_pinned_layout_of_a_shrunk_shape():
+    """benchmarks/experts_by_features.py's pins and lines at tiny widths on (2, 2): each pinned layout
+    plans with its expert weights as pinned, and the unpinned plan prices no slower than any of them."""
+    import autotp
+    from autotp.planning.planner import plan_graph
+    from benchmarks import experts_by_features as B
+    from benchmarks.experts_choice import build
+
+    model, inputs = build("qwen3-30b-a3b", tiny=True)
+    graph = autotp.capture(model, inputs)
+    mesh = (2, 2)
+    free = plan_graph(graph, mesh, "h100-sxm", "train")
+    steps = {}
+    for label, pin in B.pins(graph, mesh).items():
+        plan = plan_graph(graph, mesh, "h100-sxm", "train", pin=pin)
+        assert all(plan.parameter_placements[n] == p for n, p in pin.items()), label
+        line = B.describe(graph, plan, label)
+        assert line.startswith(f"{label}: predicted step ") and "grouped matmuls [" in line, line
+        steps[label] = plan.predicted_time().total_s
+    assert len(steps) == 3 and all(free.predicted_time().total_s <= s * (1 + 1e-9) for s in steps.values()), steps
