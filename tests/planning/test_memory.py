@@ -304,34 +304,3 @@ def test_the_least_autotp_plan_names_says_which_trace_it_is_for_and_plans():
                             dynamic_dims=dynamic)
             assert err.value.minimum_bytes == least
     assert len(captured) == 2  # one static and one dynamic trace, each planned three times
-
-
-class _HeadAndLoss(nn.Module):
-    def __init__(self, hidden: int, vocab: int):
-        super().__init__()
-        self.head = nn.Linear(hidden, vocab, bias=False)
-
-    def forward(self, x, targets):
-        return nn.functional.cross_entropy(self.head(x), targets)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_loss_on_split_classes_counts_its_float32_softmax_and_one_clone(dtype):
-    """The loss on logits split by vocabulary (autotp/local/losses.py) keeps its piece's softmax in
-    float32 and its backward clones it once (then casts it to the logits' dtype): counted by hand
-    for 1024 rows of 1024 classes split over 2 ranks, where one device's loss would count a
-    log-softmax and two more logits-sized gradients in the logits' dtype."""
-    rows, hidden, vocab = 1024, 32, 1024
-    with torch.device("meta"):
-        model = _HeadAndLoss(hidden, vocab).to(dtype)
-        x, targets = torch.randn(rows, hidden, dtype=dtype), torch.zeros(rows, dtype=torch.long)
-    graph = autotp.capture(model, (x, targets))
-    plan = plan_graph(graph, (2,), "cpu-gloo", pin={"head.weight": "S(0)"})
-    loss = next(n for n in plan.nodes if n.target == "aten.cross_entropy_loss.default")
-    assert plan.strategy(loss.name).inputs[0][0].is_shard  # the classes split: the vocabulary-parallel loss
-    piece = rows * vocab // 2  # a rank's logits, in elements
-    cast = 0 if dtype == torch.float32 else torch.finfo(dtype).bits // 8
-    mem = plan.memory
-    assert mem.activations_bytes == 4 * piece  # the float32 softmax (the head's input is an input)
-    # the scalar loss's gradient and the one its first backward op makes, then the clone and its cast
-    assert mem.transient_bytes == 2 * torch.finfo(dtype).bits // 8 + (4 + cast) * piece

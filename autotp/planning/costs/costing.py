@@ -59,7 +59,6 @@ from autotp.planning.rules.attention import attention_work_divisor
 from autotp.planning.rules.experts import expert_work_divisor
 from autotp.planning.rules.routed import routed_kept_bytes, routed_work_divisor
 from autotp.planning.rules.inner import inner_collectives
-from autotp.planning.rules.losses import split_loss_bytes
 from autotp.tracing.graph import BUFFER, PARAMETER, OpGraph, OpNode, TensorInfo, dtype_bytes
 from cost_models import (
     HardwareProfile,
@@ -297,14 +296,10 @@ class CostModel:
         transient = 2 * local if node.name in self.kept.returned else 0.0
         if node.name in self.kept.held:  # returned beside the loss (logits): whole, alive through the backward
             transient += sum(o.nbytes for o in node.outputs)
+        per_input = self.kept.extra_per_input_element.get(node.name, 0.0)
         first = self.local_bytes(node.input_infos[0], strategy.inputs[0]) if node.inputs else 0.0
-        per_input = self.kept.extra_per_input_element.get(node.name, 0.0) * first
-        split = split_loss_bytes(node, strategy, self.mesh.shape)
-        if split is not None:  # the loss on split classes keeps a float32 softmax, and clones it once
-            per_input, transient = split.kept_bytes, transient + split.backward_bytes
-        else:
-            transient += self.kept.transient_per_input_element.get(node.name, 0.0) * first
-        return MemoryParts(activations_bytes=kept + extra + per_input + (routed if kept else 0.0),
+        transient += self.kept.transient_per_input_element.get(node.name, 0.0) * first
+        return MemoryParts(activations_bytes=kept + extra + per_input * first + (routed if kept else 0.0),
                            transient_bytes=transient)
 
     def memory_key(self, node: OpNode) -> tuple:

@@ -144,8 +144,7 @@ _EXTRA_INPUT = {"aten.cross_entropy_loss.default": 1.0}
 # bytes the backward of an op allocates at once, per element of its first input (in its dtype):
 # cross-entropy's backward makes the gradient of its log-softmax, then the logits' gradient from
 # it, while the kept log-softmax is still alive; the loss's backward runs first, so this is the
-# first peak of the backward. Where the plan splits the classes, the vocabulary-parallel loss runs
-# instead and keeps and allocates less (autotp.planning.rules.losses.split_loss_bytes)
+# first peak of the backward
 _TRANSIENT_INPUT = {"aten.cross_entropy_loss.default": 2.0}
 
 

@@ -11,8 +11,7 @@ this way). The output is the loss itself, the same on every rank.
 :func:`cross_entropy_choices` is the rule of ``aten.cross_entropy_loss``: replicated, or the class
 dim split (no class weights, no label smoothing: each needs another sum over the classes).
 :func:`class_split_axes` says which mesh axes a strategy splits the classes over, and
-:func:`loss_collectives` what they run, :func:`split_loss_bytes` what it keeps and allocates in
-the backward (a float32 softmax and its gradient, not one device's three logits-sized tensors): the cost model prices them with the op
+:func:`loss_collectives` what they run: the cost model prices them with the op
 (:meth:`autotp.planning.costs.costing.CostModel.node_compute_s`), the program lists them
 (:func:`autotp.planning.costs.program.program`), and on a rank the op runs as
 :class:`autotp.local.losses.VocabParallelCrossEntropy` (:func:`local_cross_entropy`).
@@ -20,21 +19,19 @@ the backward (a float32 softmax and its gradient, not one device's three logits-
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from autotp.local.losses import VocabParallelCrossEntropy
 from autotp.local.site import LocalSite
-from autotp.placement import R, S, Strategy, shard_divisor
+from autotp.placement import R, S, Strategy
 from autotp.planning.rules.common import AxisChoice, divisible
-from autotp.tracing.graph import OpNode, dtype_bytes
+from autotp.tracing.graph import OpNode
 
 __all__ = ["CROSS_ENTROPY", "cross_entropy_choices", "class_dim", "class_split_axes", "loss_collectives",
-           "local_cross_entropy", "SplitLossBytes", "split_loss_bytes", "RULES", "LOCAL"]
+           "local_cross_entropy", "RULES", "LOCAL"]
 
 CROSS_ENTROPY = "aten.cross_entropy_loss.default"
 STATISTICS_BYTES = 4  # the per-row statistics are reduced in float32
-SOFTMAX_BYTES = 4  # the split loss computes, keeps and differentiates its softmax in float32
 
 
 def class_dim(node: OpNode) -> int:
@@ -87,29 +84,6 @@ def loss_collectives(node: OpNode, strategy: Strategy, mesh_shape: Sequence[int]
     for a in axes:
         out.append(("all_reduce", a, float(2 * size)))
     return out
-
-
-@dataclass(frozen=True)
-class SplitLossBytes:
-    """What the split loss holds per rank, in bytes (:class:`autotp.local.losses.VocabParallelCrossEntropy`):
-    ``kept_bytes``, the piece's softmax in float32, kept from the forward to the backward;
-    ``backward_bytes``, what its backward allocates while that softmax is alive: the gradient, a
-    float32 clone of the softmax, and its cast to the logits' dtype where that is not float32."""
-
-    kept_bytes: float
-    backward_bytes: float
-
-
-def split_loss_bytes(node: OpNode, strategy: Strategy, mesh_shape: Sequence[int]) -> Optional[SplitLossBytes]:
-    """The bytes the loss keeps and its backward allocates per rank where ``strategy`` splits its
-    classes (None where it does not: one device's ``log_softmax`` and ``nll_loss`` run then, priced
-    by :mod:`autotp.planning.costs.saved`)."""
-    if not class_split_axes(node, strategy):
-        return None
-    logits = node.input_infos[0]
-    elements = logits.numel / shard_divisor(logits.shape, strategy.inputs[0], mesh_shape)
-    cast = dtype_bytes(logits.dtype) if dtype_bytes(logits.dtype) != SOFTMAX_BYTES else 0
-    return SplitLossBytes(kept_bytes=SOFTMAX_BYTES * elements, backward_bytes=(SOFTMAX_BYTES + cast) * elements)
 
 
 RULES = {CROSS_ENTROPY: cross_entropy_choices}
