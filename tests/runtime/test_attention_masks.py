@@ -1,6 +1,7 @@
 """Attention masks run as their description: found from the graph (no ``S x S`` tensor left),
 priced at the pairs the kernel computes, exact against the model in one process on 1 and 2
-threaded ranks, with the padding, the sliding window and the query rows split.
+threaded ranks, with the padding, the sliding window, the query rows split and the heads split
+between projections split by sequence (Ulysses).
 
 References: ``scaled_dot_product_attention`` with the whole mask (the kernel), the Hugging Face
 model's own loss and gradients in one process (the models), ``torch.utils.flop_counter``'s count of
@@ -23,6 +24,7 @@ from autotp.runtime.module import build_parallel_module
 from autotp.runtime.shards import placements_of
 from autotp.weights.checkpoint import full_tensor
 from examples.ranks import run_threads
+from tests.helpers.observed import CollectiveLog, assert_kinds_as_planned
 
 SEQ = 12  # not any width of the models: a (SEQ, SEQ) shape is a mask
 
@@ -147,32 +149,41 @@ def _step(rank, world, graph, plan, model, inputs):
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     pm = build_parallel_module(graph, plan, mesh, model)
-    loss = pm(**inputs).loss
-    loss.backward()
-    return loss.detach(), {n: full_tensor(p.grad, placements_of(p)) for n, p in pm.named_parameters()}
+    with CollectiveLog(mesh) as forward:
+        loss = pm(**inputs).loss
+    with CollectiveLog(mesh) as backward:
+        loss.backward()
+    grads = {n: full_tensor(p.grad, placements_of(p)) for n, p in pm.named_parameters()}
+    return loss.detach(), grads, forward, backward
 
 
-def _check_exact(model, inputs, world, rows_only=None, variant=""):
+def _check_exact(model, inputs, world, rows_only=None, variant="", keep=None):
     """``rows_only`` (a monkeypatch): the attention offered its query-rows split alone, and of it
-    the strategies of ``variant`` alone (the plain split's, or the balanced rows')."""
+    the strategies of ``variant`` alone (the plain split's, or the balanced rows'); or, with
+    ``keep(graph, node, strategy)``, every node offered the strategies ``keep`` allows. Returns the
+    graph, the plan and each rank's collectives run in the forward and in the backward."""
     graph = autotp.capture(model, inputs)
     if rows_only is not None:  # the attention offered its query-rows split alone: its rows' local execution runs
         from autotp.planning.choices import strategies
 
         others, offered = strategies.user_choices, strategies.node_strategies
-        rows_only.setattr(strategies, "user_choices", lambda node, n: [
-            ((S(2), R, R) + (R,) * (len(node.inputs) - 3), S(2))] if node in _attention(graph) else others(node, n))
+        if keep is None:
+            rows_only.setattr(strategies, "user_choices", lambda node, n: [
+                ((S(2), R, R) + (R,) * (len(node.inputs) - 3), S(2))] if node in _attention(graph) else others(node, n))
+            keep = lambda graph_, node, s: node not in _attention(graph_) or s.variant == variant  # noqa: E731
         rows_only.setattr(strategies, "node_strategies", lambda graph_, node, *a: [
-            s for s in offered(graph_, node, *a) if node not in _attention(graph) or s.variant == variant])
+            s for s in offered(graph_, node, *a) if keep(graph_, node, s)])
     plan = plan_graph(graph, (world,), "cpu-gloo", "train")
     out = model(**inputs)
     out.loss.backward()
-    for loss, grads in run_threads(_step, world, graph, plan, model, inputs):
+    logs = []
+    for loss, grads, *phases in run_threads(_step, world, graph, plan, model, inputs):
+        logs.append(phases)
         torch.testing.assert_close(loss, out.loss.detach(), rtol=1e-5, atol=1e-6)
         for n, p in model.named_parameters():
             torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-5 * p.grad.abs().max().item(), msg=n)
     model.zero_grad()
-    return graph, plan
+    return graph, plan, logs
 
 
 @pytest.mark.parametrize("kind, padded, given", [("llama", True, True), ("mistral", True, True),
@@ -186,7 +197,7 @@ def test_loss_and_gradients_equal_one_process(kind, padded, given, world):
 def test_query_rows_split_over_two_ranks_equal_one_process(kind, monkeypatch):
     """The attention pinned to its query-rows split: each rank builds its rows' mask (causal, and
     the window smaller than the sequence) and the padded rows come out as in one process."""
-    graph, plan = _check_exact(_model(kind), _inputs(True, True), 2, rows_only=monkeypatch)
+    graph, plan, _ = _check_exact(_model(kind), _inputs(True, True), 2, rows_only=monkeypatch)
     (attention,) = _attention(graph)
     assert str(plan.strategy(attention.name).inputs[0][0]) == "S(2)", str(plan.strategy(attention.name))
 
@@ -196,10 +207,72 @@ def test_balanced_rows_over_two_ranks_equal_one_process(given, monkeypatch):
     """Causal attention pinned to balanced rows on 2 ranks, 16 tokens: each rank computes chunks
     r and 3 - r of 4 (queries and outputs exchanged by all-to-all), the loss and every gradient as
     in one process; with a padded mask (the described op) and without one (``is_causal``)."""
-    graph, plan = _check_exact(_model("llama"), _inputs(given, given, seq=16), 2, rows_only=monkeypatch,
+    graph, plan, _ = _check_exact(_model("llama"), _inputs(given, given, seq=16), 2, rows_only=monkeypatch,
                                variant="balanced")
     (attention,) = _attention(graph)
     assert str(plan.strategy(attention.name)).endswith("-> S(2) balanced"), str(plan.strategy(attention.name))
+
+
+def _upstream(graph, name: str) -> set[str]:
+    """``name`` and the ops it is computed from, back to (and with) the linear layers."""
+    found, todo = set(), [name]
+    while todo:
+        node = graph[todo.pop()]
+        if node.name in found or node not in graph.ops():
+            continue
+        found.add(node.name)
+        if node.target != "aten.linear.default":
+            todo.extend(node.inputs)
+    return found
+
+
+def _downstream(graph, name: str) -> set[str]:
+    """``name`` and the ops computed from it, up to (and with) the linear layers."""
+    found, todo = set(), [name]
+    while todo:
+        node = graph[todo.pop()]
+        if node.name in found:
+            continue
+        found.add(node.name)
+        if node.target != "aten.linear.default" or node.name == name:
+            todo.extend(graph.consumers(node.name))
+    return found
+
+
+def test_ulysses_heads_between_sequence_splits_equal_one_process(monkeypatch):
+    """Ulysses on 2 ranks: a tiny Llama (4 heads, 2 kv heads, 16 tokens, padded) with its q, k, v
+    and output projections offered their sequence split alone (their weights whole) and the
+    attention its heads split alone. The plan redistributes q, k and v from sequence to heads and
+    the attention's output back, one all-to-all each way and each phase; the loss and every gradient
+    equal one process, and the collectives each rank runs are the plan's by kind and axis."""
+    seq_split, heads_split = (S(1),), (S(1),)  # (batch, seq, features) and (batch, heads, seq, head_dim)
+
+    projections = {}  # the graph's: the linear layers into the attention's q, k, v and out of it
+
+    def keep(graph, node, strategy):
+        (attention,) = _attention(graph)
+        if node is attention:
+            return strategy.output == heads_split and strategy.variant == ""
+        if graph not in projections:
+            around = set().union(_downstream(graph, attention.name),
+                                 *(_upstream(graph, i) for i in attention.inputs[:3]))
+            projections[graph] = {n for n in around if graph[n].target == "aten.linear.default"}
+        return node.name not in projections[graph] or (strategy.output == seq_split and strategy.inputs[1] == (R,))
+
+    graph, plan, logs = _check_exact(_model("llama"), _inputs(True, True, seq=16), 2, rows_only=monkeypatch,
+                                     keep=keep)
+    (attention,) = _attention(graph)
+    assert str(plan.strategy(attention.name)).startswith("(S(1), S(1), S(1)"), str(plan.strategy(attention.name))
+    q, k, v = (_upstream(graph, i) for i in attention.inputs[:3])
+    side = {"q": q - k - v, "k": k - q - v, "v": v - q - k, "out": _downstream(graph, attention.name)}
+    for phase in ("forward", "backward"):
+        moved = sorted(name for c in plan.collectives() if c.phase == phase and c.kind == "all_to_all"
+                       for name, nodes in side.items() if c.at in nodes)
+        assert moved == ["k", "out", "q", "v"], (phase, [str(c) for c in plan.collectives()])
+    for rank_logs in logs:
+        for log, phase in zip(rank_logs, ("forward", "backward")):
+            assert_kinds_as_planned(log, plan, phase)
+            assert log.kind_counts()["all_to_all"] == 4, (phase, log.kind_counts())
 
 
 def test_balanced_rows_are_priced_at_the_mean():
