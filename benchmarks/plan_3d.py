@@ -65,6 +65,10 @@ ROWS = {
                                    micro_batch_size=1, zero=1, recompute=False), "Llama 3: TP 8 x PP 16 x DP 4"),
 }
 HARDWARE = "h100-sxm"
+# a hand layout as published; where that does not fit the budget, with every layer recomputing, then
+# with ZeRO 3 too (the fields changed, and what the row says of it)
+AS_PUBLISHED_OR_FITTED = (({}, ""), ({"recompute": True}, " +recompute"), ({"recompute": True, "zero": 3},
+                                                                          " +recompute, zero 3"))
 MOE_SEQ = 4096
 SEQUENCES_PER_DEVICE = 7.5  # DeepSeek-V3: 15360 sequences on 2048 GPUs
 MOE_SHAPES = {  # transformers config classes and their kwargs
@@ -123,8 +127,7 @@ def moe_row(name: str, layers: int | None = None, seq: int = MOE_SEQ, devices: i
     plan = autotp.plan(model, devices, inputs, hardware=HARDWARE, pipeline=True)
     search_s = time.perf_counter() - t0
     priced, note = None, ""
-    for changed, note in (({}, ""), ({"recompute": True}, " +recompute"), ({"recompute": True, "zero": 3},
-                                                                           " +recompute, zero 3")):
+    for changed, note in AS_PUBLISHED_OR_FITTED:
         try:
             kept = autotp.plan(model, devices, inputs, hardware=HARDWARE, pipeline={**hand, **changed})
         except (MemoryBudgetError, ValueError):
@@ -153,8 +156,7 @@ def row(name: str) -> dict:
     per_replica = BATCH // hand["dp"]
     units = _units(model, ids, plan, hand["tp"], hand["micro_batch_size"], units_seen)
     # as published; where that does not fit the budget, with every layer recomputing, then with ZeRO 3 too
-    for changed, note in (({}, ""), ({"recompute": True}, " +recompute"), ({"recompute": True, "zero": 3},
-                                                                           " +recompute, zero 3")):
+    for changed, note in AS_PUBLISHED_OR_FITTED:
         layout = Candidate(**{**hand, **changed}, micro_batches=per_replica // hand["micro_batch_size"])
         priced, _ = price_layout(layout, units, plan.hardware, plan.memory.budget_bytes)
         if priced.step_s is not None:

@@ -133,3 +133,22 @@ def assert_as_planned(log: CollectiveLog, plan, phase: str) -> None:
         raise AssertionError(f"{phase}: the run and the plan differ.\n"
                              f"  ran, not planned: {dict(seen - want)}\n"
                              f"  planned, not run: {dict(want - seen)}")
+
+
+def logged_step(rank, world, graph, plan, model, inputs: dict):
+    """One rank's training step of ``plan`` on a ``(world,)`` mesh (for ``examples.ranks.run_threads``):
+    the loss, every parameter's gradient whole, and the collectives of the forward and of the backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autotp.runtime.module import build_parallel_module
+    from autotp.runtime.shards import placements_of
+    from autotp.weights.checkpoint import full_tensor
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    pm = build_parallel_module(graph, plan, mesh, model)
+    with CollectiveLog(mesh) as forward:
+        loss = pm(**inputs).loss
+    with CollectiveLog(mesh) as backward:
+        loss.backward()
+    grads = {n: full_tensor(p.grad, placements_of(p)) for n, p in pm.named_parameters()}
+    return loss.detach(), grads, forward, backward

@@ -20,11 +20,8 @@ import autotp
 from autotp.masks import MaskSpec, masked_attention
 from autotp.placement import R, S
 from autotp.planning.planner import plan_graph
-from autotp.runtime.module import build_parallel_module
-from autotp.runtime.shards import placements_of
-from autotp.weights.checkpoint import full_tensor
 from examples.ranks import run_threads
-from tests.helpers.observed import CollectiveLog, assert_kinds_as_planned
+from tests.helpers.observed import assert_kinds_as_planned, logged_step
 
 SEQ = 12  # not any width of the models: a (SEQ, SEQ) shape is a mask
 
@@ -144,19 +141,6 @@ def test_flops_are_the_pairs_the_kernel_computes():
 
 # -- exact on ranks ----------------------------------------------------------------------------
 
-def _step(rank, world, graph, plan, model, inputs):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    pm = build_parallel_module(graph, plan, mesh, model)
-    with CollectiveLog(mesh) as forward:
-        loss = pm(**inputs).loss
-    with CollectiveLog(mesh) as backward:
-        loss.backward()
-    grads = {n: full_tensor(p.grad, placements_of(p)) for n, p in pm.named_parameters()}
-    return loss.detach(), grads, forward, backward
-
-
 def _check_exact(model, inputs, world, rows_only=None, variant="", keep=None):
     """``rows_only`` (a monkeypatch): the attention offered its query-rows split alone, and of it
     the strategies of ``variant`` alone (the plain split's, or the balanced rows'); or, with
@@ -177,7 +161,7 @@ def _check_exact(model, inputs, world, rows_only=None, variant="", keep=None):
     out = model(**inputs)
     out.loss.backward()
     logs = []
-    for loss, grads, *phases in run_threads(_step, world, graph, plan, model, inputs):
+    for loss, grads, *phases in run_threads(logged_step, world, graph, plan, model, inputs):
         logs.append(phases)
         torch.testing.assert_close(loss, out.loss.detach(), rtol=1e-5, atol=1e-6)
         for n, p in model.named_parameters():

@@ -21,7 +21,7 @@ from autotp.planning.costs.redistribute import is_convertible
 from autotp.planning.planner import plan_graph
 from autotp.planning.rules.routed import routed_region
 from examples.ranks import run_threads
-from tests.helpers.observed import CollectiveLog, assert_as_planned, assert_kinds_as_planned
+from tests.helpers.observed import assert_as_planned, assert_kinds_as_planned, logged_step
 from tests.helpers.plans import solver_objective, without_pd
 from tests.runtime.test_experts_on_ranks import (_experts_count, check_exact, every_expert_routed, expert_tensors,
                                                  expert_weights, experts_of, inputs_for, tiny_moe)
@@ -168,20 +168,6 @@ def fixed_routing(model, skewed: bool = False) -> None:
         module.register_forward_pre_hook(fixed)
 
 
-def _logged_step(rank, world, graph, plan, model, inputs):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from autotp.runtime.module import build_parallel_module
-
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    pm = build_parallel_module(graph, plan, mesh, model)
-    with CollectiveLog(mesh) as forward:
-        loss = pm(**inputs).loss
-    with CollectiveLog(mesh) as backward:
-        loss.backward()
-    return loss.detach(), forward, backward
-
-
 @pytest.mark.parametrize("variant,routing", [("routed", "balanced"), ("pd", "balanced"),
                                              pytest.param("routed", "skewed", marks=pytest.mark.slow)])
 def test_the_collectives_of_a_step_are_the_plan_s_and_all_to_alls_send_within_its_bound(variant, routing):
@@ -208,7 +194,7 @@ def test_the_collectives_of_a_step_are_the_plan_s_and_all_to_alls_send_within_it
         plan = plan_graph(graph, (2,), "cpu-gloo", "train", pin={n: "S(0)" for n in expert_tensors(model)})
         assert not [c for c in plan.collectives() if c.kind == "all_to_all"]
     out = model(**inputs)
-    for rank, (loss, forward, backward) in enumerate(run_threads(_logged_step, 2, graph, plan, model, inputs)):
+    for rank, (loss, _, forward, backward) in enumerate(run_threads(logged_step, 2, graph, plan, model, inputs)):
         torch.testing.assert_close(loss, out.loss.detach(), rtol=1e-5, atol=1e-6)
         assert any(s.kind == "all_to_all" for s in forward.seen) == (variant == "routed")
         for log, phase in ((forward, "forward"), (backward, "backward")):
