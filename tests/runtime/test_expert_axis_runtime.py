@@ -51,6 +51,8 @@ def _rank(rank, world, plan_json, built=None):
     pm = autotp.parallelize(model, mesh, inputs, plan=plan)
     with CollectiveLog(pm.tp_mesh) as log:  # the plan's mesh: the expert axis
         loss = pm.step(**inputs)
+    # the step returns the loss alone: no micro-batch's output (its logits) outlives it
+    assert all(not s.output_chunks for s in pm._pipeline_stages)
     grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in pm.named_parameters()}
     experts = {n: tuple(p.to_local().shape) for n, p in pm.named_parameters() if p.ndim == 3}
     return (None if loss is None else loss.item(), grads, Counter((c.kind, c.mesh_axis) for c in log.seen),

@@ -282,7 +282,8 @@ class PipelineModule(Parallelized):
                       else torch.zeros(self.plan.pipeline.chosen.micro_batches, 1, device=self.device))
         given = dict(target=target, losses=losses) if self.holds_last_stage else {}
         with self.data_parallel.step() if self.data_parallel is not None else contextlib.nullcontext():
-            schedule.step(**given, **inputs)
+            # the step returns the loss only: no micro-batch's output (the logits) is kept to the step's end
+            schedule.step(**given, **inputs, return_outputs=False)
         self._sum_shared_gradients()
         if self.holds_last_stage:
             loss = torch.stack([torch.as_tensor(x).detach() for x in losses]).mean()
