@@ -24,6 +24,7 @@ from cost_models import LinkSpec, collective_time_s, load_profile
 from examples import models as M
 from examples.ranks import run_threads
 from tests.helpers.captures import captures_shared
+from tests.helpers.plans import without_pd
 
 
 def test_the_balanced_cut_is_the_least_slowest_stage():
@@ -112,6 +113,29 @@ def test_the_units_add_up_to_the_plan(llama_units):
     # every parameter in some unit; the state of the units is the plan's
     assert set().union(*(u.parameters for u in units)) == {n.name for n in graph.nodes if n.role == "parameter"}
     assert sum(v[0] for v in pu.parameters.values()) == pytest.approx(plan.memory.parameters_bytes)
+
+
+def test_collectives_an_op_runs_inside_count_once_in_the_units():
+    """Routed experts (the grouped matmuls send their rows by all-to-all inside themselves, pinned
+    so on (2,)): the units' compute and communication add up to the plan's, where the all-to-alls
+    count once, as communication; a unit counting them in its compute too would exceed it."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    config = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                         num_experts=8, num_experts_per_tok=2, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = transformers.Qwen3MoeForCausalLM(config).train()
+    ids = torch.zeros(4, 12, dtype=torch.long)
+    graph = autotp.capture(model, {"input_ids": ids, "labels": ids})
+    pin = {n: "S(0)" for n, p in model.named_parameters() if p.ndim == 3}
+    with without_pd():  # the tokens sent to their experts' ranks, not every token on every rank
+        plan = plan_graph(graph, (2,), "h100-sxm", "train", 1e18, recompute=False, explainable=False, pin=pin)
+    inside = [c for c in plan.collective_list if c.kind == "all_to_all"]
+    assert inside, "the routed variant's all-to-alls"
+    stack = find_stacks(model)[0]
+    units = units_of_plan(plan, graph, [stack.layer(i) for i in range(stack.count)]).units
+    assert sum(u.forward_compute_s + u.backward_compute_s for u in units) == pytest.approx(plan.time.compute_s)
+    assert sum(u.forward_comm_s + u.backward_comm_s for u in units) == pytest.approx(plan.time.communication_s)
 
 
 def test_a_layout_priced_by_hand(llama_units, monkeypatch):

@@ -113,8 +113,12 @@ def unit_costs(graph: OpGraph, chosen: Mapping[str, Strategy], cost: CostModel,
     colls, copies = program(graph, chosen, spec, cost.train, recomputed)
     for n in graph.nodes:
         a, s = acc[unit[n.name]], chosen[n.name]
-        fwd = cost.node_forward_s(n, s)
-        total = cost.node_compute_s(n, s, graph.gradient_reads(n.name))
+        # the collectives an op runs inside itself (routed experts' all-to-alls, a loss on split
+        # classes) are in the program's list, priced below with the others: not in its compute too
+        inner = (0.0, 0.0) if n.is_placeholder or n.is_view else (
+            cost.inner_collectives_s(n, s, backward=False), cost.inner_collectives_s(n, s))
+        fwd = cost.node_forward_s(n, s) - inner[0]
+        total = cost.node_compute_s(n, s, graph.gradient_reads(n.name)) - inner[1]
         a["fc"] += fwd
         a["bc"] += total - fwd
         if n.name in recomputed:
