@@ -19,4 +19,5 @@ calls on local tensors, but ``site``, the interface every op family's local exec
                     queries and outputs exchanged by all-to-all
 - ``dispatch``      routed rows sent to their experts' ranks and back (two all-to-alls), the
                     grouped matmuls between on this rank's experts
+- ``outputs``       an output a pipeline's step does not read, returned as the plan holds it (a DTensor)
 """

@@ -39,6 +39,7 @@ from autotp.planning.result.plan import (
 from autotp.planning.rules.gradients import partial_gradient_variants
 from autotp.planning.search.expert_axis import routed_expert_count, routed_expert_weights
 from autotp.planning.search.mesh_search import mesh_shapes, search_meshes
+from autotp.planning.search.step_reads import for_a_step
 from autotp.planning.solve.solver import solve
 from autotp.tracing.dynamic import requirements
 from autotp.tracing.export import capture
@@ -259,6 +260,7 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
         hardware_source=hardware_source or hardware_origin(hardware),
         buffer_placements={n.param_fqn: format_placements(chosen[n.name].output) for n in graph.nodes
                            if n.role == BUFFER and any(p.kind != "R" for p in chosen[n.name].output)},
+        unread_outputs=tuple(graph.unread_outputs),
     )
     if explainable:  # what plan.explain solves again with (autotp.planning.result.explain); never saved
         def solve_again(pins: dict[str, str], placed: Optional[Mapping[str, str]] = None) -> Plan:
@@ -377,7 +379,11 @@ def _plan_layout(model: torch.nn.Module, devices: int, example_inputs: Any, prof
     import dataclasses  # noqa: PLC0415
 
     from autotp.planning.search.layer_kinds import (  # noqa: PLC0415
-        KindStack, expand_units, find_kind_stack, representatives_only)
+        KindStack,
+        expand_units,
+        find_kind_stack,
+        representatives_only,
+    )
     from autotp.planning.search.pipeline_search import search_layouts, units_of_plan  # noqa: PLC0415
     from autotp.tracing.repeats import find_stacks  # noqa: PLC0415
 
@@ -392,24 +398,26 @@ def _plan_layout(model: torch.nn.Module, devices: int, example_inputs: Any, prof
     # a Mixture-of-Experts model is priced from one layer of each kind (its search plans an ILP per
     # expert axis and micro-batch too); its chosen layout planned on the whole graph afterwards
     one_each = stack if isinstance(stack, KindStack) else KindStack(stack.path, ((0, stack.count),))
-    with representatives_only(model, one_each):
-        first = capture(model, _first_rows(example_inputs, batch, 1), False, training=None, unroll=True)
+    with representatives_only(model, one_each):  # a step reads the loss alone of the outputs
+        first = for_a_step(capture(model, _first_rows(example_inputs, batch, 1), False, training=None, unroll=True))
     experts = routed_expert_count(first) if batch > 1 else 0
     kinds = one_each.runs if experts or isinstance(stack, KindStack) else None
     graphs: dict[int, OpGraph] = {1: first} if kinds else {}
-    plans: dict[tuple[int, int, int], tuple[Plan, Any]] = {}
+    plans: dict[tuple[int, int, int, bool], tuple[Plan, Any]] = {}
     paths: list[str] = [stack.layer(i) for i in range(stack.count)]
 
     def graph_of(rows: int) -> OpGraph:
         if rows not in graphs:
             with representatives_only(model, one_each) if kinds else contextlib.nullcontext():
-                graphs[rows] = capture(model, _first_rows(example_inputs, batch, rows), False, training=None,
-                                       unroll=True)
+                graphs[rows] = for_a_step(capture(model, _first_rows(example_inputs, batch, rows), False,
+                                                  training=None, unroll=True))
         return graphs[rows]
 
-    def plan_for(tp: int, b: int, ep: int = 1) -> tuple[Plan, Any]:
-        if (tp, b, ep) not in plans:
+    def plan_for(tp: int, b: int, ep: int = 1, whole_outputs: bool = False) -> tuple[Plan, Any]:
+        if (tp, b, ep, whole_outputs) not in plans:
             graph = graph_of(b * ep)
+            if whole_outputs:  # every output returned whole, as a module's forward returns it
+                graph = dataclasses.replace(graph, unread_outputs=())
             mesh, pins = (tp,), dict(pin or {})
             if ep > 1:  # the expert axis: the routed experts split by expert there, the ILP places the rest
                 mesh = MeshSpec((ep,), (AXIS_NAMES[EXPERT],))
@@ -420,8 +428,8 @@ def _plan_layout(model: torch.nn.Module, devices: int, example_inputs: Any, prof
             if kinds:
                 units = dataclasses.replace(units, **dict(zip(("units", "parameters"),
                                                               expand_units(units.units, units.parameters, one_each))))
-            plans[tp, b, ep] = (p, units)
-        return plans[tp, b, ep]
+            plans[tp, b, ep, whole_outputs] = (p, units)
+        return plans[tp, b, ep, whole_outputs]
 
     if kinds:
         paths = one_each.layers()
@@ -432,7 +440,9 @@ def _plan_layout(model: torch.nn.Module, devices: int, example_inputs: Any, prof
         kinds, paths = None, [stack.layer(i) for i in range(stack.count)]
         graphs.clear()
         plans.clear()
-    stage_plan, _ = plan_for(best.tp, best.micro_batch_size, best.ep)
+    # a plain layout (no stages, replicas or expert axis) runs as one parallel module, whose step is
+    # its forward: it returns every output whole, so its plan gathers them and prices so
+    stage_plan, _ = plan_for(best.tp, best.micro_batch_size, best.ep, whole_outputs=best.layout.plain)
     choice = dataclasses.replace(choice, search_s=time.perf_counter() - t0,
                                  kinds=tuple(one_each.runs) if isinstance(stack, KindStack) else ())
     return dataclasses.replace(stage_plan, pipeline=choice,

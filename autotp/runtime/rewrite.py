@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autotp.local.collectives import GradAllReduce, RedistributeStep, to_local
+from autotp.local.outputs import HeldOutput, held_placements
 from autotp.local.site import LocalSite, run_locally
 from autotp.placement import Placement, dim_pieces, local_shape, piece_sizes
 from autotp.planning.costs.program import OUTPUT, reads
@@ -377,12 +378,25 @@ class GraphRewrite:
             if isinstance(a, torch.fx.Node):
                 src = alias.get(a.name, a.name)
                 if src in position:
-                    return self.read(src, self.plan_output_placement(), (),
-                                     value_key=self.read_keys[(OUTPUT, position[src])])
+                    key = self.read_keys[(OUTPUT, position[src])]
+                    held = self.held_output(src)
+                    if held is not None:  # nothing reads it whole in a step: as the plan holds it
+                        return self.fx.call_module(self._add_module(held, "held_output"),
+                                                   (self.read(src, None, (), value_key=key),))
+                    return self.read(src, self.plan_output_placement(), (), value_key=key)
                 return self.local[src]
             return a
 
         self.fx.output(torch.fx.node.map_aggregate(node.args[0], mapped))
+
+    def held_output(self, name: str) -> HeldOutput | None:
+        """The module returning output ``name`` as the plan holds it, where the plan leaves it unread
+        (``Plan.unread_outputs``) and DTensor can say its placements; else None (gathered whole)."""
+        if name not in self.plan.unread_outputs or self.g.symbolic.get(name):
+            return None
+        shape = tuple(self.g[name].outputs[0].shape)
+        placements = held_placements(self.plan.strategy(name).output, shape, self.mesh_shape)
+        return None if placements is None else HeldOutput(self.mesh, placements, shape)
 
     def plan_output_placement(self) -> tuple[Placement, ...]:
         return tuple(Placement("R") for _ in self.mesh_shape)

@@ -229,6 +229,10 @@ class OpGraph:
     # each with the op that followed it (None: the last): torch.fx had counted them, so the unroll
     # counts them in too, where they were, when it names the layers it copies
     erased: tuple[tuple[str, Optional[str]], ...] = field(default=(), compare=False)
+    # outputs nothing reads whole (a pipeline's step returns the loss alone, not the logits beside
+    # it: autotp/planning/search/step_reads.py): left as the plan holds them, neither priced as
+    # gathered whole nor held whole
+    unread_outputs: tuple[str, ...] = field(default=(), compare=False)
     @property
     def modes(self) -> Any:
         """The modes the model was traced in (:data:`autotp.tracing.inputs.Modes`)."""

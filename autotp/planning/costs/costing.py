@@ -124,7 +124,7 @@ class CostModel:
         # what the backward of the graph keeps (autotp.planning.costs.saved); without a graph, every output
         # that needs a gradient is priced as kept (an upper bound)
         self.kept = kept_storages(graph) if graph is not None and self.train else None
-        self._returned = frozenset(graph.outputs) if graph is not None else frozenset()
+        self._returned = frozenset(graph.outputs) - frozenset(graph.unread_outputs) if graph is not None else frozenset()
 
     # -- communication -------------------------------------------------------------------------
 

@@ -114,7 +114,8 @@ def reads(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, train:
             out.append(Read(node.name, k, src, q, grad_axes, read_key(node, k, versions)))
     for i, name in enumerate(graph.outputs):
         version = versions.get((OUTPUT, i))
-        out.append(Read(OUTPUT, i, name, (R,) * mesh.ndim, (), f"{name}@{version}" if version else ""))
+        whole = None if name in graph.unread_outputs else (R,) * mesh.ndim  # an unread output stays as held
+        out.append(Read(OUTPUT, i, name, whole, (), f"{name}@{version}" if version else ""))
     return out
 
 

@@ -237,7 +237,7 @@ def kept_storages(graph: OpGraph) -> KeptStorages:
     held: frozenset[str] = frozenset()
     losses = frozenset(n for n in returned if graph[n].output.numel == 1)
     if losses:  # a model that returns its loss: the backward starts there; the rest is held by the caller
-        returned, held = losses, returned - losses
+        returned, held = losses, returned - losses - frozenset(graph.unread_outputs)
     found = KeptStorages(frozenset(kept), extra, copies, returned, frozenset(reads), extra_in, transient_in, held)
     object.__setattr__(graph, "_autotp_kept_storages", found)  # a frozen dataclass: a cache, not a field
     return found

@@ -187,6 +187,10 @@ class Plan:
     # pipeline=True: the layout chosen in three dimensions, its stages and the candidates priced
     # (autotp/planning/search/pipeline_search.py); this plan is then its stages' tensor-parallel plan
     pipeline: Optional[PipelineChoice] = None
+    # the outputs no step reads whole (a pipeline's step returns the loss alone): the plan neither
+    # gathers nor prices them (autotp/planning/search/step_reads.py); the runtime gathers them only
+    # for a call that returns them (PipelineModule.forward, a step with a loss_fn of its own)
+    unread_outputs: tuple[str, ...] = ()
     _strategies: Mapping[str, Strategy] = field(default=None, repr=False)  # type: ignore[assignment]
     # the captured graph and the planner's arguments, for explain() (a plan made in this process)
     _context: Optional["ExplainContext"] = field(default=None, repr=False, compare=False)
@@ -292,6 +296,7 @@ class Plan:
             "buffer_placements": dict(self.buffer_placements),
             "mesh_search": [asdict(c) for c in self.mesh_search],
             "pipeline": self.pipeline.to_dict() if self.pipeline is not None else None,
+            **({"unread_outputs": list(self.unread_outputs)} if self.unread_outputs else {}),
         }
 
     def to_json(self) -> str:
@@ -330,6 +335,7 @@ class Plan:
                 buffer_placements=dict(d.get("buffer_placements", {})),
                 mesh_search=tuple(MeshCandidate.from_dict(c) for c in d.get("mesh_search", ())),
                 pipeline=PipelineChoice.from_dict(d["pipeline"]) if d.get("pipeline") else None,
+                unread_outputs=tuple(d.get("unread_outputs", ())),
             )
         except (KeyError, TypeError, IndexError) as err:
             raise PlanError(f"plan file is missing or has a malformed field: {err}") from err

@@ -5,5 +5,6 @@
 - ``stages``            a plan's costs by layer of a stack, and the stack cut into balanced stages
 - ``schedules``         pipeline schedules as orders per rank, and their step replayed
 - ``expert_axis``       which weights an expert axis splits: the routed experts, found from the graph
+- ``step_reads``        what a pipeline's step reads of the model's outputs: the loss alone
 - ``layer_kinds``       a stack of layers of a few kinds, priced from one layer of each kind
 """

@@ -151,8 +151,11 @@ class Formulation:
                 sums.setdefault((self.rep[n.name], reads), [0, n])[0] += 1
         for (r, reads), (count, n) in sums.items():
             self.add_cost(r, lambda st, n=n, reads=reads, count=count: count * self.cost.gradient_sums_s(n, st, reads))
-        # graph outputs are returned replicated (plain tensors, as the original model returns them)
+        # graph outputs are returned replicated (plain tensors, as the original model returns them),
+        # but those nothing reads whole (OpGraph.unread_outputs)
         for o in self.graph.outputs:
+            if o in self.graph.unread_outputs:
+                continue
             node = self.graph[o]
             self.add_cost(self.rep[o], lambda st, node=node: self.cost.edge_s(
                 node.outputs[0], st.output, (_R,) * len(st.output), node.requires_grad))

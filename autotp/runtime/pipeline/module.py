@@ -75,7 +75,10 @@ SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b
 
 class _LastStage(nn.Module):
     """The last stage's graph returning the tensors among the model's outputs, flat (what a schedule
-    passes to the loss); :meth:`rebuild` puts them back in the model's output structure."""
+    passes to the loss); :meth:`rebuild` puts them back in the model's output structure. The outputs
+    a step does not read come out of the graph as the plan holds them (DTensors:
+    :mod:`autotp.local.outputs`): dropped while ``loss_only`` (a step with the model's own loss),
+    else gathered whole."""
 
     def __init__(self, graph_module: torch.fx.GraphModule, out_spec: Any) -> None:
         super().__init__()
@@ -83,10 +86,14 @@ class _LastStage(nn.Module):
         self.out_spec = out_spec
         self.kept: list[int] = []
         self.leaves: list[Any] = []
+        self.loss_only = False
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.tensor import DTensor
+
         flat = self.graph_module(*args, **kwargs)
         flat = list(flat) if isinstance(flat, (tuple, list)) else [flat]
+        flat = [(None if self.loss_only else x.full_tensor()) if isinstance(x, DTensor) else x for x in flat]
         self.leaves = [None if isinstance(x, torch.Tensor) else x for x in flat]
         self.kept = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
         kept = tuple(flat[i] for i in self.kept)
@@ -281,9 +288,16 @@ class PipelineModule(Parallelized):
             target = (factors.view(-1, 1) if factors is not None
                       else torch.zeros(self.plan.pipeline.chosen.micro_batches, 1, device=self.device))
         given = dict(target=target, losses=losses) if self.holds_last_stage else {}
-        with self.data_parallel.step() if self.data_parallel is not None else contextlib.nullcontext():
-            # the step returns the loss only: no micro-batch's output (the logits) is kept to the step's end
-            schedule.step(**given, **inputs, return_outputs=False)
+        last = next((m for m in self.stages if isinstance(m, _LastStage)), None)
+        if last is not None:  # the model's own loss reads none of the outputs the plan leaves unread
+            last.loss_only = loss_fn is None
+        try:
+            with self.data_parallel.step() if self.data_parallel is not None else contextlib.nullcontext():
+                # the step returns the loss only: no micro-batch's output (the logits) is kept to the step's end
+                schedule.step(**given, **inputs, return_outputs=False)
+        finally:
+            if last is not None:
+                last.loss_only = False
         self._sum_shared_gradients()
         if self.holds_last_stage:
             loss = torch.stack([torch.as_tensor(x).detach() for x in losses]).mean()
