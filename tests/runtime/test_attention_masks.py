@@ -261,23 +261,24 @@ def test_ulysses_heads_between_sequence_splits_equal_one_process(monkeypatch):
 
 def test_balanced_rows_are_priced_at_the_mean():
     """The rows split in order price the last rank's pairs (7/4 of the mean on 2 ranks of a causal
-    16 x 16, 100 of its 136 pairs); balanced, every rank's 68: the mean."""
+    16 x 16, 100 of its 136 pairs), and so does the ring (the last rank's rows read every key
+    chunk); balanced, every rank's 68: the mean."""
     from autotp.planning.choices.strategies import node_strategies
     from autotp.planning.rules.attention import attention_collectives, attention_work_divisor
 
     graph = autotp.capture(_model("llama"), {"input_ids": _inputs(False, seq=16)["input_ids"]})
     (attention,) = _attention(graph)
     rows = [s for s in node_strategies(graph, attention, (2,)) if _attention_rows(s)]
-    assert sorted(s.variant for s in rows) == ["", "balanced"], [str(s) for s in rows]
+    assert sorted(s.variant for s in rows) == ["", "balanced", "ring"], [str(s) for s in rows]
     divisor = {s.variant: attention_work_divisor(attention, s, 0, 2) for s in rows}
-    assert divisor == {"": 136 / 100, "balanced": 2.0}
+    assert divisor == {"": 136 / 100, "balanced": 2.0, "ring": 136 / 100}
     q_bytes = attention.input_infos[0].nbytes / 2
-    assert attention_collectives(attention, rows[-1] if rows[-1].variant else rows[0], (2,)) == [
+    assert attention_collectives(attention, next(s for s in rows if s.variant == "balanced"), (2,)) == [
         ("all_to_all", phase, 0, q_bytes) for phase in ("forward", "backward") for _ in range(2)]
-    # 18 rows do not cut into 4 chunks: the plain split alone
+    # 18 rows do not cut into 4 chunks: the plain split and the ring alone
     graph = autotp.capture(_model("llama"), {"input_ids": _inputs(False, seq=18)["input_ids"]})
     (attention,) = _attention(graph)
-    assert [s.variant for s in node_strategies(graph, attention, (2,)) if _attention_rows(s)] == [""]
+    assert [s.variant for s in node_strategies(graph, attention, (2,)) if _attention_rows(s)] == ["", "ring"]
 
 
 def _attention_rows(strategy) -> bool:
@@ -372,3 +373,23 @@ def test_at_128k_tokens_the_planner_balances_the_causal_rows():
     assert compute_s(chosen) == pytest.approx(whole / 8, rel=0.02)
     assert compute_s(in_order) == pytest.approx(whole / 8 * 15 / 8, rel=0.02)
     assert cost.node_compute_s(attention, chosen) < compute_s(in_order)
+
+
+# -- the ring: keys and values split along the sequence, passed around -----------------------------
+
+def test_ring_over_two_ranks_equals_one_process(monkeypatch):
+    """Causal attention of a tiny Llama (4 heads, 2 kv heads, 16 tokens, padded, labels -100 on the
+    pads) pinned to the ring on 2 ranks: queries, keys and values split by sequence, the key/value
+    chunk passed on once forward; the loss and every gradient as in one process, and the all-to-alls
+    each rank runs are the plan's (one shift forward; backward one shift, its gradients and their
+    return home)."""
+    graph, plan, logs = _check_exact(_model("llama"), _inputs(True, True, seq=16), 2, rows_only=monkeypatch,
+                                     variant="ring")
+    (attention,) = _attention(graph)
+    assert str(plan.strategy(attention.name)).startswith("(S(2), S(2), S(2), R) -> S(2) ring"), \
+        str(plan.strategy(attention.name))
+    for rank_logs in logs:
+        for log, phase, count in zip(rank_logs, ("forward", "backward"), (1, 3)):
+            assert_kinds_as_planned(log, plan, phase)
+            assert sum(c.kind == "all_to_all" and c.at == attention.name for c in plan.collectives()
+                       if c.phase == phase) == count
