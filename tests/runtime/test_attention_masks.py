@@ -466,3 +466,18 @@ def test_at_128k_tokens_the_ring_keeps_chunks_of_the_keys_where_the_row_split_ke
     rows = plans[""].strategy(attention.name)
     assert cost.node_compute_s(attention, ring) == pytest.approx(cost.node_compute_s(attention, rows), rel=1e-3)
     assert 0 < cost.inner_collectives_s(attention, ring) < cost.node_compute_s(attention, ring) / 10
+
+
+@pytest.mark.slow
+def test_at_128k_tokens_on_64_ranks_short_of_memory_the_planner_takes_the_ring():
+    """Llama 3 8B's widths, one layer, 1 x 131072 tokens, trained on 64 ranks (more than its 32
+    heads: no heads split), planned on meta: with room, balanced rows (the least work); within
+    4 GiB a device, the ring, whose plan keeps no gathered keys and values."""
+    model, inputs = _llama_8b_layer(131072)
+    graph = autotp.capture(model, inputs)
+    (attention,) = _attention(graph)
+    roomy = plan_graph(graph, (64,), "h100-sxm", "train", memory_budget="1 TiB")
+    short = plan_graph(graph, (64,), "h100-sxm", "train", memory_budget="4 GiB")
+    assert roomy.strategy(attention.name).variant == "balanced", str(roomy.strategy(attention.name))
+    assert short.strategy(attention.name).variant == "ring", str(short.strategy(attention.name))
+    assert short.memory.peak_bytes < roomy.memory.peak_bytes and short.time.total_s > roomy.time.total_s
