@@ -19,6 +19,14 @@ priced at the busiest rank's pairs of its two chunks (the mean, for a causal mas
 all-to-alls of the rank's rows forward (its queries out, their outputs back) and two backward
 (:func:`attention_collectives`). Offered where the rows cut into ``2n`` chunks, beside the plain
 row split: the planner takes whichever prices lower.
+
+**The ring** (variant ``"ring"``, :func:`ring_variants`): the row split with the keys and values
+split on the same axis (as many keys as queries; the padding vector whole), run by
+:class:`autotp.local.ring.RingAttention`, which passes each rank's key/value chunk around the ranks.
+Priced at the busiest rank's pairs, as the rows in order; its shifts are its inner collectives
+(:func:`attention_collectives`), run while it computes (:func:`overlaps_compute`: the op costs the
+longer of the two), and its chunks in flight are a transient of its backward
+(:func:`ring_transient_bytes`). Not offered under dropout.
 """
 
 from __future__ import annotations
