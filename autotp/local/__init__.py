@@ -17,6 +17,8 @@ calls on local tensors, but ``site``, the interface every op family's local exec
 - ``experts``       a grouped matmul on the rows of this rank's experts, the others zero
 - ``attention``     causal attention on a rank's query rows computed as two balanced chunks,
                     queries and outputs exchanged by all-to-all
+- ``ring``          attention of a rank's chunk of the sequence, the key/value chunks passed
+                    around the ranks and merged by their log-sum-exp (ring attention)
 - ``dispatch``      routed rows sent to their experts' ranks and back (two all-to-alls), the
                     grouped matmuls between on this rank's experts
 - ``outputs``       an output a pipeline's step does not read, returned as the plan holds it (a DTensor)

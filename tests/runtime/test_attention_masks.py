@@ -261,23 +261,24 @@ def test_ulysses_heads_between_sequence_splits_equal_one_process(monkeypatch):
 
 def test_balanced_rows_are_priced_at_the_mean():
     """The rows split in order price the last rank's pairs (7/4 of the mean on 2 ranks of a causal
-    16 x 16, 100 of its 136 pairs); balanced, every rank's 68: the mean."""
+    16 x 16, 100 of its 136 pairs), and so does the ring (the last rank's rows read every key
+    chunk); balanced, every rank's 68: the mean."""
     from autotp.planning.choices.strategies import node_strategies
     from autotp.planning.rules.attention import attention_collectives, attention_work_divisor
 
     graph = autotp.capture(_model("llama"), {"input_ids": _inputs(False, seq=16)["input_ids"]})
     (attention,) = _attention(graph)
     rows = [s for s in node_strategies(graph, attention, (2,)) if _attention_rows(s)]
-    assert sorted(s.variant for s in rows) == ["", "balanced"], [str(s) for s in rows]
+    assert sorted(s.variant for s in rows) == ["", "balanced", "ring"], [str(s) for s in rows]
     divisor = {s.variant: attention_work_divisor(attention, s, 0, 2) for s in rows}
-    assert divisor == {"": 136 / 100, "balanced": 2.0}
+    assert divisor == {"": 136 / 100, "balanced": 2.0, "ring": 136 / 100}
     q_bytes = attention.input_infos[0].nbytes / 2
-    assert attention_collectives(attention, rows[-1] if rows[-1].variant else rows[0], (2,)) == [
+    assert attention_collectives(attention, next(s for s in rows if s.variant == "balanced"), (2,)) == [
         ("all_to_all", phase, 0, q_bytes) for phase in ("forward", "backward") for _ in range(2)]
-    # 18 rows do not cut into 4 chunks: the plain split alone
+    # 18 rows do not cut into 4 chunks: the plain split and the ring alone
     graph = autotp.capture(_model("llama"), {"input_ids": _inputs(False, seq=18)["input_ids"]})
     (attention,) = _attention(graph)
-    assert [s.variant for s in node_strategies(graph, attention, (2,)) if _attention_rows(s)] == [""]
+    assert [s.variant for s in node_strategies(graph, attention, (2,)) if _attention_rows(s)] == ["", "ring"]
 
 
 def _attention_rows(strategy) -> bool:
@@ -372,3 +373,111 @@ def test_at_128k_tokens_the_planner_balances_the_causal_rows():
     assert compute_s(chosen) == pytest.approx(whole / 8, rel=0.02)
     assert compute_s(in_order) == pytest.approx(whole / 8 * 15 / 8, rel=0.02)
     assert cost.node_compute_s(attention, chosen) < compute_s(in_order)
+
+
+# -- the ring: keys and values split along the sequence, passed around -----------------------------
+
+@pytest.mark.parametrize("kind, given", [("llama", True), pytest.param("llama", False, marks=pytest.mark.slow),
+                                         pytest.param("mistral", True, marks=pytest.mark.slow)])
+def test_ring_over_two_ranks_equals_one_process(kind, given, monkeypatch):
+    """Attention of a tiny Llama (4 heads, 2 kv heads, 16 tokens, padded, labels -100 on the pads;
+    or unpadded, ``is_causal``) or Mistral (a window of 5) pinned to the ring on 2 ranks: queries,
+    keys and values split by sequence, the key/value chunk passed on once forward; the loss and
+    every gradient as in one process, and the all-to-alls each rank runs are the plan's (one shift
+    forward; backward one shift, its gradients and their return home)."""
+    graph, plan, logs = _check_exact(_model(kind), _inputs(given, given, seq=16), 2, rows_only=monkeypatch,
+                                     variant="ring")
+    (attention,) = _attention(graph)
+    assert str(plan.strategy(attention.name)).startswith("(S(2), S(2), S(2)") and \
+        str(plan.strategy(attention.name)).endswith("-> S(2) ring"), str(plan.strategy(attention.name))
+    for rank_logs in logs:
+        for log, phase, count in zip(rank_logs, ("forward", "backward"), (1, 3)):
+            assert_kinds_as_planned(log, plan, phase)
+            assert sum(c.kind == "all_to_all" and c.at == attention.name for c in plan.collectives()
+                       if c.phase == phase) == count
+
+
+def _ring_rank(rank, world, q, k, v, padding, spec, grad):
+    from torch import distributed as dist
+
+    from autotp.local.ring import RingAttention
+
+    rows = q.shape[-2] // world
+    ring = RingAttention(spec, None, q.shape[-2], world, rank, dist.group.WORLD, "tp", chunk_rows=3)
+    mine = [t[..., rank * rows:(rank + 1) * rows, :].detach().clone().requires_grad_() for t in (q, k, v)]
+    out = ring(*mine, padding)
+    out.backward(grad[..., rank * rows:(rank + 1) * rows, :])
+    return out.detach(), *(t.grad for t in mine)
+
+
+@pytest.mark.parametrize("spec, world", [(MaskSpec(), 3), (MaskSpec(window=5), 3), (MaskSpec(causal=False), 2)], ids=str)
+def test_ring_chunks_equal_the_whole_mask_forward_and_backward(spec, world):
+    """The ring's module on threaded ranks, each holding a chunk of the rows of q, k and v (query heads
+    grouped over key heads, rows in chunks of 3, padding that leaves a row no key): the output and
+    the gradients of q, k and v equal sdpa under the whole mask; under the window of 5 over chunks of
+    4 rows the ring shifts once, not twice."""
+    from autotp.local.ring import ring_steps
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 12, 5, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(2, 2, 12, d, dtype=torch.float64, generator=g) for d in (5, 6))
+    pad = torch.rand(2, 12, generator=g) > 0.3
+    pad[0, :5] = False
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = F.scaled_dot_product_attention(*whole, attn_mask=spec.block((0, 12), (0, 12)) & pad[:, None, None, :],
+                                              enable_gqa=True).nan_to_num()  # a row of no key: zeros
+    grad = torch.randn(expected.shape, dtype=torch.float64, generator=g)
+    expected.backward(grad)
+    got = [torch.cat(parts, -2) for parts in zip(*run_threads(_ring_rank, world, q, k, v, pad, spec, grad))]
+    for name, a, b in zip(("out", "q", "k", "v"), got, (expected, *(t.grad for t in whole))):
+        torch.testing.assert_close(a, b.nan_to_num(), msg=name)
+    assert ring_steps(spec, 12, world) == (1 if spec.window else world - 1)
+
+
+@pytest.mark.slow
+def test_at_128k_tokens_the_ring_keeps_chunks_of_the_keys_where_the_row_split_keeps_them_whole(monkeypatch):
+    """Llama 3 8B's widths, one layer, 1 x 131072 tokens, trained on 8 ranks, planned on meta. The
+    planner takes balanced rows: the ring computes as the rows in order do (the last rank reads
+    every key chunk: 15/8 of the mean), its shifts hidden under that work. Pinned to the ring, the
+    plan keeps 7/8 less of the keys and values the attention reads (float32, repeated for the 32
+    query heads: 2 GiB each whole) than pinned to the row split, which gathers them whole."""
+    from cost_models import resolve_hardware
+
+    from autotp.mesh import MeshSpec
+    from autotp.planning.choices import strategies
+    from autotp.planning.costs.costing import CostModel
+
+    model, inputs = _llama_8b_layer(131072)
+    graph = autotp.capture(model, inputs)
+    (attention,) = _attention(graph)
+    assert plan_graph(graph, (8,), "h100-sxm", "train", memory_budget="1 TiB").strategy(attention.name).variant == \
+        "balanced"
+    offered, plans = strategies.node_strategies, {}
+    for variant in ("", "ring"):
+        monkeypatch.setattr(strategies, "node_strategies", lambda graph_, node, *a, v=variant: [
+            s for s in offered(graph_, node, *a) if node is not attention or (s.variant == v and _attention_rows(s))])
+        plans[variant] = plan_graph(graph, (8,), "h100-sxm", "train", memory_budget="1 TiB")
+    ring = plans["ring"].strategy(attention.name)
+    assert str(ring).endswith("ring"), str(ring)
+    k, v = attention.input_infos[1:3]
+    assert plans[""].memory.activations_bytes - plans["ring"].memory.activations_bytes == (k.nbytes + v.nbytes) * 7 / 8
+    assert plans["ring"].memory.peak_bytes < plans[""].memory.peak_bytes
+    cost = CostModel(MeshSpec((8,), ("tp",)), resolve_hardware("h100-sxm"), "train", graph=graph)
+    rows = plans[""].strategy(attention.name)
+    assert cost.node_compute_s(attention, ring) == pytest.approx(cost.node_compute_s(attention, rows), rel=1e-3)
+    assert 0 < cost.inner_collectives_s(attention, ring) < cost.node_compute_s(attention, ring) / 10
+
+
+@pytest.mark.slow
+def test_at_128k_tokens_on_64_ranks_short_of_memory_the_planner_takes_the_ring():
+    """Llama 3 8B's widths, one layer, 1 x 131072 tokens, trained on 64 ranks (more than its 32
+    heads: no heads split), planned on meta: with room, balanced rows (the least work); within
+    4 GiB a device, the ring, whose plan keeps no gathered keys and values."""
+    model, inputs = _llama_8b_layer(131072)
+    graph = autotp.capture(model, inputs)
+    (attention,) = _attention(graph)
+    roomy = plan_graph(graph, (64,), "h100-sxm", "train", memory_budget="1 TiB")
+    short = plan_graph(graph, (64,), "h100-sxm", "train", memory_budget="4 GiB")
+    assert roomy.strategy(attention.name).variant == "balanced", str(roomy.strategy(attention.name))
+    assert short.strategy(attention.name).variant == "ring", str(short.strategy(attention.name))
+    assert short.memory.peak_bytes < roomy.memory.peak_bytes and short.time.total_s > roomy.time.total_s

@@ -5,7 +5,8 @@ the mesh (:func:`node_strategies`): a strategy on a 2-axis mesh is one single-ax
 kept when every sharded dim splits evenly (or, for an uneven split ``S(d)~g``, in whole units the
 ranks do not divide: :mod:`autotp.planning.rules.uneven`) and no dim is split by two axes. A causal
 attention whose query rows one axis splits is offered a second time as balanced rows (the same
-placements, another local execution: :func:`autotp.planning.rules.attention.balanced_variants`).
+placements, another local execution: :func:`autotp.planning.rules.attention.balanced_variants`) and as
+a ring (the keys and values split alike: :func:`autotp.planning.rules.attention.ring_variants`).
 
 Every rule here is one whose local execution is exact: running the op on each rank's shards (with
 shape arguments rewritten to local shapes, and the masked lookup for a row-split embedding) gives
@@ -43,7 +44,7 @@ from typing import Iterable, Optional, Sequence
 from autotp import ops
 from autotp.placement import R, S, Strategy, dim_divisor
 from autotp.planning.rules import BUILTIN, user_choices
-from autotp.planning.rules.attention import balanced_variants
+from autotp.planning.rules.attention import balanced_variants, ring_variants
 from autotp.planning.rules.blocks import (
     block_counts,
     blocked_variants,
@@ -241,7 +242,7 @@ def node_strategies(graph: OpGraph, node: OpNode, mesh_shape: Sequence[int],
         if s not in seen and _valid(node, s, mesh_shape):
             seen.add(s)
             out.append(s)
-    return out + balanced_variants(node, out, mesh_shape)
+    return out + balanced_variants(node, out, mesh_shape) + ring_variants(node, out, mesh_shape)
 
 
 def stored_strategy(node: OpNode, placements: Sequence, mesh_shape: Sequence[int]) -> Optional[Strategy]:

@@ -55,7 +55,7 @@ from autotp.planning.costs.redistribute import (
     step_copies,
 )
 from autotp.planning.costs.saved import forward_liveness, kept_storages
-from autotp.planning.rules.attention import attention_work_divisor
+from autotp.planning.rules.attention import attention_work_divisor, overlaps_compute, ring_transient_bytes
 from autotp.planning.rules.experts import expert_work_divisor
 from autotp.planning.rules.routed import routed_kept_bytes, routed_work_divisor
 from autotp.planning.rules.inner import inner_collectives
@@ -213,11 +213,14 @@ class CostModel:
         """Roofline seconds of the node's local work (forward, plus backward when training), and, when
         training, the sums of the ``gradient_reads`` gradients its output gets back
         (:meth:`autotp.tracing.graph.OpGraph.gradient_reads`): ``gradient_reads - 1`` additions of its local
-        output, a memory-bound kernel each (read two, write one)."""
+        output, a memory-bound kernel each (read two, write one). The collectives the op runs inside
+        itself add to its work, or where they run while it computes (the ring's shifts:
+        :func:`autotp.planning.rules.attention.overlaps_compute`), the longer of the two counts."""
         seconds = self.gradient_sums_s(node, strategy, gradient_reads)
         if node.is_placeholder or node.is_view:
             return seconds
-        return seconds + self._work_s(node, strategy) + self.inner_collectives_s(node, strategy)
+        work_s, inner_s = self._work_s(node, strategy), self.inner_collectives_s(node, strategy)
+        return seconds + (max(work_s, inner_s) if overlaps_compute(strategy) else work_s + inner_s)
 
     def inner_collectives_s(self, node: OpNode, strategy: Strategy, backward: bool = True) -> float:
         """Seconds of the collectives an op runs inside itself (a loss on split classes, batch norm
@@ -238,7 +241,8 @@ class CostModel:
         """Roofline seconds of the node's forward alone (what recomputing it costs)."""
         if node.is_placeholder or node.is_view:
             return 0.0
-        return self._forward(node, strategy)[0] + self.inner_collectives_s(node, strategy, backward=False)
+        work_s, inner_s = self._forward(node, strategy)[0], self.inner_collectives_s(node, strategy, backward=False)
+        return max(work_s, inner_s) if overlaps_compute(strategy) else work_s + inner_s
 
     def _forward(self, node: OpNode, strategy: Strategy) -> tuple[float, float, list, float, str]:
         # the work splits over an axis only where some tensor is cut in pieces on it: an op on
@@ -299,6 +303,7 @@ class CostModel:
         per_input = self.kept.extra_per_input_element.get(node.name, 0.0)
         first = self.local_bytes(node.input_infos[0], strategy.inputs[0]) if node.inputs else 0.0
         transient += self.kept.transient_per_input_element.get(node.name, 0.0) * first
+        transient += ring_transient_bytes(node, strategy, self.mesh.shape)  # the chunks in flight
         return MemoryParts(activations_bytes=kept + extra + per_input * first + (routed if kept else 0.0),
                            transient_bytes=transient)
 

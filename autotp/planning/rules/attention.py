@@ -19,6 +19,14 @@ priced at the busiest rank's pairs of its two chunks (the mean, for a causal mas
 all-to-alls of the rank's rows forward (its queries out, their outputs back) and two backward
 (:func:`attention_collectives`). Offered where the rows cut into ``2n`` chunks, beside the plain
 row split: the planner takes whichever prices lower.
+
+**The ring** (variant ``"ring"``, :func:`ring_variants`): the row split with the keys and values
+split on the same axis (as many keys as queries; the padding vector whole), run by
+:class:`autotp.local.ring.RingAttention`, which passes each rank's key/value chunk around the ranks.
+Priced at the busiest rank's pairs, as the rows in order; its shifts are its inner collectives
+(:func:`attention_collectives`), run while it computes (:func:`overlaps_compute`: the op costs the
+longer of the two), and its chunks in flight are a transient of its backward
+(:func:`ring_transient_bytes`). Not offered under dropout.
 """
 
 from __future__ import annotations
@@ -28,17 +36,20 @@ from typing import Any, Optional, Sequence
 
 from autotp.masks import MASKED_ATTENTION, MaskSpec, spec_of
 from autotp.local.attention import BalancedRows, rank_chunks
+from autotp.local.ring import RingAttention, ring_steps
 from autotp.local.site import Call, LocalSite
 from autotp.placement import R, S, Strategy, shard_divisor
 from autotp.planning.rules.common import AxisChoice, divisible, is_relaxed
 from autotp.tracing.graph import OpNode
 
-__all__ = ["MASKED", "CAUSAL", "BALANCED", "masked_choices", "attention_mask_of", "attention_work_divisor",
-           "balanced_variants", "attention_collectives", "RULES", "LOCAL"]
+__all__ = ["MASKED", "CAUSAL", "BALANCED", "RING", "masked_choices", "attention_mask_of", "attention_work_divisor",
+           "balanced_variants", "ring_variants", "attention_collectives", "ring_transient_bytes", "overlaps_compute",
+           "RULES", "LOCAL"]
 
 MASKED = str(MASKED_ATTENTION)
 CAUSAL = "aten.scaled_dot_product_attention.default"
 BALANCED = "balanced"
+RING = "ring"
 
 
 def attention_mask_of(node: OpNode) -> Optional[MaskSpec]:
@@ -75,26 +86,32 @@ def _row_offset(site: LocalSite) -> Optional[int]:
 
 def local_rows(site: LocalSite) -> Optional[Any]:
     """The described op on a rank's rows of the queries: its mask placed by the rows' offset (or,
-    balanced, the rows of two chunks exchanged: :func:`local_balanced`)."""
-    if site.strategy.variant == BALANCED:
-        return local_balanced(site)
+    balanced, the rows of two chunks exchanged: :func:`local_exchanged`)."""
+    if site.strategy.variant in (BALANCED, RING):
+        return local_exchanged(site)
     start = _row_offset(site)
     return None if start is None else site.called().with_argument("row_offset", start)
 
 
-def local_balanced(site: LocalSite) -> Any:
-    """Attention whose strategy is balanced rows: :class:`autotp.local.attention.BalancedRows` on
-    the mesh axis that splits the rows, called with the queries, keys, values (and padding)."""
+def local_exchanged(site: LocalSite) -> Any:
+    """Attention whose strategy is balanced rows or the ring: :class:`autotp.local.attention.BalancedRows`
+    or :class:`autotp.local.ring.RingAttention` on the mesh axis that splits the rows, called with
+    the queries, keys, values (and padding)."""
     names = [a.name for a in site.target._schema.arguments]
     given = {**dict(zip(names, site.args)), **site.kwargs}
-    axis = _rows_axis(site.node, site.strategy)
     if site.node.target == MASKED:
         q, k, v, padding = (given[a] for a in names[:4])
     else:
         (q, k, v), padding = (given[a] for a in ("query", "key", "value")), None
-    module = BalancedRows(attention_mask_of(site.node), given.get("scale"), bool(given.get("enable_gqa", False)),
-                          site.node.input_infos[0].shape[-2], site.mesh_shape[axis], site.coordinate[axis],
-                          site.groups[axis], site.axis_names[axis])
+    spec, rows = attention_mask_of(site.node), site.node.input_infos[0].shape[-2]
+    if site.strategy.variant == RING:
+        axis = _ring_axis(site.node, site.strategy)
+        module = RingAttention(spec, given.get("scale"), rows, site.mesh_shape[axis], site.coordinate[axis],
+                               site.groups[axis], site.axis_names[axis])
+        return site.call_module(module, "ring_attention", (q, k, v, padding))
+    axis = _rows_axis(site.node, site.strategy)
+    module = BalancedRows(spec, given.get("scale"), bool(given.get("enable_gqa", False)), rows,
+                          site.mesh_shape[axis], site.coordinate[axis], site.groups[axis], site.axis_names[axis])
     return site.call_module(module, "balanced_attention", (q, k, v, padding))
 
 
@@ -103,8 +120,8 @@ def local_causal_rows(site: LocalSite) -> Optional[Any]:
     offset (``is_causal`` alone would place the mask from the rank's first row)."""
     if attention_mask_of(site.node) is None:
         return None
-    if site.strategy.variant == BALANCED:
-        return local_balanced(site)
+    if site.strategy.variant in (BALANCED, RING):
+        return local_exchanged(site)
     start = _row_offset(site)
     if start is None:
         return None
@@ -147,12 +164,21 @@ def _rows_axis(node: OpNode, strategy: Strategy) -> Optional[int]:
     return a if whole and strategy.output[a] == strategy.inputs[0][a] else None
 
 
+def _exchangeable(node: OpNode) -> Optional[MaskSpec]:
+    """The mask of an attention whose rows a variant may exchange: described or causal, no dropout,
+    not under relaxed evenness; None otherwise."""
+    spec = attention_mask_of(node)
+    if spec is None or is_relaxed() or float(node.args.get("dropout_p") or 0.0) > 0:
+        return None
+    return spec
+
+
 def balanced_variants(node: OpNode, strategies: Sequence[Strategy], mesh_shape: Sequence[int]) -> list[Strategy]:
     """The balanced rows of each of ``strategies`` that splits the query rows of a causal attention
     without a window on one mesh axis (keys, values whole) into ``2n`` equal chunks; none in
     relaxed evenness or under dropout."""
-    spec = attention_mask_of(node)
-    if spec is None or spec.window is not None or is_relaxed() or float(node.args.get("dropout_p") or 0.0) > 0:
+    spec = _exchangeable(node)
+    if spec is None or spec.window is not None:
         return []
     out = []
     for strategy in strategies:
@@ -162,19 +188,97 @@ def balanced_variants(node: OpNode, strategies: Sequence[Strategy], mesh_shape: 
     return out
 
 
+def ring_variants(node: OpNode, strategies: Sequence[Strategy], mesh_shape: Sequence[int]) -> list[Strategy]:
+    """The ring of each of ``strategies`` that splits the query rows of a described or causal
+    attention on one mesh axis (keys, values whole), as many keys as queries: the keys and values
+    split on that axis alike (:mod:`autotp.local.ring`); the padding vector stays whole. None in
+    relaxed evenness or under dropout."""
+    if _exchangeable(node) is None or node.input_infos[1].shape[-2] != node.input_infos[0].shape[-2]:
+        return []
+    out = []
+    for strategy in strategies:
+        a = _rows_axis(node, strategy)
+        if a is None or strategy.variant:
+            continue
+        inputs = list(strategy.inputs)
+        for k in (1, 2):
+            inputs[k] = tuple(strategy.inputs[0][a] if b == a else p for b, p in enumerate(inputs[k]))
+        out.append(replace(strategy, inputs=tuple(inputs), variant=RING))
+    return out
+
+
+def _ring_axis(node: OpNode, strategy: Strategy) -> Optional[int]:
+    """The mesh axis a ring strategy passes keys and values around: the one that splits the rows
+    of the queries, keys and values; None for any other strategy."""
+    if strategy.variant != RING or not strategy.inputs or any(p is None for p in strategy.inputs[:3]):
+        return None
+    d = node.input_infos[0].ndim - 2
+    return next((a for a, p in enumerate(strategy.inputs[0]) if p.is_shard and p.dim == d), None)
+
+
+def _ring_chunk_bytes(node: OpNode, strategy: Strategy, mesh_shape: Sequence[int]) -> float:
+    """A rank's key and value chunks, in bytes."""
+    return sum(info.nbytes / shard_divisor(info.shape, placements, mesh_shape)
+               for info, placements in zip(node.input_infos[1:3], strategy.inputs[1:3]))
+
+
+def _wide_ratio(node: OpNode) -> float:
+    """The keys' gradients' bytes over the keys': the ring sums them in float32 at least."""
+    info = node.input_infos[1]
+    element = info.nbytes / max(info.numel, 1)
+    return max(element, 4.0) / element
+
+
 def attention_collectives(node: OpNode, strategy: Strategy, mesh_shape: Sequence[int],
                           train: bool = True) -> list[tuple[str, str, int, float]]:
-    """``(kind, phase, axis, bytes)`` of the all-to-alls balanced rows run inside: the rank's
-    queries out and its outputs back forward; the outputs' and the queries' gradients backward."""
-    if strategy.variant != BALANCED or attention_mask_of(node) is None:
+    """``(kind, phase, axis, bytes)`` of the all-to-alls balanced rows or the ring run inside.
+
+    Balanced: the rank's queries out and its outputs back forward; the outputs' and the queries'
+    gradients backward. The ring: ``T`` shifts of the rank's key and value chunks forward
+    (:func:`autotp.local.ring.ring_steps`); backward ``T`` of them again and ``T + 1`` of their
+    gradients (float32), the last home. Each shift sends ``C`` bytes to one rank: it is listed as an
+    all-to-all of ``C n / (n - 1)``, the buffer whose all-to-all sends ``C`` out of each rank, and
+    priced so."""
+    if attention_mask_of(node) is None:
+        return []
+    phases = ("forward", "backward") if train else ("forward",)
+    if strategy.variant == RING:
+        a = _ring_axis(node, strategy)
+        if a is None:
+            return []
+        n = mesh_shape[a]
+        steps = ring_steps(attention_mask_of(node), node.input_infos[0].shape[-2], n)
+        chunk = _ring_chunk_bytes(node, strategy, mesh_shape) * n / (n - 1)
+        grads = chunk * _wide_ratio(node)
+        out = [("all_to_all", "forward", a, chunk)] * steps
+        if train and steps:
+            out += [("all_to_all", "backward", a, chunk)] * steps + [("all_to_all", "backward", a, grads)] * (steps + 1)
+        return out
+    if strategy.variant != BALANCED:
         return []
     a = _rows_axis(node, strategy)
     if a is None:
         return []
     sizes = [info.nbytes / shard_divisor(info.shape, placements, mesh_shape)
              for info, placements in ((node.input_infos[0], strategy.inputs[0]), (node.outputs[0], strategy.output))]
-    phases = ("forward", "backward") if train else ("forward",)
     return [("all_to_all", phase, a, size) for phase in phases for size in sizes]
+
+
+def overlaps_compute(strategy: Strategy) -> bool:
+    """Whether the op's inner collectives run while it computes (the ring's shifts: each issued
+    before the step's block and waited for after it), so that it takes the longer of the two."""
+    return strategy.variant == RING
+
+
+def ring_transient_bytes(node: OpNode, strategy: Strategy, mesh_shape: Sequence[int]) -> float:
+    """What the ring's backward holds beyond the tensors kept for it: the key and value chunk it
+    computes with and the one arriving, and their float32 gradient accumulators, held and
+    arriving; 0 for any other strategy."""
+    a = _ring_axis(node, strategy)
+    if a is None:
+        return 0.0
+    chunk = _ring_chunk_bytes(node, strategy, mesh_shape)
+    return 2 * chunk * (1 + _wide_ratio(node))
 
 
 RULES = {MASKED: masked_choices}

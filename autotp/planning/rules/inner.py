@@ -1,7 +1,7 @@
 """The collectives an op runs inside itself: the rules whose op does not run on its pieces
 as it is (cross-entropy on split classes, :mod:`.losses`; batch norm on a split batch,
 :mod:`.norms`; a grouped matmul that sends routed rows to their experts' ranks, :mod:`.routed`;
-causal attention computing balanced rows, :mod:`.attention`). The cost model prices them with the op, the program lists them, and the op's local
+causal attention computing balanced rows, or passing keys and values around a ring, :mod:`.attention`). The cost model prices them with the op, the program lists them, and the op's local
 execution runs it as a module that holds them."""
 
 from __future__ import annotations
