@@ -322,9 +322,10 @@ def plan(model: torch.nn.Module, mesh: Any, example_inputs: Any, hardware: Any =
     schedule, ZeRO stage and recompute (:mod:`autotp.planning.search.pipeline_search`); the plan returned
     is the chosen layout's tensor-parallel plan of one micro-batch, with ``plan.pipeline`` saying
     the rest. ``pipeline`` may also be a dict of layout fields the search keeps to (``pp``, ``dp``,
-    ``tp``, ``schedule``, ``stages_per_rank``, ``micro_batches``, ``zero``, ``recompute``), e.g.
-    ``{"pp": 2, "tp": 2}``: the best layout that has them. ``parallelize`` runs such a plan's
-    stages where the layout is pipeline x tensor (dp 1; :mod:`autotp.runtime.pipeline.module`).
+    ``tp``, ``ep``, ``cp``, ``schedule``, ``stages_per_rank``, ``micro_batches``, ``micro_batch_size``,
+    ``zero``, ``recompute``), e.g. ``{"pp": 2, "tp": 2}`` or ``{"cp": 2}`` (a context axis, which the
+    search otherwise offers from 16384 tokens a sequence): the best layout that has them.
+    ``parallelize`` runs the plan's layout (:mod:`autotp.runtime.pipeline.module`).
     """
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: expected one of {MODES}")

@@ -20,6 +20,12 @@ recompute choice, and keeps the layout of least predicted step that fits the mem
    where that prices cheaper, the all-to-alls priced on the axis's link at the busiest rank's
    rows). The plan's collectives run once per micro-batch, as the runtime runs them, the gradient
    sums of the weights replicated over the expert axis among them.
+   For a model with attention at long sequence, layouts ``pp × dp × cp × tp`` too: one ILP per
+   (cp, tp, micro-batch) on ``(cp,)`` or ``(cp, tp)``, the model captured at the micro-batch whole
+   (every rank of the context axis is given it), the inputs read split by sequence on ``cp``, every
+   weight whole there and no activation of the sequence's length whole
+   (:mod:`autotp.planning.search.context_axis`), the ILP placing the rest; priced as the expert
+   axis is, its weights' gradient sums among the plan's collectives of each micro-batch.
 2. **Stages.** The stack is cut into ``pp * v`` stages balanced by predicted time
    (:func:`autotp.planning.search.stages.balanced_cut`), the embedding in the first, the head and loss in
    the last; stage ``s`` runs on pipeline rank ``s % pp``.
