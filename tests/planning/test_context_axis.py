@@ -25,6 +25,18 @@ def _llama(sequence: int = 32, batch: int = 1):
     return transformers.LlamaForCausalLM(config).train(), {"input_ids": ids, "labels": ids}
 
 
+class _SummedFirst(torch.nn.Module):
+    """Attention over a running sum along the sequence: its input cannot be read split by sequence."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.proj(x.cumsum(1)).unsqueeze(1)
+        return torch.nn.functional.scaled_dot_product_attention(h, h, h, is_causal=True).sum()
+
+
 @pytest.fixture(scope="module")
 def llama_graph():
     model, inputs = _llama()
@@ -71,6 +83,10 @@ def test_a_context_axis_is_refused_where_nothing_can_split_by_sequence(llama_gra
         plan_graph(graph, MeshSpec((2,), ("cp",)), "h100-sxm", "train", context="cp")
     with pytest.raises(ValueError, match=r"context='sp': the mesh .* has no such axis; expected one of \('cp',\)"):
         plan_graph(llama_graph, MeshSpec((2,), ("cp",)), "h100-sxm", "train", context="sp")
+    with pytest.raises(ValueError, match=r"splits the first input 'x' by sequence \(dim 1\), and an op reading it "
+                                         r"\(aten.cumsum.default\) has no such split"):
+        plan_graph(autotp.capture(_SummedFirst(), (torch.randn(1, 8, 4),)), MeshSpec((2,), ("cp",)), "h100-sxm",
+                   "train", context="cp")
     model, inputs = _llama(sequence=36)  # 36 tokens cut into 2 x 2 chunks, not 2 x 4
     with pytest.raises(ValueError, match=r"pipeline=\{'cp': 4\}: no layout of 4 devices has them; the values that "
                                          r"occur: \{'cp': \[1, 2\]\}"):
