@@ -486,7 +486,8 @@ def search_layouts(devices: int, profile: HardwareProfile, budget_bytes: float, 
             seen.add(key)
             shown.append(c)
     shape = (best.pp, best.dp, best.ep, best.cp, best.tp)
-    links = tuple((name, axis_link_name(shape, a, dpn)) for a, name in enumerate((PIPELINE, DATA, EXPERT, CONTEXT, TENSOR))
+    roles = (PIPELINE, DATA, EXPERT, CONTEXT, TENSOR)
+    links = tuple((name, axis_link_name(shape, a, dpn)) for a, name in enumerate(roles)
                   if (name != EXPERT or best.ep > 1) and (name != CONTEXT or best.cp > 1))
     return PipelineChoice(devices, dpn, stack, layers, batch, links, best, best_prep.stages, tuple(shown[:keep]),
                           len(prepared) + skipped, time.perf_counter() - t0)
