@@ -169,8 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "its shapes on one or two axes (the report lists them)")
     p.add_argument("--pipeline", action="store_true",
                    help="with --devices, train mode: price pipeline stages x data x tensor parallel layouts too "
-                        "(micro-batches, schedule, ZeRO stage, recompute); the report lists them and names the mesh "
-                        "autotp.parallelize runs the saved plan on, ('pp', 'tp') or ('pp', 'dp', 'tp') "
+                        "(micro-batches, schedule, ZeRO stage, recompute; an expert axis for Mixture-of-Experts "
+                        "models, a context axis at long sequence); the report lists them and names the mesh "
+                        "autotp.parallelize runs the saved plan on, ('pp', 'tp'), ('pp', 'dp', 'tp') or "
+                        "('pp', 'cp', 'tp') "
                         "(docs/pipelines.md#pipeline-stages-data-and-tensor-parallelism-priced-together)")
     p.add_argument("--axis-names", default=None, help="comma-separated axis names (default tp, or dp,tp for 2 axes)")
     p.add_argument("--hardware", default=None,

@@ -15,15 +15,21 @@ A mesh's axis has one of these roles:
   step. The search sizes it (:mod:`autotp.planning.search.pipeline_search`); the pipeline runtime
   runs it as a planned axis of each stage (:meth:`Layout.planned_mesh`), every rank of it given the
   same micro-batch of ``ep`` ranks' rows, which the plan splits;
-- **context** (``cp``): named and sized here, refused where used (no planner or runtime places
-  sequence chunks on an axis of its own yet).
+- **context** (``cp``): planned by the ILP like the tensor axis, for a model with attention at long
+  sequence: every activation's sequence dim split over it (the inputs' sequence dim pinned split,
+  the ILP placing the rest: attention splits its query rows, balanced causal rows or its heads
+  there) and every weight replicated over it, its gradients summed over it where the plan reads it
+  (:mod:`autotp.planning.search.context_axis`). Every rank of it is given the same micro-batch whole
+  and keeps its piece of the sequence. The search sizes it and the pipeline runtime runs it as a
+  planned axis of each stage, as it runs the expert axis;
 
 :class:`Layout` is what ``autotp.plan(..., pipeline=True)`` chooses (``plan.pipeline.layout``), what
 the report prints and what the runtime builds its sub-meshes from. The mesh of a layout has its
-axes in the order pipeline, data, expert, tensor (ranks numbered row-major, so the tensor axis holds
-neighbouring ranks): the tensor axis always; the pipeline axis with stages, replicas or experts
-split (of size 1 without stages, which the runtime runs as one stage); the data axis with replicas;
-the expert axis where experts are split.
+axes in the order pipeline, data, expert, context, tensor (ranks numbered row-major, so the tensor
+axis holds neighbouring ranks): the tensor axis always; the pipeline axis with stages, replicas,
+experts or the sequence split (of size 1 without stages, which the runtime runs as one stage); the
+data axis with replicas; the expert axis where experts are split; the context axis where the
+sequence is.
 ``pp 1 x dp 1 x tp n`` is a plain tensor-parallel plan on ``(tp,)``.
 
 A **plain mesh** (``autotp.plan(model, (2, 4), ...)``, ``autotp.parallelize`` without a pipeline
@@ -46,6 +52,8 @@ pp 4 x dp 2 (ZeRO 1) x tp 8
 (('pp', 'ep', 'tp'), ('ep',), 'pp 4 x dp 1 x ep 8 x tp 1')
 >>> Layout(ep=2).mesh_shape, Layout(ep=2).plain
 ((1, 2, 1), False)
+>>> Layout(cp=2, tp=4).axis_names, Layout(cp=2, tp=4).planned_axes, str(Layout(cp=2))
+(('pp', 'cp', 'tp'), ('cp', 'tp'), 'pp 1 x dp 1 x cp 2 x tp 1')
 >>> plain_axis_names(2)
 ('dp', 'tp')
 """
@@ -60,7 +68,6 @@ __all__ = ["Layout", "DataAxis", "ROLES", "AXIS_NAMES", "ZERO_STAGES", "plain_ax
 PIPELINE, DATA, EXPERT, CONTEXT, TENSOR = "pipeline", "data", "expert", "context", "tensor"
 ROLES = (PIPELINE, DATA, EXPERT, CONTEXT, TENSOR)  # the order of a layout's axes, outermost first
 AXIS_NAMES = {PIPELINE: "pp", DATA: "dp", EXPERT: "ep", CONTEXT: "cp", TENSOR: "tp"}
-UNSUPPORTED = (CONTEXT,)
 ZERO_STAGES = (0, 1, 3)  # what the search prices and the runtime runs over a data axis
 # a plain mesh's default names; every one of its axes is planned by the ILP (module docstring)
 _PLAIN_NAMES = {1: (AXIS_NAMES[TENSOR],), 2: ("dp", AXIS_NAMES[TENSOR])}
@@ -118,27 +125,20 @@ class Layout:
             out *= size
         return out
 
-    def check_supported(self) -> None:
-        """Raises ``NotImplementedError`` for a context axis: a role with no planner or runtime yet."""
-        used = [f"{AXIS_NAMES[r]} {self.sizes[r]}" for r in UNSUPPORTED if self.sizes[r] > 1]
-        if used:
-            raise NotImplementedError(f"layout {self}: {' and '.join(used)} is not supported yet (a context "
-                                      f"axis has no planner or runtime); lay out the devices as pp x dp x ep x tp")
-
     @property
     def roles(self) -> tuple[str, ...]:
         """The roles of the mesh's axes, outermost first (module docstring): the tensor axis always,
-        the pipeline axis with stages, replicas or experts split (each run by the pipeline runtime), the
-        data axis with replicas, the expert axis with experts split."""
-        self.check_supported()
-        staged = self.pp > 1 or self.dp > 1 or self.ep > 1
+        the pipeline axis with stages, replicas, experts or the sequence split (each run by the pipeline
+        runtime), the data axis with replicas, the expert axis with experts split, the context axis with
+        the sequence split."""
+        staged = self.pp > 1 or self.dp > 1 or self.ep > 1 or self.cp > 1
         return (((PIPELINE,) if staged else ()) + ((DATA,) if self.dp > 1 else ()) + ((EXPERT,) if self.ep > 1 else ())
-                + (TENSOR,))
+                + ((CONTEXT,) if self.cp > 1 else ()) + (TENSOR,))
 
     @property
     def plain(self) -> bool:
-        """No stages, no replicas and no expert axis (pp 1 x dp 1 x ep 1): a plain tensor-parallel plan
-        on ``(tp,)``."""
+        """No stages, no replicas, no expert or context axis (pp 1 x dp 1 x ep 1 x cp 1): a plain
+        tensor-parallel plan on ``(tp,)``."""
         return self.roles == (TENSOR,)
 
     @property
@@ -151,16 +151,20 @@ class Layout:
 
     @property
     def planned_axes(self) -> tuple[str, ...]:
-        """The axes the ILP plans: the tensor axis, or with experts split the expert axis and the tensor
-        axis where it has more than one rank (the plan's mesh)."""
-        if self.ep == 1:
-            return (AXIS_NAMES[TENSOR],)
-        return (AXIS_NAMES[EXPERT],) + ((AXIS_NAMES[TENSOR],) if self.tp > 1 else ())
+        """The axes the ILP plans: the tensor axis, or with experts or the sequence split the expert and
+        the context axes of more than one rank and the tensor axis where it has more than one (the
+        plan's mesh)."""
+        return tuple(AXIS_NAMES[r] for r in self._planned_roles)
 
     @property
     def planned_shape(self) -> tuple[int, ...]:
         """The sizes of :attr:`planned_axes`: the mesh the ILP plans one micro-batch on."""
-        return tuple(self.sizes[r] for r in (EXPERT, TENSOR) if AXIS_NAMES[r] in self.planned_axes)
+        return tuple(self.sizes[r] for r in self._planned_roles)
+
+    @property
+    def _planned_roles(self) -> tuple[str, ...]:
+        split = tuple(r for r in (EXPERT, CONTEXT) if self.sizes[r] > 1)
+        return split + ((TENSOR,) if self.tp > 1 or not split else ())
 
     @property
     def replica_axes(self) -> tuple[str, ...]:
@@ -181,8 +185,8 @@ class Layout:
 
     def planned_mesh(self, mesh: Any) -> Any:
         """The sub-mesh of ``mesh`` the plan's collectives run on: :attr:`planned_axes` (the tensor axis,
-        or the expert axis and a tensor axis of more than one rank), shaped :attr:`planned_shape`."""
-        self.check_supported()
+        or the expert and context axes and a tensor axis of more than one rank), shaped
+        :attr:`planned_shape`."""
         axes = self.planned_axes
         return mesh[axes[0]] if len(axes) == 1 else mesh[axes]
 

@@ -63,7 +63,7 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
                 check_inputs: Any = DEFAULT_INPUT_CHECKS, loss_fn: Any = None) -> Parallelized:
     """Return a module that computes what ``model`` computes, sharded over ``mesh`` as planned: a
     :class:`autotp.runtime.interface.Parallelized`, a ``ParallelModule`` for a plan on a plain mesh,
-    a ``PipelineModule`` for a plan whose layout has pipeline stages, a data axis or an expert axis.
+    a ``PipelineModule`` for a plan whose layout has pipeline stages, a data axis, an expert or a context axis.
 
     ``mesh`` must be a ``DeviceMesh`` over a live process group (every rank calls this with the same
     model and inputs). On a CUDA mesh each process must be set to a GPU of its own
@@ -176,7 +176,7 @@ def parallelize(model: nn.Module, mesh: Any, example_inputs: Any, plan: Optional
 
 
 def _parallelize_pipeline(model: nn.Module, mesh: Any, example_inputs: Any, plan: Plan) -> Parallelized:
-    """This rank's stages of a layout with stages, replicas or an expert axis
+    """This rank's stages of a layout with stages, replicas, an expert or a context axis
     (:mod:`autotp.runtime.pipeline.module`): the model captured at the plan's micro-batch (the example
     inputs' first rows), as the plan was."""
     from autotp.planning.planner import _batch_size, _first_rows

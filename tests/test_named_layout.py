@@ -61,12 +61,12 @@ def test_bad_layouts_are_refused_saying_what_was_given(fields, message):
         Layout(**fields)
 
 
-def test_a_context_axis_is_a_value_refused_where_used():
+def test_a_context_axis_sits_between_the_expert_and_the_tensor_axes_and_is_planned():
     layout = Layout(dp=2, tp=4, ep=2, cp=2)
     assert str(layout) == "pp 1 x dp 2 (ZeRO 0) x ep 2 x cp 2 x tp 4" and layout.devices == 32
-    for use in (lambda: layout.mesh_shape, lambda: layout.axis_names, lambda: layout.sub_mesh(None, "tensor")):
-        with pytest.raises(NotImplementedError, match=r"cp 2 is not supported yet"):
-            use()
+    assert layout.mesh_shape == (1, 2, 2, 2, 4) and layout.axis_names == ("pp", "dp", "ep", "cp", "tp")
+    assert layout.planned_axes == ("ep", "cp", "tp") and layout.planned_shape == (2, 2, 4)
+    assert Layout(cp=4).planned_axes == ("cp",) and Layout(cp=4).mesh_shape == (1, 4, 1) and not Layout(cp=4).plain
 
 
 def test_an_expert_axis_sits_between_the_data_and_the_tensor_axes_and_is_planned():

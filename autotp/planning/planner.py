@@ -14,7 +14,7 @@ from typing import Any, Collection, Mapping, Optional, Sequence
 
 import torch
 
-from autotp.layout import AXIS_NAMES, EXPERT
+from autotp.layout import AXIS_NAMES, CONTEXT, Layout
 from autotp.mesh import MeshSpec
 from autotp.placement import Strategy, format_placements, parse_placements, piece_sizes
 from autotp.planning.choices.expert_lists import warn_expert_lists
@@ -37,6 +37,7 @@ from autotp.planning.result.plan import (
     module_choices,
 )
 from autotp.planning.rules.gradients import partial_gradient_variants
+from autotp.planning.search.context_axis import context_sequence, hold_context_axis
 from autotp.planning.search.expert_axis import routed_expert_count, routed_expert_weights
 from autotp.planning.search.mesh_search import mesh_shapes, search_meshes
 from autotp.planning.search.step_reads import for_a_step
@@ -174,7 +175,7 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
                pin: Optional[Mapping[str, str]] = None, optimizer: Any = "adamw",
                recompute: Optional[bool] = None, hardware_source: Optional[str] = None,
                keep: Optional[Mapping[str, str]] = None, explainable: bool = True,
-               experts: Optional[Mapping[str, str]] = None) -> Plan:
+               experts: Optional[Mapping[str, str]] = None, context: Optional[str] = None) -> Plan:
     """Plan an already captured graph (see :func:`plan`). ``hardware_source`` says in the report where
     the profile came from (default: "given", or the default of :func:`plan` when ``hardware`` is None).
     ``keep``: placements the parameters must be stored with, as ``pin`` but leaving the ops that read
@@ -182,7 +183,9 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
     ``explainable``: the plan keeps the graph and these arguments for ``plan.explain`` (in memory only).
     ``experts``: grouped matmul node -> how it places its experts (``"features"``, ``"whole"``,
     ``"routed"``, ``"replicated"``; :mod:`autotp.planning.choices.expert_placements`), its expert
-    weight stored so: the best plan with those experts placed so (the report prices the others)."""
+    weight stored so: the best plan with those experts placed so (the report prices the others).
+    ``context``: the name of a mesh axis that is a context axis: the inputs split by sequence on it and
+    every weight replicated (:mod:`autotp.planning.search.context_axis`), the ILP placing the rest."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: expected one of {MODES}")
     check_recompute(recompute)
@@ -200,6 +203,11 @@ def plan_graph(graph: OpGraph, mesh: Any, hardware: Any = None, mode: str = "tra
     strat_rep = all_strategies(graph, spec.shape, reps)
     _apply_pins(graph, spec, rep, strat_rep, pin)
     _apply_pins(graph, spec, rep, strat_rep, keep, readers=False)
+    if context is not None:
+        if context not in spec.axis_names:
+            raise ValueError(f"context={context!r}: the mesh {spec} has no such axis; expected one of {spec.axis_names}")
+        axis = spec.axis_names.index(context)
+        hold_context_axis(graph, axis, rep, strat_rep, spec.shape[axis])
     if experts:
         keep_placement(graph, rep, strat_rep, experts)
     if mode == "train":  # replicated ops that pass partial gradients on (Rg)
@@ -316,9 +324,10 @@ def plan(model: torch.nn.Module, mesh: Any, example_inputs: Any, hardware: Any =
     schedule, ZeRO stage and recompute (:mod:`autotp.planning.search.pipeline_search`); the plan returned
     is the chosen layout's tensor-parallel plan of one micro-batch, with ``plan.pipeline`` saying
     the rest. ``pipeline`` may also be a dict of layout fields the search keeps to (``pp``, ``dp``,
-    ``tp``, ``schedule``, ``stages_per_rank``, ``micro_batches``, ``zero``, ``recompute``), e.g.
-    ``{"pp": 2, "tp": 2}``: the best layout that has them. ``parallelize`` runs such a plan's
-    stages where the layout is pipeline x tensor (dp 1; :mod:`autotp.runtime.pipeline.module`).
+    ``tp``, ``ep``, ``cp``, ``schedule``, ``stages_per_rank``, ``micro_batches``, ``micro_batch_size``,
+    ``zero``, ``recompute``), e.g. ``{"pp": 2, "tp": 2}`` or ``{"cp": 2}`` (a context axis, which the
+    search otherwise offers from 16384 tokens a sequence): the best layout that has them.
+    ``parallelize`` runs the plan's layout (:mod:`autotp.runtime.pipeline.module`).
     """
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: expected one of {MODES}")
@@ -403,7 +412,7 @@ def _plan_layout(model: torch.nn.Module, devices: int, example_inputs: Any, prof
     experts = routed_expert_count(first) if batch > 1 else 0
     kinds = one_each.runs if experts or isinstance(stack, KindStack) else None
     graphs: dict[int, OpGraph] = {1: first} if kinds else {}
-    plans: dict[tuple[int, int, int, bool], tuple[Plan, Any]] = {}
+    plans: dict[tuple[int, int, int, int, bool], tuple[Plan, Any]] = {}
     paths: list[str] = [stack.layer(i) for i in range(stack.count)]
 
     def graph_of(rows: int) -> OpGraph:
@@ -413,36 +422,41 @@ def _plan_layout(model: torch.nn.Module, devices: int, example_inputs: Any, prof
                                                   training=None, unroll=True))
         return graphs[rows]
 
-    def plan_for(tp: int, b: int, ep: int = 1, whole_outputs: bool = False) -> tuple[Plan, Any]:
-        if (tp, b, ep, whole_outputs) not in plans:
+    def plan_for(tp: int, b: int, ep: int = 1, cp: int = 1, whole_outputs: bool = False) -> tuple[Plan, Any]:
+        if (tp, b, ep, cp, whole_outputs) not in plans:
             graph = graph_of(b * ep)
             if whole_outputs:  # every output returned whole, as a module's forward returns it
                 graph = dataclasses.replace(graph, unread_outputs=())
             mesh, pins = (tp,), dict(pin or {})
+            if ep > 1 or cp > 1:  # the planned axes of the layout (autotp.layout.Layout.planned_axes)
+                axes = Layout(tp=tp, ep=ep, cp=cp)
+                mesh = MeshSpec(axes.planned_shape, axes.planned_axes)
             if ep > 1:  # the expert axis: the routed experts split by expert there, the ILP places the rest
-                mesh = MeshSpec((ep,), (AXIS_NAMES[EXPERT],))
                 pins.update({fqn: "S(0)" for fqn in routed_expert_weights(graph)})
+            # the context axis: the sequence split, the weights whole (autotp/planning/search/context_axis.py)
             p = plan_graph(graph, mesh, hardware, "train", 1e18, time_limit_s, pin=pins or None, optimizer=optimizer,
-                           recompute=False, explainable=False)
+                           recompute=False, explainable=False, context=AXIS_NAMES[CONTEXT] if cp > 1 else None)
             units = units_of_plan(p, graph, paths)
             if kinds:
                 units = dataclasses.replace(units, **dict(zip(("units", "parameters"),
                                                               expand_units(units.units, units.parameters, one_each))))
-            plans[tp, b, ep, whole_outputs] = (p, units)
-        return plans[tp, b, ep, whole_outputs]
+            plans[tp, b, ep, cp, whole_outputs] = (p, units)
+        return plans[tp, b, ep, cp, whole_outputs]
 
     if kinds:
         paths = one_each.layers()
+    sequence = context_sequence(first) if not experts else 0  # a context axis: dense models with attention
     choice = search_layouts(devices, profile, budget, stack.path, stack.count, batch,
-                            lambda tp, b, ep=1: plan_for(tp, b, ep)[1], only=only, experts=experts)
+                            lambda tp, b, ep=1, cp=1: plan_for(tp, b, ep, cp)[1], only=only, experts=experts,
+                            sequence=sequence)
     best = choice.chosen
     if kinds and not isinstance(stack, KindStack):  # the chosen layout's plan of the whole model
         kinds, paths = None, [stack.layer(i) for i in range(stack.count)]
         graphs.clear()
         plans.clear()
-    # a plain layout (no stages, replicas or expert axis) runs as one parallel module, whose step is
-    # its forward: it returns every output whole, so its plan gathers them and prices so
-    stage_plan, _ = plan_for(best.tp, best.micro_batch_size, best.ep, whole_outputs=best.layout.plain)
+    # a plain layout (no stages, replicas, expert or context axis) runs as one parallel module, whose
+    # step is its forward: it returns every output whole, so its plan gathers them and prices so
+    stage_plan, _ = plan_for(best.tp, best.micro_batch_size, best.ep, best.cp, whole_outputs=best.layout.plain)
     choice = dataclasses.replace(choice, search_s=time.perf_counter() - t0,
                                  kinds=tuple(one_each.runs) if isinstance(stack, KindStack) else ())
     return dataclasses.replace(stage_plan, pipeline=choice,

@@ -20,6 +20,12 @@ recompute choice, and keeps the layout of least predicted step that fits the mem
    where that prices cheaper, the all-to-alls priced on the axis's link at the busiest rank's
    rows). The plan's collectives run once per micro-batch, as the runtime runs them, the gradient
    sums of the weights replicated over the expert axis among them.
+   For a model with attention at long sequence, layouts ``pp × dp × cp × tp`` too: one ILP per
+   (cp, tp, micro-batch) on ``(cp,)`` or ``(cp, tp)``, the model captured at the micro-batch whole
+   (every rank of the context axis is given it), the inputs read split by sequence on ``cp``, every
+   weight whole there and no activation of the sequence's length whole
+   (:mod:`autotp.planning.search.context_axis`), the ILP placing the rest; priced as the expert
+   axis is, its weights' gradient sums among the plan's collectives of each micro-batch.
 2. **Stages.** The stack is cut into ``pp * v`` stages balanced by predicted time
    (:func:`autotp.planning.search.stages.balanced_cut`), the embedding in the first, the head and loss in
    the last; stage ``s`` runs on pipeline rank ``s % pp``.
@@ -57,9 +63,10 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from autotp.layout import DATA, EXPERT, PIPELINE, TENSOR, Layout
+from autotp.layout import AXIS_NAMES, CONTEXT, DATA, EXPERT, PIPELINE, TENSOR, Layout
 from autotp.planning.costs.buckets import assign_buckets, exposed_all_reduce_s
 from autotp.planning.costs.costing import CostModel
+from autotp.planning.search.context_axis import context_sizes
 from autotp.planning.search.schedules import held_bytes
 from autotp.planning.search.schedules import timeline as step_timeline
 from autotp.planning.search.stages import UnitCost, balanced_cut, unit_costs
@@ -71,6 +78,10 @@ __all__ = ["Candidate", "StageChoice", "PipelineChoice", "price_layout", "layout
            "units_of_plan"]
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
+# a context axis is offered from this many tokens a sequence (or where the layout asked for names one):
+# above the 8192 of Llama 3's pretraining, which ran without one;
+# below, the sequence's activations are small beside the weights and splitting it only adds exchanges
+CONTEXT_FROM_TOKENS = 16384
 SCHEDULE_OPTIONS = (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4))
 
 
@@ -99,11 +110,12 @@ class Candidate:
     peak_bytes: Optional[float] = None
     why: str = ""
     ep: int = 1  # the expert axis: experts and each micro-batch's rows split over it
+    cp: int = 1  # the context axis: each micro-batch's sequence split over it, the weights replicated
 
     @property
     def layout(self) -> Layout:
         """The mesh's axes and their roles (:class:`autotp.layout.Layout`)."""
-        return Layout(pp=self.pp, dp=self.dp, tp=self.tp, zero=self.zero, ep=self.ep)
+        return Layout(pp=self.pp, dp=self.dp, tp=self.tp, zero=self.zero, ep=self.ep, cp=self.cp)
 
     @property
     def micro_batch_rows(self) -> int:
@@ -119,7 +131,8 @@ class Candidate:
         sched = "" if self.pp == 1 else (f", {self.schedule}" + (f" x{self.stages_per_rank}" if self.stages_per_rank > 1
                                                                   else ""))
         ep = f" x ep {self.ep}" if self.ep > 1 else ""
-        return (f"pp {self.pp} x dp {self.dp}{ep} x tp {self.tp}{sched}, {self.micro_batches} micro-batches of "
+        cp = f" x cp {self.cp}" if self.cp > 1 else ""
+        return (f"pp {self.pp} x dp {self.dp}{ep}{cp} x tp {self.tp}{sched}, {self.micro_batches} micro-batches of "
                 f"{self.micro_batch_size}{' per rank' if ep else ''}, zero {self.zero}"
                 f"{', recompute' if self.recompute else ''}")
 
@@ -205,13 +218,19 @@ def units_of_plan(plan: Any, graph: Any, layer_paths: Sequence[str]) -> _Units:
     return _Units(tuple(units), params)
 
 
-def layouts(devices: int, devices_per_node: int, layers: int, batch: int, experts: int = 0) -> list[Candidate]:
+def layouts(devices: int, devices_per_node: int, layers: int, batch: int, experts: int = 0,
+            sequence: int = 0) -> list[Candidate]:
     """Every layout the search prices (unpriced): ``tp`` dividing a node, ``pp`` at most the layers,
     the batch split evenly over the replicas, micro-batches of :data:`MICRO_BATCH_SIZES`. With
     ``experts`` (a model whose routed experts the all-to-all variant may split), layouts with an
     expert axis too: ``ep`` > 1 dividing the experts, each rank of it a micro-batch of its own rows,
     ``tp`` 1 (the routed rows sit on one axis, every tensor of the experts whole on the others:
-    :mod:`autotp.planning.rules.routed`; and a two-axis ILP per layout is ten times a one-axis one)."""
+    :mod:`autotp.planning.rules.routed`; and a two-axis ILP per layout is ten times a one-axis one).
+    With ``sequence`` (the tokens of a model with attention a context axis may split; 0: none),
+    layouts with a context axis too: ``cp`` > 1 cutting the sequence into ``2 x cp`` chunks
+    (:func:`autotp.planning.search.context_axis.context_sizes`), with ``tp`` 1 or the largest tensor
+    axis inside a node beside it (a two-axis ILP each: the search plans a few more, not one per
+    ``tp``)."""
     out = []
     for tp in _divisors(devices):
         if tp > devices_per_node or devices_per_node % tp:
@@ -222,11 +241,16 @@ def layouts(devices: int, devices_per_node: int, layers: int, batch: int, expert
         if ep > 1 and experts % ep == 0:
             for pp in _divisors(devices // ep):
                 out += _arrangements(pp, devices // (ep * pp), 1, ep, layers, batch)
+    for cp in context_sizes(sequence, devices):
+        inside = [tp for tp in _divisors(devices // cp) if devices_per_node % tp == 0]
+        for tp in sorted({1, max(inside)}):
+            for pp in _divisors(devices // (cp * tp)):
+                out += _arrangements(pp, devices // (cp * tp * pp), tp, 1, layers, batch, cp)
     return out
 
 
-def _arrangements(pp: int, dp: int, tp: int, ep: int, layers: int, batch: int) -> list[Candidate]:
-    """The candidates of one ``pp x dp x ep x tp``: each micro-batch size, schedule, ZeRO stage and
+def _arrangements(pp: int, dp: int, tp: int, ep: int, layers: int, batch: int, cp: int = 1) -> list[Candidate]:
+    """The candidates of one ``pp x dp x ep x cp x tp``: each micro-batch size, schedule, ZeRO stage and
     recompute choice (none where the layout cannot take the batch or the layers)."""
     out: list[Candidate] = []
     if pp > max(layers, 1) or batch % (dp * ep):
@@ -243,7 +267,7 @@ def _arrangements(pp: int, dp: int, tp: int, ep: int, layers: int, batch: int) -
         for s, v in schedules:
             for zero in ((0, 1, 3) if dp > 1 else (0,)):
                 for recompute in (False, True):
-                    out.append(Candidate(pp, dp, tp, s, v, m, b, zero, recompute, ep=ep))
+                    out.append(Candidate(pp, dp, tp, s, v, m, b, zero, recompute, ep=ep, cp=cp))
     return out
 
 
@@ -281,7 +305,7 @@ def _prepare(layout: Candidate, plan_units: _Units, profile: HardwareProfile) ->
     n_layers = len(units) - 2
     pp, dp, tp, v, m = layout.pp, layout.dp, layout.tp, layout.stages_per_rank, layout.micro_batches
     n_stages = pp * v
-    shape = (pp, dp, layout.ep, tp)  # the links of the pipeline and data axes: the expert axis inside them
+    shape = (pp, dp, layout.ep, layout.cp, tp)  # the links of the pipeline and data axes: the planned axes inside
     dpn = profile.devices_per_node
     pp_link = profile.links[axis_link_name(shape, 0, dpn)]
     dp_link = profile.links[axis_link_name(shape, 1, dpn)]
@@ -383,11 +407,14 @@ def _finish(prep: _Prepared, budget_bytes: float) -> Candidate:
 
 def search_layouts(devices: int, profile: HardwareProfile, budget_bytes: float, stack: str, layers: int, batch: int,
                    units_for: Callable[..., _Units], keep: int = 20,
-                   only: Optional[Mapping[str, Any]] = None, experts: int = 0) -> PipelineChoice:
+                   only: Optional[Mapping[str, Any]] = None, experts: int = 0, sequence: int = 0) -> PipelineChoice:
     """Every layout of :func:`layouts` priced with ``units_for(tp, micro_batch_size)`` (cached by the
     caller; ``units_for(tp, micro_batch_size, ep)`` for a layout with an expert axis, the micro-batch
-    size per rank of it), the fastest that fits chosen. Raises :class:`MemoryBudgetError` when none
-    fits. ``experts``: the routed experts of a model the expert axis may split (0: none).
+    size per rank of it; ``units_for(tp, micro_batch_size, ep, cp)`` for one with a context axis),
+    the fastest that fits chosen. Raises :class:`MemoryBudgetError` when none fits. ``experts``: the
+    routed experts of a model the expert axis may split (0: none). ``sequence``: the tokens a context
+    axis may split (0: none; :mod:`autotp.planning.search.context_axis`), offered where the sequence
+    is long (:data:`CONTEXT_FROM_TOKENS` or more) or ``only`` names a ``cp``.
 
     Two cuts keep it quick, neither losing the fastest: for each ``tp`` the micro-batch sizes go
     up only while some layout of the last size fits (a larger one holds more); and a layout's
@@ -397,8 +424,8 @@ def search_layouts(devices: int, profile: HardwareProfile, budget_bytes: float, 
 
     t0 = time.perf_counter()
     dpn = profile.devices_per_node
-    grouped: dict[tuple[int, int], list[Candidate]] = {}
-    every = layouts(devices, dpn, layers, batch, experts)
+    long = sequence >= CONTEXT_FROM_TOKENS or (only or {}).get(AXIS_NAMES[CONTEXT], 1) != 1
+    every = layouts(devices, dpn, layers, batch, experts, sequence if long else 0)
     if only:
         fields = {f.name for f in dataclasses.fields(Candidate)} - {"step_s", "compute_s", "communication_s", "bubble_s",
                                                                   "peak_bytes", "why"}
@@ -411,18 +438,20 @@ def search_layouts(devices: int, profile: HardwareProfile, budget_bytes: float, 
             raise ValueError(f"pipeline={dict(only)!r}: no layout of {devices} devices has them; the values that "
                              f"occur: {values}")
         every = kept
+    grouped: dict[tuple[int, int, int, int], list[Candidate]] = {}
     for layout in every:
-        grouped.setdefault((layout.ep, layout.tp, layout.micro_batch_size), []).append(layout)
+        grouped.setdefault((layout.ep, layout.cp, layout.tp, layout.micro_batch_size), []).append(layout)
     prepared: list[_Prepared] = []
     skipped = 0
-    for ep, tp in sorted({(ep, tp) for ep, tp, _ in grouped}):
+    for planned in sorted({key[:3] for key in grouped}):
+        ep, cp, tp = planned
         fits_smaller = True
-        for b in sorted(b for e, t, b in grouped if (e, t) == (ep, tp)):
+        for b in sorted(key[3] for key in grouped if key[:3] == planned):
             if not fits_smaller:
-                skipped += len(grouped[ep, tp, b])
+                skipped += len(grouped[planned + (b,)])
                 continue
-            units = units_for(tp, b) if ep == 1 else units_for(tp, b, ep)
-            batch_prepared = [_prepare(layout, units, profile) for layout in grouped[ep, tp, b]]
+            units = units_for(tp, b, *((ep, cp) if cp > 1 else (ep,) if ep > 1 else ()))
+            batch_prepared = [_prepare(layout, units, profile) for layout in grouped[planned + (b,)]]
             prepared += batch_prepared
             fits_smaller = any(p.peak_bytes <= budget_bytes for p in batch_prepared)
     fitting = sorted((p for p in prepared if p.peak_bytes <= budget_bytes), key=lambda p: p.bound_s)
@@ -452,13 +481,14 @@ def search_layouts(devices: int, profile: HardwareProfile, budget_bytes: float, 
     # shown: each arrangement of stages and micro-batches once, at its best ZeRO stage and recompute
     seen, shown = set(), []
     for c in ranked:
-        key = (c.pp, c.dp, c.ep, c.tp, c.schedule, c.stages_per_rank, c.micro_batches)
+        key = (c.pp, c.dp, c.ep, c.cp, c.tp, c.schedule, c.stages_per_rank, c.micro_batches)
         if key not in seen:
             seen.add(key)
             shown.append(c)
-    shape = (best.pp, best.dp, best.ep, best.tp)
-    links = tuple((name, axis_link_name(shape, a, dpn)) for a, name in enumerate((PIPELINE, DATA, EXPERT, TENSOR))
-                  if name != EXPERT or best.ep > 1)
+    shape = (best.pp, best.dp, best.ep, best.cp, best.tp)
+    roles = (PIPELINE, DATA, EXPERT, CONTEXT, TENSOR)
+    links = tuple((name, axis_link_name(shape, a, dpn)) for a, name in enumerate(roles)
+                  if (name != EXPERT or best.ep > 1) and (name != CONTEXT or best.cp > 1))
     return PipelineChoice(devices, dpn, stack, layers, batch, links, best, best_prep.stages, tuple(shown[:keep]),
                           len(prepared) + skipped, time.perf_counter() - t0)
 

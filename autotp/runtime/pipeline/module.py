@@ -4,9 +4,10 @@ In: a plan made with ``autotp.plan(model, devices, inputs, pipeline=True)`` (its
 plan of one micro-batch, and ``plan.pipeline``: the stages as runs of the stack's layers, the
 schedule and the micro-batches), the graph of one micro-batch, and the mesh of its layout
 (:class:`autotp.layout.Layout`: a pipeline and a tensor axis, and between them a data axis with
-replicas and an expert axis with experts split); the sub-meshes of each role are the layout's.
-Out: a :class:`PipelineModule` holding this rank's stages (its layers rewritten for the plan's
-sub-mesh, :meth:`autotp.layout.Layout.planned_mesh`: the tensor axis, or the expert axis, as
+replicas, an expert axis with experts split and a context axis with the sequence split); the
+sub-meshes of each role are the layout's. Out: a :class:`PipelineModule` holding this rank's stages
+(its layers rewritten for the plan's sub-mesh, :meth:`autotp.layout.Layout.planned_mesh`: the tensor
+axis, or the expert or context axis with a tensor axis beside it, as
 :mod:`autotp.runtime.rewrite` writes any graph) under the
 schedule of ``torch.distributed.pipelining``, with :meth:`PipelineModule.step` (a training step:
 the loss on the last stage, the gradients on every stage's shards) and a forward for inference.
@@ -25,7 +26,9 @@ graph).
 
 An expert axis is planned as the tensor axis is: every rank of it is given the same micro-batch
 (``Candidate.micro_batch_rows``: ``ep`` ranks' rows), which the plan splits and sends to the experts'
-ranks by all-to-all, each of the plan's collectives once per micro-batch.
+ranks by all-to-all, each of the plan's collectives once per micro-batch. A context axis too: every
+rank of it is given the same micro-batch whole, whose sequence the plan splits (each rank keeps its
+piece of the inputs), the weights whole on each and their gradients summed over it by the plan.
 
 A data axis: each replica runs its rows of the batch, its stages one replica of the data axis's
 runtime (:mod:`autotp.runtime.data_parallel`): the gradients averaged over the axis in DDP's

@@ -1,0 +1,120 @@
+"""A layout with a context axis run (autotp/runtime/pipeline/module.py): every rank of ``cp`` given the
+same micro-batch whole, the plan splitting its sequence there (autotp/planning/search/context_axis.py:
+the inputs read split by sequence, every weight whole, no activation whole). A tiny Llama at 32
+tokens: the loss and every gradient equal one process's, the sequence is split through the layers,
+and each collective of the plan runs once per micro-batch, as the search prices it. ``pp 1 x cp 2``
+on 2 threaded ranks in the default run; ``pp 1 x cp 2 x tp 2`` and ``pp 1 x dp 2 (ZeRO 1) x cp 2`` on
+4 threaded ranks, ``pp 2 x cp 2`` on 4 gloo processes slow.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+
+import autotp
+from examples.ranks import run_ranks
+from tests.helpers.turns import run_threads_tracing_in_turns
+
+transformers = pytest.importorskip("transformers")
+
+SEQUENCE = 32
+
+
+def _llama():
+    """4 layers (a pipeline needs a stack of 4), 4 heads of 8, 2 kv heads; 2 rows of 32 tokens."""
+    transformers.logging.set_verbosity_error()
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 64, (2, SEQUENCE), generator=torch.Generator().manual_seed(1))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def _rank(rank, world, plan_json, built=None):
+    """One rank's step. ``built``: the model and inputs, made once for threaded ranks (which share
+    torch's random generator, so each building its own would race on it)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.helpers.observed import CollectiveLog
+
+    model, inputs = copy.deepcopy(built) if built else _llama()
+    plan = autotp.Plan.from_json(plan_json)
+    layout = plan.pipeline.layout
+    mesh = init_device_mesh("cpu", layout.mesh_shape, mesh_dim_names=layout.axis_names)
+    pm = autotp.parallelize(model, mesh, inputs, plan=plan)
+    with CollectiveLog(pm.tp_mesh) as log:  # the plan's mesh: the context axis (and the tensor axis)
+        loss = pm.step(**inputs)
+    grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in pm.named_parameters()}
+    return None if loss is None else loss.item(), grads, Counter((c.kind, c.mesh_axis) for c in log.seen)
+
+
+def _check(plan, results) -> None:
+    model, inputs = _llama()
+    loss = model(**inputs).loss
+    loss.backward()
+    c = plan.pipeline.chosen
+    # the sequence split through the layers: every projection reads its activation split on cp
+    split = {row.module: row for row in plan.modules if row.module.endswith(("q_proj", "down_proj"))}
+    assert split and all("S(1)" in str(row.input) for row in split.values()), split
+    planned = Counter()
+    for coll in plan.collectives():
+        planned[(coll.kind, coll.mesh_axis)] += c.micro_batches
+    assert [r[0] is not None for r in results].count(True) == len(results) // c.pp  # the last stage's ranks
+    held: dict[str, torch.Tensor] = {}
+    for got, grads, seen in results:
+        assert got is None or got == pytest.approx(loss.item(), rel=1e-5)
+        held.update(grads)
+    assert set(held) == {n for n, _ in model.named_parameters()}
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(held[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    # each rank's stages together with the same rank of the other pipeline ranks' run the plan's
+    # collectives, once per micro-batch (ranks numbered row-major, the pipeline axis outermost)
+    stride = len(results) // c.pp
+    for first in range(stride):
+        seen = sum((results[first + k * stride][2] for k in range(c.pp)), Counter())
+        assert seen == planned, (first, seen, planned)
+
+
+def _plan(layout: dict):
+    model, inputs = _llama()
+    devices = layout.get("pp", 1) * layout.get("dp", 1) * layout["cp"] * layout.get("tp", 1)
+    return autotp.plan(model, devices, inputs, hardware="cpu-gloo", pipeline=layout)
+
+
+def test_a_context_axis_runs_and_equals_one_process():
+    plan = _plan({"cp": 2, "pp": 1, "tp": 1, "micro_batch_size": 1})
+    c = plan.pipeline.chosen
+    assert (c.pp, c.dp, c.cp, c.tp, c.micro_batches) == (1, 1, 2, 1, 2)
+    assert plan.pipeline.layout.mesh_shape == (1, 2, 1) and plan.mesh.axis_names == ("cp",)
+    assert set(plan.parameter_placements.values()) == {"R"}  # every weight whole on the context axis
+    model, inputs = _llama()
+    _check(plan, run_threads_tracing_in_turns(_rank, 2, plan.to_json(), (model, inputs)))
+
+
+@pytest.mark.slow  # 4 threaded ranks, a two-axis plan
+def test_a_context_and_a_tensor_axis_run_and_equal_one_process():
+    plan = _plan({"cp": 2, "pp": 1, "tp": 2, "micro_batch_size": 1})
+    assert plan.pipeline.layout.mesh_shape == (1, 2, 2) and plan.mesh.axis_names == ("cp", "tp")
+    model, inputs = _llama()
+    _check(plan, run_threads_tracing_in_turns(_rank, 4, plan.to_json(), (model, inputs)))
+
+
+@pytest.mark.slow  # 4 threaded ranks
+def test_replicas_of_a_context_axis_under_zero_1_equal_one_process():
+    """FSDP2 shards over the data axis alone: the weights are whole on every rank of the context axis."""
+    plan = _plan({"cp": 2, "dp": 2, "pp": 1, "tp": 1, "zero": 1, "micro_batch_size": 1})
+    assert plan.pipeline.layout.mesh_shape == (1, 2, 2, 1)
+    model, inputs = _llama()
+    _check(plan, run_threads_tracing_in_turns(_rank, 4, plan.to_json(), (model, inputs)))
+
+
+@pytest.mark.slow  # 4 processes
+def test_stages_on_a_context_axis_equal_one_process():
+    plan = _plan({"cp": 2, "pp": 2, "dp": 1, "tp": 1, "schedule": "gpipe", "micro_batch_size": 1})
+    assert plan.pipeline.layout.mesh_shape == (2, 2, 1)
+    _check(plan, run_ranks(_rank, 4, plan.to_json()))
