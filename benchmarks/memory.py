@@ -2,12 +2,15 @@
 
 On 2 gloo ranks (CPU), a small Llama (``tiny_llama``: float32, dim 256, 8 heads, 4 kv heads, ffn
 768, vocab 2048, batch 4 x 128 tokens, ``--layers`` layers) with its cross-entropy planned with it
-(``loss_fn=``), nine plans (:func:`plans`): replicated, Megatron (pinned), the planner's under a
+(``loss_fn=``), eleven plans (:func:`plans`): replicated, Megatron (pinned), the planner's under a
 roomy budget, at the least budget without recompute, tighter with recompute, sequence parallel
 (the Megatron pins at the least budget they fit without recompute), every layer but one
 recomputed, an inference plan (a forward without autograd), a Hugging Face Llama computing its
-own loss (``labels=``), and a Hugging Face Qwen3-MoE (16 experts, top 2, ``benchmarks/experts.py``
-at the Llama's widths) with its experts whole on ranks (the stacked expert weights pinned ``S(0)``).
+own loss (``labels=``), a Hugging Face Qwen3-MoE (16 experts, top 2, ``benchmarks/experts.py``
+at the Llama's widths) with its experts whole on ranks (the stacked expert weights pinned ``S(0)``),
+and a long sequence: a narrow Hugging Face Llama (``benchmarks/long_context.py``'s: hidden 64) at
+1 x 4096 tokens with ``labels=``, where the sequence's activations are most of the step, as the
+planner splits it and with every weight pinned whole (attention by balanced causal rows).
 
 Each training row runs three steps (``zero_grad(set_to_none=True)``, forward and loss, backward,
 ``torch.optim.AdamW`` step) and measures the third under :class:`LiveBytes`, a
@@ -159,7 +162,21 @@ def hf_moe(layers: int):
     return experts.build(dataclasses.replace(experts.FULL, layers=layers, batch=4, seq=128))
 
 
-HF_MODELS = {"hf": hf_llama, "hf-moe": hf_moe}
+LONG_SEQ = 4096
+
+
+def hf_long(layers: int):
+    """A narrow Hugging Face Llama at a long sequence (``benchmarks/long_context.py``'s model: hidden
+    64, vocabulary 128, batch 1 x ``LONG_SEQ`` tokens), its token ids as labels: the activations of
+    the sequence are most of what a step holds."""
+    import dataclasses
+
+    from benchmarks import long_context
+
+    return long_context.build(dataclasses.replace(long_context.Size(), layers=layers, seq=LONG_SEQ))
+
+
+HF_MODELS = {"hf": hf_llama, "hf-moe": hf_moe, "long": hf_long}
 
 
 def plans(layers: int) -> dict[str, tuple[str, str]]:
@@ -169,7 +186,10 @@ def plans(layers: int) -> dict[str, tuple[str, str]]:
     they fit without recompute: the norms' tokens split along the sequence), ``all-but-one`` (the
     least budget any plan fits: every layer but one recomputes); ``inference`` (the model alone, in eval mode, the
     planner's choice); ``hf-llama`` (a Hugging Face Llama with ``labels=``, the planner's choice);
-    ``moe-experts`` (a Hugging Face Qwen3-MoE with ``labels=``, its experts pinned whole on ranks)."""
+    ``moe-experts`` (a Hugging Face Qwen3-MoE with ``labels=``, its experts pinned whole on ranks);
+    ``long-seq`` (a narrow Hugging Face Llama at ``LONG_SEQ`` tokens with ``labels=``, the planner's
+    choice: attention by heads, the rest by sequence); ``long-rows`` (the same with every weight
+    pinned whole: every activation split along the sequence, attention by balanced causal rows)."""
     import autotp
     from autotp.planning.planner import plan_graph
     from autotp.tracing.loss import WithLoss
@@ -221,6 +241,11 @@ def plans(layers: int) -> dict[str, tuple[str, str]]:
     moe, kwargs = hf_moe(layers)
     made["moe-experts"] = ("hf-moe", plan_graph(autotp.capture(moe, kwargs), (2,), hw, memory_budget="100GB",
                                                 pin=pins(moe)["experts"]).to_json())
+    long, kwargs = hf_long(layers)
+    long_graph = autotp.capture(long, kwargs)
+    made["long-seq"] = ("long", plan_graph(long_graph, (2,), hw, memory_budget="100GB").to_json())
+    made["long-rows"] = ("long", plan_graph(long_graph, (2,), hw, memory_budget="100GB",
+                                            pin={n: "R" for n, _ in long.named_parameters()}).to_json())
     return made
 
 
@@ -300,7 +325,7 @@ def main() -> None:
     args = ap.parse_args()
     results = run_ranks(_rank, 2, args.layers, True if args.foreach else None)
     print(f"tiny_llama, {args.layers} layers, dim 256, batch 4 x 128, float32, its cross-entropy planned with it "
-          f"(hf-llama: LlamaForCausalLM with labels=; moe-experts: Qwen3MoeForCausalLM, 16 experts top 2, with labels=, its experts whole on ranks); 2 gloo ranks; AdamW; MB per rank (rank 0; rank 1 in brackets "
+          f"(hf-llama: LlamaForCausalLM with labels=; moe-experts: Qwen3MoeForCausalLM, 16 experts top 2, with labels=, its experts whole on ranks; long-seq: LlamaForCausalLM hidden 64, 1 x {LONG_SEQ} tokens, with labels=); 2 gloo ranks; AdamW; MB per rank (rank 0; rank 1 in brackets "
           f"where it differs)")
     head = (f"{'plan':11} {'recompute':>9} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'predicted':>9} | "
             f"{'measured':>9} {'phase':>15} | {'params':>7} {'grads':>7} {'optim':>7} {'other':>7} | pred/meas")

@@ -314,3 +314,40 @@ def test_experts_by_features_prices_each_pinned_layout_of_a_shrunk_shape():
         assert line.startswith(f"{label}: predicted step ") and "grouped matmuls [" in line, line
         steps[label] = plan.predicted_time().total_s
     assert len(steps) == 3 and all(free.predicted_time().total_s <= s * (1 + 1e-9) for s in steps.values()), steps
+
+
+def test_the_long_context_benchmark_steps_autotp_as_one_process_and_says_why_context_parallel_did_not():
+    """benchmarks/long_context.py at 256 tokens on 2 threaded ranks: autotp's step has one process's
+    loss (``measure`` asserts it), its attention's strategy is named, and PyTorch's
+    ``context_parallel`` either ran with that loss too or (on CPU, where its ring attention has no
+    rule for the CPU flash kernel) the row carries its error."""
+    pytest.importorskip("transformers")
+    from benchmarks import long_context as L
+    from examples.ranks import run_threads
+
+    size = L.Size(seq=256, layers=1)
+    row = L.measure(size, 2, steps=1, warmup=0, runner=run_threads)
+    assert row["variants"]["autotp"]["loss_diff"] <= 1e-4 * row["loss"] and row["variants"]["autotp"]["step_s"] > 0
+    assert row["attention"] and all(": (" in a for a in row["attention"]), row["attention"]
+    if "context_parallel" in row["errors"]:
+        assert "_scaled_dot_product_flash_attention_for_cpu" in row["errors"]["context_parallel"], row["errors"]
+    else:
+        assert row["variants"]["context_parallel"]["loss_diff"] <= 1e-4 * row["loss"]
+    lines = L.report([row])
+    assert any(line.startswith("256 tokens: autotp / 1 process = ") for line in lines), lines
+
+
+def test_long_context_plan_prices_the_context_parallel_hand_layout_as_the_search_prices_its_own():
+    """benchmarks/long_context_plan.py's row, narrowed (4 layers, hidden 512, 32768 tokens) on 8
+    devices: the hand layout (a context axis of 8 with FSDP over the same ranks) is the search's
+    ZeRO 3 over a data axis of 8 on the context plan, whose attention is the balanced causal rows
+    (``price_hand`` asserts it); both are priced, the terms printed."""
+    from benchmarks import long_context_plan as P
+
+    shape = dict(n_layer=4, hidden=512, ffn=1024, heads=4, kv_heads=2, vocab=128)
+    r = P.row(32768, shape)
+    c, h = r["chosen"], r["hand"]
+    assert (h.pp, h.dp, h.tp, h.zero) == (1, 8, 8, 3) and h.step_s > 0 and c.step_s > 0, (c, h)
+    assert r["loss"] == "labels=" and all(a.startswith("balanced causal rows") for a in r["attention"])
+    lines = P.lines_of(r)
+    assert any("autotp / torchtitan = " in line for line in lines) and sum("step " in x for x in lines) == 2, lines
