@@ -423,6 +423,7 @@ def _plan_layout(model: torch.nn.Module, devices: int, example_inputs: Any, prof
         return graphs[rows]
 
     def plan_for(tp: int, b: int, ep: int = 1, cp: int = 1, whole_outputs: bool = False) -> tuple[Plan, Any]:
+        whole_outputs = whole_outputs and bool(graph_of(b * ep).unread_outputs)  # else the same plan
         if (tp, b, ep, cp, whole_outputs) not in plans:
             graph = graph_of(b * ep)
             if whole_outputs:  # every output returned whole, as a module's forward returns it
@@ -447,7 +448,8 @@ def _plan_layout(model: torch.nn.Module, devices: int, example_inputs: Any, prof
         paths = one_each.layers()
     sequence = context_sequence(first) if not experts else 0  # a context axis: dense models with attention
     choice = search_layouts(devices, profile, budget, stack.path, stack.count, batch,
-                            lambda tp, b, ep=1, cp=1: plan_for(tp, b, ep, cp)[1], only=only, experts=experts,
+                            lambda tp, b, ep=1, cp=1, whole_outputs=False: plan_for(tp, b, ep, cp, whole_outputs)[1],
+                            only=only, experts=experts,
                             sequence=sequence)
     best = choice.chosen
     if kinds and not isinstance(stack, KindStack):  # the chosen layout's plan of the whole model

@@ -138,6 +138,25 @@ def test_collectives_an_op_runs_inside_count_once_in_the_units():
     assert sum(u.forward_comm_s + u.backward_comm_s for u in units) == pytest.approx(plan.time.communication_s)
 
 
+def test_a_plain_layout_is_priced_from_a_plan_that_returns_every_output_whole(llama_units):
+    """The layouts with stages, replicas or another axis are priced from plans whose step reads the
+    loss alone; a plain layout (pp 1 x dp 1 x tp n), which runs as one module returning every output
+    whole, from its own plan that gathers them (autotp/planning/search/step_reads.py)."""
+    plan, _, pu, stack = llama_units
+    asked = []
+
+    def units_for(tp, b, *axes, whole_outputs=False):
+        asked.append((tp, b, axes, whole_outputs))
+        return pu
+
+    from autotp.planning.search.pipeline_search import search_layouts
+
+    search_layouts(2, plan.hardware, 1e18, stack.path, stack.count, 2, units_for)
+    plain = [a for a in asked if a[3]]
+    assert plain and all(tp == 2 and not axes for tp, _, axes, _ in plain), asked
+    assert any(tp == 1 and not whole for tp, _, _, whole in asked), asked  # stages or replicas: the step's plan
+
+
 def test_a_layout_priced_by_hand(llama_units, monkeypatch):
     """One stage over two data-parallel replicas: m micro-batches one after the other, the gradients
     all-reduced in DDP's buckets during the last backward; two stages under 1F1B: rank 0 holds two

@@ -410,7 +410,10 @@ def search_layouts(devices: int, profile: HardwareProfile, budget_bytes: float, 
                    only: Optional[Mapping[str, Any]] = None, experts: int = 0, sequence: int = 0) -> PipelineChoice:
     """Every layout of :func:`layouts` priced with ``units_for(tp, micro_batch_size)`` (cached by the
     caller; ``units_for(tp, micro_batch_size, ep)`` for a layout with an expert axis, the micro-batch
-    size per rank of it; ``units_for(tp, micro_batch_size, ep, cp)`` for one with a context axis),
+    size per rank of it; ``units_for(tp, micro_batch_size, ep, cp)`` for one with a context axis;
+    ``units_for(tp, micro_batch_size, whole_outputs=True)`` for a plain layout, run as one module
+    that returns every output whole, where the others' step reads the loss alone:
+    :mod:`autotp.planning.search.step_reads`),
     the fastest that fits chosen. Raises :class:`MemoryBudgetError` when none fits. ``experts``: the
     routed experts of a model the expert axis may split (0: none). ``sequence``: the tokens a context
     axis may split (0: none; :mod:`autotp.planning.search.context_axis`), offered where the sequence
@@ -451,7 +454,11 @@ def search_layouts(devices: int, profile: HardwareProfile, budget_bytes: float, 
                 skipped += len(grouped[planned + (b,)])
                 continue
             units = units_for(tp, b, *((ep, cp) if cp > 1 else (ep,) if ep > 1 else ()))
-            batch_prepared = [_prepare(layout, units, profile) for layout in grouped[planned + (b,)]]
+            # a plain layout runs as one module, which returns every output whole: its own plan
+            whole = units_for(tp, b, whole_outputs=True) if any(c.layout.plain for c in grouped[planned + (b,)]) \
+                else None
+            batch_prepared = [_prepare(layout, whole if layout.layout.plain else units, profile)
+                              for layout in grouped[planned + (b,)]]
             prepared += batch_prepared
             fits_smaller = any(p.peak_bytes <= budget_bytes for p in batch_prepared)
     fitting = sorted((p for p in prepared if p.peak_bytes <= budget_bytes), key=lambda p: p.bound_s)
