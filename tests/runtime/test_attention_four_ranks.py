@@ -8,7 +8,8 @@ padding labelled -100, with the attention split along the sequence:
 - forced: the query rows in order, the balanced rows (rank ``r`` computes chunks ``r`` and
   ``7 - r`` of 8), and Ulysses (q, k, v and output projections split by sequence, the attention by
   heads between them, where the heads cut into 4);
-- on a ``(2, 2)`` mesh: the query rows on one axis, the heads on the other.
+- on a ``(2, 2)`` mesh: the query rows on one axis, the heads on the other;
+- traced with the sequence dynamic and called at another length (the forward's logits).
 
 The reference is the Hugging Face model's own loss and gradients in one process; the collectives
 each rank runs are the plan's by kind and axis. One case runs in the default suite, the others are
@@ -18,7 +19,9 @@ slow.
 from __future__ import annotations
 
 import pytest
+import torch
 
+import autotp
 from autotp.placement import R, S
 from tests.helpers.observed import assert_kinds_as_planned
 from tests.runtime.test_attention_masks import _attention, _check_exact, _inputs, _model, ulysses
@@ -85,3 +88,46 @@ def test_ulysses_on_four_ranks_equals_one_process(kind, monkeypatch):
     model = _model(kind, num_attention_heads=8, num_key_value_heads=4)
     chosen = _exact(model, _inputs(True, True, seq=16), 4, monkeypatch, ulysses((S(1),), (S(1),)))
     assert chosen.output == (HEADS,), str(chosen)
+
+
+def _forward_rank(rank, world, graph, plan, model, inputs):
+    """One rank's forward of ``plan`` (logits whole), or the message of the ``ValueError`` it raises."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autotp.runtime.module import build_parallel_module
+
+    mesh = init_device_mesh("cpu", tuple(plan.mesh.shape), mesh_dim_names=tuple(plan.mesh.axis_names))
+    pm = build_parallel_module(graph, plan, mesh, model)
+    try:
+        with torch.no_grad():
+            return pm(**inputs).logits
+    except ValueError as err:
+        return str(err)
+
+
+@pytest.mark.parametrize("variant, length", [("", 8), pytest.param("balanced", 8, marks=pytest.mark.slow),
+                                             pytest.param("balanced", 12, marks=pytest.mark.slow)])
+def test_rows_split_at_a_length_other_than_the_traced_one(variant, length, monkeypatch):
+    """Traced with the sequence dynamic at 16 tokens and planned with the rows split over 4, then
+    called with the first ``length`` tokens: each rank's rows start where its piece of that length
+    does (not of 16), so the logits are one process's; balanced rows at 12 (3 rows a rank, not two
+    equal chunks) are refused, saying so."""
+    from autotp.planning.choices import strategies
+    from autotp.planning.planner import plan_graph
+    from examples.ranks import run_threads
+
+    model = _model("llama", num_hidden_layers=2)
+    inputs = {k: v for k, v in _inputs(True, True, seq=16).items() if k != "labels"}
+    graph = autotp.capture(model, inputs, dynamic_dims=None)
+    keep, offered = _attention_as((ROWS,), variant), strategies.node_strategies
+    monkeypatch.setattr(strategies, "node_strategies",
+                        lambda graph_, node, *a: [s for s in offered(graph_, node, *a) if keep(graph_, node, s)])
+    plan = plan_graph(graph, (4,), "cpu-gloo", "inference")
+    short = {k: v[:, :length] for k, v in inputs.items()}
+    with torch.no_grad():
+        expected = model(**short).logits
+    for got in run_threads(_forward_rank, 4, graph, plan, model, short):
+        if length % 8:
+            assert "do not cut into its 2 chunks" in got, got
+        else:
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
