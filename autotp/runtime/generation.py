@@ -11,9 +11,10 @@ is stored:
 - a causal LM: the prompt's graph (any length of 2 or more), which fills the cache from position 0
   (its positions made in the graph, so its mask is proven a description and its attention may be
   split by query rows), and one token's (``torch.export`` specializes a length of 1), the second
-  with the caches where the first put them. A prompt plan that splits the query rows places each
-  rank's rows by the traced length: that graph holds that length only, and a prompt of another
-  length gets one of its own (:meth:`CacheGraphs.prompt`), its caches where the first put them;
+  with the caches where the first put them. A prompt plan that splits the query rows holds only the
+  lengths that cut into its pieces (``n`` ranks, ``2n`` chunks balanced) and was chosen for the
+  traced one: that graph serves that length only, and a prompt of another length gets one planned
+  for it (:meth:`CacheGraphs.prompt`), its caches where the first put them;
 - an encoder-decoder: the encoder's graph (any prompt length of 2 or more; it runs once per call),
   the decoder's first step (it computes the cross-attention keys and values from the encoder's
   states, padded to the cache's length, and stores them in the cross-attention cache) and a later
@@ -123,8 +124,8 @@ class CacheGraphs:
 
     def prompt(self, length: int) -> torch.fx.GraphModule:
         """The graph of a prompt of ``length`` tokens (2 or more). Where the prompt's plan splits an
-        attention's query rows, each rank's rows are placed by the traced length (:func:`_rows_split`):
-        another length gets a graph traced and planned for it, its caches stored as the first put them."""
+        attention's query rows (:func:`_rows_split`), another length gets a graph traced and planned
+        for it, its caches stored as the first put them."""
         if self.prompt_length in (None, length):
             return self.graphs["prompt"]
         kind = f"prompt of {length}"
@@ -198,9 +199,9 @@ class CacheGraphs:
 
 
 def _rows_split(graph: Any, plan: Any) -> bool:
-    """Whether ``plan`` of ``graph`` splits the query rows of an attention under a described mask: its ranks' rows
-    are placed by the traced length (``row_offset``, the balanced chunks), so its graph holds that
-    length only."""
+    """Whether ``plan`` of ``graph`` splits the query rows of an attention under a described mask: such a split
+    holds only the lengths that cut into its pieces (``n`` ranks, ``2n`` chunks balanced), and was
+    chosen for the traced one, so its graph serves that length only."""
     from autotp.planning.rules.attention import attention_mask_of
 
     for node in graph.ops():
