@@ -79,7 +79,12 @@ class BalancedRows(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 padding: Optional[torch.Tensor] = None) -> torch.Tensor:
-        n, dim, chunk = self.n, q.ndim - 2, self.rows // (2 * self.n)
+        # the rows a call brings (a dynamic length may differ from the traced ``rows``): two chunks a rank
+        n, dim = self.n, q.ndim - 2
+        if q.shape[dim] % 2:
+            raise ValueError(f"balanced rows over {self.axis_name}: this rank holds {q.shape[dim]} query rows, "
+                             f"which do not cut into its 2 chunks; expected a sequence length divisible by {2 * n}")
+        chunk = q.shape[dim] // 2
         mine, computed = (2 * self.rank, 2 * self.rank + 1), rank_chunks(self.rank, n)
         to, back = (lambda c: _computer(c, n)), (lambda c: _holder(c, n))
         rows = _exchange(q, dim, mine, computed, to, back, n, self.group)

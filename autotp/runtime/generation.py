@@ -8,8 +8,13 @@ cache by the kv heads its attention reads (:mod:`autotp.planning.choices.strateg
 for a batch size and cache length, :class:`CacheGraphs` traces and plans, every weight kept where it
 is stored:
 
-- a causal LM: the prompt's graph (any length of 2 or more) and one token's (``torch.export``
-  specializes a length of 1), the second with the caches where the first put them;
+- a causal LM: the prompt's graph (any length of 2 or more), which fills the cache from position 0
+  (its positions made in the graph, so its mask is proven a description and its attention may be
+  split by query rows), and one token's (``torch.export`` specializes a length of 1), the second
+  with the caches where the first put them. A prompt plan that splits the query rows holds only the
+  lengths that cut into its pieces (``n`` ranks, ``2n`` chunks balanced) and was chosen for the
+  traced one: that graph serves that length only, and a prompt of another length gets one planned
+  for it (:meth:`CacheGraphs.prompt`), its caches where the first put them;
 - an encoder-decoder: the encoder's graph (any prompt length of 2 or more; it runs once per call),
   the decoder's first step (it computes the cross-attention keys and values from the encoder's
   states, padded to the cache's length, and stores them in the cross-attention cache) and a later
@@ -69,7 +74,9 @@ def _is_encoder_decoder(model: nn.Module) -> bool:
 class CacheGraphs:
     """``generate``'s graphs of one batch size and cache length over a parallel module's state, with
     its pieces of the caches (module docstring): ``graphs`` and ``plans`` by kind, ``"prompt"`` and
-    ``"token"`` for a causal LM, ``"encoder"``, ``"first"`` and ``"token"`` for an encoder-decoder."""
+    ``"token"`` for a causal LM (and ``"prompt of <length>"`` for each other prompt length where the
+    prompt's graph holds one length only, ``prompt_length``), ``"encoder"``, ``"first"`` and
+    ``"token"`` for an encoder-decoder."""
 
     def __init__(self, module: nn.Module, switch: Any, batch: int, max_cache_len: int, prompt_len: int) -> None:
         if switch is None or switch.skeleton is None or not hasattr(switch.skeleton, "config"):
@@ -86,14 +93,15 @@ class CacheGraphs:
         device = switch.mesh.device_type
         meta = dict(dtype=torch.int64, device="meta")
         length = max(prompt_len, 2)  # a prompt's graph holds every length from 2 (export specializes 1)
+        self.prompt_length: Optional[int] = None  # the one prompt length the prompt's graph holds, where it holds one
         if not self.encoder_decoder:
+            if _rows_split(*self._add_prompt("prompt", length, None)):
+                self.prompt_length = length
             model = with_static_cache(switch.skeleton, batch, max_cache_len, device)
-            for kind, n in (("prompt", length), ("token", 1)):
-                # the mask spans the whole cache; the positions are not the ids: one tensor twice is one input
-                inputs = (torch.zeros(batch, n, **meta), torch.arange(n, device="meta"),
-                          torch.ones(batch, max_cache_len, **meta), torch.zeros(batch, n, **meta))
-                dims = {"input_ids": (1,), "cache_position": (0,), "position_ids": (1,)} if n > 1 else False
-                self._add(kind, model, inputs, dims, caches_from="prompt" if kind == "token" else None)
+            # the mask spans the whole cache; the positions are not the ids: one tensor twice is one input
+            inputs = (torch.zeros(batch, 1, **meta), torch.arange(1, device="meta"),
+                      torch.ones(batch, max_cache_len, **meta), torch.zeros(batch, 1, **meta))
+            self._add("token", model, inputs, False, caches_from="prompt")
             return
         copies = with_encoder_decoder_cache(switch.skeleton, batch, max_cache_len, device)
         self._add("encoder", copies.encoder, (torch.zeros(batch, length, **meta), torch.ones(batch, length, **meta)),
@@ -104,10 +112,32 @@ class CacheGraphs:
         self._add("first", copies.first_step, step, False, caches_from=None)
         self._add("token", copies.later_step, step, False, caches_from="first")
 
-    def _add(self, kind: str, model: nn.Module, inputs: tuple, dims: Any, caches_from: Optional[str]) -> None:
+    def _add_prompt(self, kind: str, length: int, caches_from: Optional[str]) -> tuple[Any, Any]:
+        """The graph of a causal LM's prompt of ``length`` tokens (any length from 2 where its plan allows),
+        filling the cache from position 0: its mask is proven, so its attention may be split by query rows."""
+        meta = dict(dtype=torch.int64, device="meta")
+        model = with_static_cache(self.skeleton, self.batch, self.max_cache_len, self._switch.mesh.device_type,
+                                  from_start=True)
+        inputs = (torch.zeros(self.batch, length, **meta), torch.ones(self.batch, self.max_cache_len, **meta),
+                  torch.zeros(self.batch, length, **meta))
+        return self._add(kind, model, inputs, {"input_ids": (1,), "position_ids": (1,)}, caches_from=caches_from)
+
+    def prompt(self, length: int) -> torch.fx.GraphModule:
+        """The graph of a prompt of ``length`` tokens (2 or more). Where the prompt's plan splits an
+        attention's query rows (:func:`_rows_split`), another length gets a graph traced and planned
+        for it, its caches stored as the first put them."""
+        if self.prompt_length in (None, length):
+            return self.graphs["prompt"]
+        kind = f"prompt of {length}"
+        if kind not in self.graphs:
+            self._add_prompt(kind, length, caches_from="prompt")
+        return self.graphs[kind]
+
+    def _add(self, kind: str, model: nn.Module, inputs: tuple, dims: Any, caches_from: Optional[str]) -> tuple[Any, Any]:
         """Trace ``model`` on ``inputs``, plan it with every weight where the parallel module stores it
         (and the caches where the plan ``caches_from`` put them; else the planner chooses and this
-        rank's pieces are allocated), and build its graph over the module's state."""
+        rank's pieces are allocated), and build its graph over the module's state. Returns the traced
+        graph and its plan."""
         module, switch = self._module, self._switch
         try:
             graph = capture(model, inputs, dynamic_dims=dims, training=False, device=switch.mesh.device_type)
@@ -125,6 +155,7 @@ class CacheGraphs:
                                prefix=f"generate_{self.batch}x{self.max_cache_len}_{kind}_")
         self.graphs[kind] = torch.fx.GraphModule(module, fx_graph, class_name="AutotpGenerateGraph")
         self.plans[kind] = plan
+        return graph, plan
 
     def _allocate(self, graph: Any, plan: Any) -> None:
         """This rank's piece of each cache tensor, zeroed, as a non-persistent buffer of the module."""
@@ -165,6 +196,21 @@ class CacheGraphs:
     def reset(self) -> None:
         for b in self._caches():
             b.zero_()
+
+
+def _rows_split(graph: Any, plan: Any) -> bool:
+    """Whether ``plan`` of ``graph`` splits the query rows of an attention under a described mask: such a split
+    holds only the lengths that cut into its pieces (``n`` ranks, ``2n`` chunks balanced), and was
+    chosen for the traced one, so its graph serves that length only."""
+    from autotp.planning.rules.attention import attention_mask_of
+
+    for node in graph.ops():
+        if attention_mask_of(node) is None:
+            continue
+        q = plan.strategy(node.name).inputs[0]
+        if q is not None and any(p.is_shard and p.dim == node.input_infos[0].ndim - 2 for p in q):
+            return True
+    return False
 
 
 def _untraceable(skeleton: nn.Module, err: CaptureError) -> NotImplementedError:
@@ -269,7 +315,10 @@ def _generate_causal(graphs: CacheGraphs, token: Callable, opts: GenerateOptions
     positions = (given.cumsum(-1) - 1).masked_fill(given == 0, 1)
     processors = opts.processors(graphs.skeleton, length, input_ids, given, device)
     cache_position = torch.arange(length, device=device)
-    logits = graphs.graphs["prompt" if length > 1 else "token"](input_ids, cache_position, mask, positions)
+    if length > 1:  # the prompt fills the cache from position 0
+        logits = graphs.prompt(length)(input_ids, mask, positions)
+    else:
+        logits = graphs.graphs["token"](input_ids, cache_position, mask, positions)
     # the decoded token's cache slot and position: advanced on the device, no copy from the host per token
     at, position = cache_position[-1:], positions[:, -1:]
 

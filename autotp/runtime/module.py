@@ -264,7 +264,8 @@ class ParallelModule(torch.fx.GraphModule, Parallelized):
     @property
     def generation_plans(self) -> dict[tuple, dict[str, Any]]:
         """The plans of ``generate``'s graphs, by (batch, cache length): ``{"prompt": plan, "token": plan}``
-        (``plan.report()`` of the token's shows what one decoded token runs)."""
+        (and ``"prompt of <length>"`` for a prompt length the first prompt graph, its rows split, does
+        not hold; ``plan.report()`` of the token's shows what one decoded token runs)."""
         return {key: dict(graphs.plans) for key, graphs in getattr(self, "_autotp_generation", {}).items()}
 
     @property

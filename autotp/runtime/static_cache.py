@@ -7,7 +7,11 @@ whose caches are buffers the planner may store split (by the kv heads its attent
 
 - :func:`with_static_cache`: a causal LM, ``(input_ids, cache_position, attention_mask,
   position_ids) -> logits`` over one cache of ``max_cache_len`` positions (the last position's
-  logits only, where the model's forward takes ``logits_to_keep``, as Hugging Face's generate asks).
+  logits only, where the model's forward takes ``logits_to_keep``, as Hugging Face's generate asks);
+  or, ``from_start``, the prompt's ``(input_ids, attention_mask, position_ids) -> logits``, which fills
+  the cache from position 0: its cache positions an ``arange`` made in the graph, so the trace's mask
+  pass proves the prompt's mask causal (or windowed) and padded (:mod:`autotp.tracing.masks`), where
+  positions given as an input would leave it a tensor.
   Sliding-window layers keep every position too, masked to their window by the model's own mask.
 - :func:`with_encoder_decoder_cache`: an encoder-decoder (BART, T5, ...): three copies over the same
   buffers, the encoder's ``(input_ids, attention_mask) -> hidden states``, and two of the decoder's
@@ -92,10 +96,13 @@ def _cache_argument(model: nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
 
-def with_static_cache(skeleton: nn.Module, batch: int, max_cache_len: int, device: Any) -> nn.Module:
+def with_static_cache(skeleton: nn.Module, batch: int, max_cache_len: int, device: Any,
+                      from_start: bool = False) -> nn.Module:
     """A copy of the (meta) causal LM whose forward is ``(input_ids, cache_position, attention_mask,
     position_ids) -> logits`` over a static cache whose tensors are buffers of the copy, made on meta;
-    the cache's own device says ``device``, the one the graph is traced for and runs on."""
+    the cache's own device says ``device``, the one the graph is traced for and runs on. ``from_start``:
+    ``(input_ids, attention_mask, position_ids) -> logits``, the cache positions ``0 .. S - 1`` of the
+    ``S`` ids (a prompt's, filling the cache from its start)."""
     from transformers.cache_utils import StaticCache
 
     model = copy.deepcopy(skeleton)
@@ -134,7 +141,12 @@ def with_static_cache(skeleton: nn.Module, batch: int, max_cache_len: int, devic
                       cache_position=cache_position, use_cache=True, **{cache_arg: cache}, **last)
         return out.logits
 
-    model.forward = types.MethodType(cached_forward, model)
+    def prompt_forward(self: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       position_ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)  # in the graph: proven from 0
+        return cached_forward(self, input_ids, positions, attention_mask, position_ids)
+
+    model.forward = types.MethodType(prompt_forward if from_start else cached_forward, model)
     return model
 
 

@@ -9,7 +9,9 @@ sequence at 128k tokens, an explicit mask that rules out the flash kernel, every
 priced and computed. :func:`describe_masks` evaluates the subgraph that makes each such mask
 **symbolically**: every tensor is an expression of its own element's indices (``sympy``), each op
 mapped to what it does to them (an arange is its index, an unsqueeze renames indices, a lookup in
-the padding input is an opaque atom ``pad(b, j)``, a comparison a relation, ``&`` a conjunction).
+the padding input is an opaque atom ``pad(b, j)``, a comparison a relation, ``&`` a conjunction, a
+``copy_`` into a buffer its source, where every read of its result comes before the buffer's next
+write: a static cache's position counter, :func:`_read_before_overwritten`).
 The mask's expression must then read the batch index only through ``pad(b, j)``, and the query
 row ``i`` and key column ``j`` only through ``d = i - j`` in relations linear in it. Whether such
 a formula is causal / windowed is decided exactly, not by sampling: each relation changes value
@@ -24,8 +26,10 @@ position), else by :data:`autotp.masks.MASKED_ATTENTION` holding the description
 (:class:`~autotp.masks.MaskSpec`) and the padding vector. The mask's subgraph, unread
 then, is removed, so no ``(S_q, S_k)`` tensor is left in the graph, the plan or its memory. Left
 as they are (a tensor mask, priced as one): additive (float) masks, masks read from other inputs
-(a ``cache_position`` or ``position_ids`` given to the model, as ``generate`` does), attention
-with dropout, and any op the evaluation does not know.
+(a ``cache_position`` or ``position_ids`` given to the model, as ``generate``'s decode steps do;
+its prompt's graph makes its positions in the graph, :func:`autotp.runtime.static_cache.with_static_cache`),
+attention with dropout, and any op the evaluation does not know. In-place writes stay in the graph
+when the mask's subgraph is removed.
 
 >>> import torch, autotp
 >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -182,6 +186,18 @@ class _Evaluator:
             return src.xreplace({_IDX[k]: self(ix, shape) for k, ix in enumerate(indices)})
         if op == "diff" and name == "aten.diff.default":
             return self._diff(node, shape)
+        if op == "select" and name == "aten.select.int":
+            src_shape = _shape(args[0])
+            dim, index = args[1] % len(src_shape), args[2]
+            if not isinstance(index, int) or index < 0:
+                raise _Unknown("a select at a negative or symbolic index")
+            # the output's indices are the source's with ``dim`` dropped (xreplace is simultaneous)
+            mapping = {_IDX[k]: (_IDX[k] if k < dim else sympy.Integer(index) if k == dim else _IDX[k - 1])
+                       for k in range(len(src_shape))}
+            return self(args[0], src_shape).xreplace(mapping)
+        if op == "copy_" and name == "aten.copy_.default":
+            _read_before_overwritten(node)
+            return self(args[1], shape)  # the tensor written, as its readers see it: the source's values
         if op == "cumsum":
             dim = args[1] % len(shape)
             src = self(args[0], shape)
@@ -227,6 +243,48 @@ class _Evaluator:
         if step.free_symbols & {t} or sympy.simplify(step - first) != 0:
             raise _Unknown("a diff that is not the same everywhere")
         return step
+
+
+def _written(node: torch.fx.Node) -> list[Any]:
+    """The arguments ``node``'s op writes in place (its schema's ``Tensor(a!)`` arguments)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return []
+    given = dict(zip([a.name for a in schema.arguments], node.args))
+    given.update(node.kwargs)
+    return [given.get(a.name) for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+
+
+def _aliases(start: torch.fx.Node) -> set[torch.fx.Node]:
+    """``start`` and every node whose output may be a view of it, transitively (an op whose schema's
+    result aliases an argument: a view, a ``to`` that may return its input, an in-place op's result)."""
+    found, todo = set(), [start]
+    while todo:
+        node = todo.pop()
+        if node in found:
+            continue
+        found.add(node)
+        for user in node.users:
+            schema = getattr(user.target, "_schema", None)
+            if schema is not None and schema.returns and schema.returns[0].alias_info is not None:
+                todo.append(user)
+    return found
+
+
+def _read_before_overwritten(copy: torch.fx.Node) -> None:
+    """``copy_(dest, src)`` is read as ``src``'s values only where every op that reads its result (or
+    a view of it) runs before any later in-place write to ``dest`` (or a view of it): a cache's
+    position counter, set from the cache positions then advanced by each layer's update, is read
+    by the mask between the two."""
+    order = {n: k for k, n in enumerate(copy.graph.nodes)}
+    written = _aliases(copy.args[0])
+    writes = [order[u] for a in written for u in a.users if u is not copy and order[u] > order[copy]
+              and any(w is a for w in _written(u))]
+    first_write = min(writes, default=len(order))
+    readers = {u for a in _aliases(copy) for u in a.users}
+    late = sorted((r.name for r in readers if order[r] > first_write), key=str)
+    if late:
+        raise _Unknown(f"{copy.name}'s tensor is written again before {late} read it")
 
 
 def _truth(expr: Any) -> bool:
@@ -369,8 +427,8 @@ def _remove_unread(graph: torch.fx.Graph, candidates: set[torch.fx.Node]) -> lis
     order = [n.name for n in graph.nodes if n.op == "call_function"]
     erased = []
     for node in reversed(list(graph.nodes)):
-        if node not in candidates or node.op != "call_function":
-            continue
+        if node not in candidates or node.op != "call_function" or _written(node):
+            continue  # an in-place write (a cache's position counter set) stays
         if all(u.op == "call_function" and u.target in _CHECKS for u in node.users):
             for check in list(node.users):
                 erased.append(check.name)

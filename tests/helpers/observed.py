@@ -136,15 +136,16 @@ def assert_as_planned(log: CollectiveLog, plan, phase: str) -> None:
 
 
 def logged_step(rank, world, graph, plan, model, inputs: dict):
-    """One rank's training step of ``plan`` on a ``(world,)`` mesh (for ``examples.ranks.run_threads``):
-    the loss, every parameter's gradient whole, and the collectives of the forward and of the backward."""
+    """One rank's training step of ``plan`` on its mesh (``plan.mesh``'s shape and axis names, ``world``
+    ranks; for ``examples.ranks.run_threads``): the loss, every parameter's gradient whole, and the
+    collectives of the forward and of the backward."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from autotp.runtime.module import build_parallel_module
     from autotp.runtime.shards import placements_of
     from autotp.weights.checkpoint import full_tensor
 
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    mesh = init_device_mesh("cpu", tuple(plan.mesh.shape), mesh_dim_names=tuple(plan.mesh.axis_names))
     pm = build_parallel_module(graph, plan, mesh, model)
     with CollectiveLog(mesh) as forward:
         loss = pm(**inputs).loss

@@ -11,6 +11,7 @@ the whole square (the FLOPs), brute-force counts of the mask's pairs.
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -26,12 +27,13 @@ from tests.helpers.observed import assert_kinds_as_planned, logged_step
 SEQ = 12  # not any width of the models: a (SEQ, SEQ) shape is a mask
 
 
-def _model(kind: str, window: int = 5):
+def _model(kind: str, window: int = 5, **widths):
+    """A tiny model of ``kind`` (4 heads, 2 kv heads, one layer unless ``widths`` say otherwise)."""
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                               Qwen2ForCausalLM)
 
-    widths = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
+    widths = dict(dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=64, max_position_embeddings=64), **widths)
     torch.manual_seed(0)
     if kind == "llama":
         return LlamaForCausalLM(LlamaConfig(**widths)).eval()
@@ -142,10 +144,12 @@ def test_flops_are_the_pairs_the_kernel_computes():
 # -- exact on ranks ----------------------------------------------------------------------------
 
 def _check_exact(model, inputs, world, rows_only=None, variant="", keep=None):
-    """``rows_only`` (a monkeypatch): the attention offered its query-rows split alone, and of it
-    the strategies of ``variant`` alone (the plain split's, or the balanced rows'); or, with
-    ``keep(graph, node, strategy)``, every node offered the strategies ``keep`` allows. Returns the
-    graph, the plan and each rank's collectives run in the forward and in the backward."""
+    """The plan of ``model`` on ``inputs`` for ``world`` ranks (a count, or a mesh's shape) run on
+    threaded ranks: the loss and every gradient as in one process. ``rows_only`` (a monkeypatch):
+    the attention offered its query-rows split alone, and of it the strategies of ``variant`` alone
+    (the plain split's, or the balanced rows'); or, with ``keep(graph, node, strategy)``, every node
+    offered the strategies ``keep`` allows. Returns the graph, the plan and each rank's collectives
+    run in the forward and in the backward."""
     graph = autotp.capture(model, inputs)
     if rows_only is not None:  # the attention offered its query-rows split alone: its rows' local execution runs
         from autotp.planning.choices import strategies
@@ -157,11 +161,12 @@ def _check_exact(model, inputs, world, rows_only=None, variant="", keep=None):
             keep = lambda graph_, node, s: node not in _attention(graph_) or s.variant == variant  # noqa: E731
         rows_only.setattr(strategies, "node_strategies", lambda graph_, node, *a: [
             s for s in offered(graph_, node, *a) if keep(graph_, node, s)])
-    plan = plan_graph(graph, (world,), "cpu-gloo", "train")
+    shape = tuple(world) if isinstance(world, tuple) else (world,)
+    plan = plan_graph(graph, shape, "cpu-gloo", "train")
     out = model(**inputs)
     out.loss.backward()
     logs = []
-    for loss, grads, *phases in run_threads(logged_step, world, graph, plan, model, inputs):
+    for loss, grads, *phases in run_threads(logged_step, math.prod(shape), graph, plan, model, inputs):
         logs.append(phases)
         torch.testing.assert_close(loss, out.loss.detach(), rtol=1e-5, atol=1e-6)
         for n, p in model.named_parameters():
@@ -223,14 +228,11 @@ def _downstream(graph, name: str) -> set[str]:
     return found
 
 
-def test_ulysses_heads_between_sequence_splits_equal_one_process(monkeypatch):
-    """Ulysses on 2 ranks: a tiny Llama (4 heads, 2 kv heads, 16 tokens, padded) with its q, k, v
-    and output projections offered their sequence split alone (their weights whole) and the
-    attention its heads split alone. The plan redistributes q, k and v from sequence to heads and
-    the attention's output back, one all-to-all each way and each phase; the loss and every gradient
-    equal one process, and the collectives each rank runs are the plan's by kind and axis."""
-    seq_split, heads_split = (S(1),), (S(1),)  # (batch, seq, features) and (batch, heads, seq, head_dim)
-
+def ulysses(seq_split: tuple, heads_split: tuple):
+    """A ``keep`` for :func:`_check_exact`: the attention offered the strategies whose output is
+    ``heads_split`` (its placements of ``(batch, heads, seq, head_dim)``, one per mesh axis) alone, and
+    the q, k, v and output projections those whose output is ``seq_split`` (of ``(batch, seq,
+    features)``) with their weights whole; every other node as the planner offers it."""
     projections = {}  # the graph's: the linear layers into the attention's q, k, v and out of it
 
     def keep(graph, node, strategy):
@@ -241,10 +243,20 @@ def test_ulysses_heads_between_sequence_splits_equal_one_process(monkeypatch):
             around = set().union(_downstream(graph, attention.name),
                                  *(_upstream(graph, i) for i in attention.inputs[:3]))
             projections[graph] = {n for n in around if graph[n].target == "aten.linear.default"}
-        return node.name not in projections[graph] or (strategy.output == seq_split and strategy.inputs[1] == (R,))
+        whole = (R,) * len(seq_split)
+        return node.name not in projections[graph] or (strategy.output == seq_split and strategy.inputs[1] == whole)
 
+    return keep
+
+
+def test_ulysses_heads_between_sequence_splits_equal_one_process(monkeypatch):
+    """Ulysses on 2 ranks: a tiny Llama (4 heads, 2 kv heads, 16 tokens, padded) with its q, k, v
+    and output projections offered their sequence split alone (their weights whole) and the
+    attention its heads split alone. The plan redistributes q, k and v from sequence to heads and
+    the attention's output back, one all-to-all each way and each phase; the loss and every gradient
+    equal one process, and the collectives each rank runs are the plan's by kind and axis."""
     graph, plan, logs = _check_exact(_model("llama"), _inputs(True, True, seq=16), 2, rows_only=monkeypatch,
-                                     keep=keep)
+                                     keep=ulysses((S(1),), (S(1),)))
     (attention,) = _attention(graph)
     assert str(plan.strategy(attention.name)).startswith("(S(1), S(1), S(1)"), str(plan.strategy(attention.name))
     q, k, v = (_upstream(graph, i) for i in attention.inputs[:3])

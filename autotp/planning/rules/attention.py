@@ -31,8 +31,11 @@ longer of the two), and its chunks in flight are a transient of its backward
 
 from __future__ import annotations
 
+import operator
 from dataclasses import replace
 from typing import Any, Optional, Sequence
+
+import torch
 
 from autotp.masks import MASKED_ATTENTION, MaskSpec, spec_of
 from autotp.local.attention import BalancedRows, rank_chunks
@@ -78,10 +81,19 @@ def masked_choices(node: OpNode, n: int) -> list[AxisChoice]:
     return choices
 
 
-def _row_offset(site: LocalSite) -> Optional[int]:
+def _row_offset(site: LocalSite) -> Optional[Any]:
+    """Where this rank's query rows start in the whole: an int, or, where the rows' dim is dynamic,
+    the graph's value of the rank's local rows times the pieces before it (the split is even, so
+    that is its start at any length a call brings, not the traced one's)."""
     d = site.node.input_infos[0].ndim - 2
     start, stop = site.piece(0, d)
-    return None if (start, stop) == (0, site.node.input_infos[0].shape[d]) else start
+    if (start, stop) == (0, site.node.input_infos[0].shape[d]):
+        return None
+    dims = (site.graph.symbolic.get(site.node.inputs[0]) or ((),))[0] if site.graph is not None else ()
+    if len(dims) <= d or dims[d] is None:
+        return start
+    rows = site.call(torch.ops.aten.sym_size.int, (site.args[0], d))
+    return site.call(operator.mul, (rows, start // (stop - start)))
 
 
 def local_rows(site: LocalSite) -> Optional[Any]:
