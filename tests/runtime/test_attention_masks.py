@@ -67,6 +67,35 @@ def test_pairs_count_what_the_mask_allows():
         assert spec.pairs(rows, cols, start) == int(spec.block((start, start + rows), (0, cols)).sum()), spec
 
 
+def _block_by_differences(spec: MaskSpec, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
+    """The mask's block from its definition: ``d = i - j + diagonal`` for every pair, compared."""
+    d = torch.arange(*rows).unsqueeze(-1) - torch.arange(*cols) + spec.diagonal
+    allowed = torch.ones(d.shape, dtype=torch.bool)
+    if spec.causal:
+        allowed &= d >= 0
+    if spec.window is not None:
+        allowed &= d < spec.window
+    return allowed
+
+
+def test_a_block_is_the_mask_s_definition_and_one_boolean_tensor():
+    """Every block (causal, windows, a diagonal either way, rows and columns offset, blocks wholly
+    allowed or wholly masked) equals the mask compared pair by pair; building one allocates only
+    the block itself, a byte a pair (no integer tensor of the block's size)."""
+    from benchmarks.memory import LiveBytes
+
+    for causal, window, diagonal, rows, cols in itertools.product(
+            [True, False], [None, 1, 3, 7], [-4, 0, 3], [(0, 6), (5, 9), (20, 23)], [(0, 7), (4, 11), (30, 33)]):
+        if window is not None and not causal:
+            continue
+        spec = MaskSpec(causal, window, diagonal)
+        assert torch.equal(spec.block(rows, cols), _block_by_differences(spec, rows, cols)), (spec, rows, cols)
+    meter = LiveBytes()
+    with meter:
+        block = MaskSpec(window=300).block((3072, 4096), (0, 4096))
+    assert meter.peak == block.numel() == 1024 * 4096
+
+
 @pytest.mark.parametrize("spec", [MaskSpec(), MaskSpec(window=3), MaskSpec(causal=False), MaskSpec(window=2, diagonal=2)],
                          ids=str)
 @pytest.mark.parametrize("offsets", [(0, 0), (3, 2)])
