@@ -71,15 +71,18 @@ class MaskSpec:
         return lo, max(lo, hi)
 
     def block(self, rows: tuple[int, int], cols: tuple[int, int], device: Optional[torch.device] = None) -> torch.Tensor:
-        """The ``(rows, cols)`` block of the mask (global ``(start, stop)`` each): True where allowed."""
-        i = torch.arange(rows[0], rows[1], device=device).unsqueeze(-1)
-        j = torch.arange(cols[0], cols[1], device=device)
-        d = i - j + self.diagonal
+        """The ``(rows, cols)`` block of the mask (global ``(start, stop)`` each): True where allowed.
+
+        One boolean tensor of the block's size and nothing else of it: with local indices ``a``,
+        ``b`` of the block, ``d = i - j + diagonal = shift - (b - a)`` where ``shift = rows[0] -
+        cols[0] + diagonal``, so ``d >= 0`` keeps the diagonals ``b - a <= shift`` (``tril_``) and
+        ``d < window`` those with ``b - a > shift - window`` (``triu_``), both in place."""
         allowed = torch.ones((rows[1] - rows[0], cols[1] - cols[0]), dtype=torch.bool, device=device)
+        shift = rows[0] - cols[0] + self.diagonal
         if self.causal:
-            allowed = allowed & (d >= 0)
+            allowed.tril_(shift)
         if self.window is not None:
-            allowed = allowed & (d < self.window)
+            allowed.triu_(shift - self.window + 1)
         return allowed
 
     def row_pairs(self, row: int, cols: int) -> int:

@@ -69,6 +69,35 @@ def test_pairs_count_what_the_mask_allows():
         assert spec.pairs(rows, cols, start) == int(spec.block((start, start + rows), (0, cols)).sum()), spec
 
 
+def _block_by_differences(spec: MaskSpec, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
+    """The mask's block from its definition: ``d = i - j + diagonal`` for every pair, compared."""
+    d = torch.arange(*rows).unsqueeze(-1) - torch.arange(*cols) + spec.diagonal
+    allowed = torch.ones(d.shape, dtype=torch.bool)
+    if spec.causal:
+        allowed &= d >= 0
+    if spec.window is not None:
+        allowed &= d < spec.window
+    return allowed
+
+
+def test_a_block_is_the_mask_s_definition_and_one_boolean_tensor():
+    """Every block (causal, windows, a diagonal either way, rows and columns offset, blocks wholly
+    allowed or wholly masked) equals the mask compared pair by pair; building one allocates only
+    the block itself, a byte a pair (no integer tensor of the block's size)."""
+    from benchmarks.memory import LiveBytes
+
+    for causal, window, diagonal, rows, cols in itertools.product(
+            [True, False], [None, 1, 3, 7], [-4, 0, 3], [(0, 6), (5, 9), (20, 23)], [(0, 7), (4, 11), (30, 33)]):
+        if window is not None and not causal:
+            continue
+        spec = MaskSpec(causal, window, diagonal)
+        assert torch.equal(spec.block(rows, cols), _block_by_differences(spec, rows, cols)), (spec, rows, cols)
+    meter = LiveBytes()
+    with meter:
+        block = MaskSpec(window=300).block((3072, 4096), (0, 4096))
+    assert meter.peak == block.numel() == 1024 * 4096
+
+
 @pytest.mark.parametrize("spec", [MaskSpec(), MaskSpec(window=3), MaskSpec(causal=False), MaskSpec(window=2, diagonal=2)],
                          ids=str)
 @pytest.mark.parametrize("offsets", [(0, 0), (3, 2)])
@@ -452,7 +481,9 @@ def test_at_128k_tokens_the_ring_keeps_chunks_of_the_keys_where_the_row_split_ke
     planner takes balanced rows: the ring computes as the rows in order do (the last rank reads
     every key chunk: 15/8 of the mean), its shifts hidden under that work. Pinned to the ring, the
     plan keeps 7/8 less of the keys and values the attention reads (float32, repeated for the 32
-    query heads: 2 GiB each whole) than pinned to the row split, which gathers them whole."""
+    query heads: 2 GiB each whole) than pinned to the row split, which gathers them whole; but its
+    backward holds a block's float32 scores, four per head (1024 rows x a chunk of 16384 keys x 32
+    heads), beside the block's two boolean masks: 8.6 GB at once, above what the row split saves."""
     from cost_models import resolve_hardware
 
     from autotp.mesh import MeshSpec
@@ -473,7 +504,8 @@ def test_at_128k_tokens_the_ring_keeps_chunks_of_the_keys_where_the_row_split_ke
     assert str(ring).endswith("ring"), str(ring)
     k, v = attention.input_infos[1:3]
     assert plans[""].memory.activations_bytes - plans["ring"].memory.activations_bytes == (k.nbytes + v.nbytes) * 7 / 8
-    assert plans["ring"].memory.peak_bytes < plans[""].memory.peak_bytes
+    assert plans["ring"].memory.transient_bytes == 1024 * 16384 * (32 * 4 * 4 + 2)
+    assert plans["ring"].memory.peak_bytes > plans[""].memory.peak_bytes
     cost = CostModel(MeshSpec((8,), ("tp",)), resolve_hardware("h100-sxm"), "train", graph=graph)
     rows = plans[""].strategy(attention.name)
     assert cost.node_compute_s(attention, ring) == pytest.approx(cost.node_compute_s(attention, rows), rel=1e-3)

@@ -56,6 +56,7 @@ from autotp.planning.costs.redistribute import (
 )
 from autotp.planning.costs.saved import forward_liveness, kept_storages
 from autotp.planning.rules.attention import attention_work_divisor, overlaps_compute, ring_transient_bytes
+from autotp.planning.rules.attention_working import working_bytes
 from autotp.planning.rules.experts import expert_work_divisor
 from autotp.planning.rules.routed import routed_kept_bytes, routed_work_divisor
 from autotp.planning.rules.inner import inner_collectives
@@ -358,11 +359,22 @@ class CostModel:
         inner = any(p.is_shard and p.dim != 0 for s in moving for p in (s.src, s.dst))
         return 2 * both if inner else both
 
+    def working_bytes(self, node: OpNode, strategy: Strategy) -> float:
+        """Bytes an op's kernel holds at once beyond its inputs, outputs and what is kept, in the
+        backward (training): an attention's masks of its largest chunk, built again where the
+        backward runs each chunk again, or the ring's scores of a block
+        (:func:`autotp.planning.rules.attention_working.working_bytes`). An event of the backward,
+        as a conversion of a gradient is: beside every activation still kept, not beside another."""
+        if not self.train or not node.requires_grad:
+            return 0.0
+        return working_bytes(node, strategy, self.mesh.shape)
+
     def backward_events_bytes(self, graph: OpGraph, chosen: Mapping[str, Strategy]) -> float:
-        """The largest :meth:`backward_event_bytes` of any read under the strategies ``chosen``."""
+        """The largest :meth:`backward_event_bytes` of any read, or :meth:`working_bytes` of any op,
+        under the strategies ``chosen``."""
         if not self.train:
             return 0.0
-        most = 0.0
+        most = max((self.working_bytes(v, chosen[v.name]) for v in graph.ops()), default=0.0)
         for v in graph.nodes:
             for k, u in enumerate(v.inputs):
                 if graph[u].requires_grad:

@@ -47,6 +47,7 @@ from autotp.tracing.graph import OpNode
 
 __all__ = ["MASKED", "CAUSAL", "BALANCED", "RING", "masked_choices", "attention_mask_of", "attention_work_divisor",
            "balanced_variants", "ring_variants", "attention_collectives", "ring_transient_bytes", "overlaps_compute",
+           "rows_axis", "ring_axis",
            "RULES", "LOCAL"]
 
 MASKED = str(MASKED_ATTENTION)
@@ -117,11 +118,11 @@ def local_exchanged(site: LocalSite) -> Any:
         (q, k, v), padding = (given[a] for a in ("query", "key", "value")), None
     spec, rows = attention_mask_of(site.node), site.node.input_infos[0].shape[-2]
     if site.strategy.variant == RING:
-        axis = _ring_axis(site.node, site.strategy)
+        axis = ring_axis(site.node, site.strategy)
         module = RingAttention(spec, given.get("scale"), rows, site.mesh_shape[axis], site.coordinate[axis],
                                site.groups[axis], site.axis_names[axis])
         return site.call_module(module, "ring_attention", (q, k, v, padding))
-    axis = _rows_axis(site.node, site.strategy)
+    axis = rows_axis(site.node, site.strategy)
     module = BalancedRows(spec, given.get("scale"), bool(given.get("enable_gqa", False)), rows,
                           site.mesh_shape[axis], site.coordinate[axis], site.groups[axis], site.axis_names[axis])
     return site.call_module(module, "balanced_attention", (q, k, v, padding))
@@ -162,7 +163,7 @@ def attention_work_divisor(node: OpNode, strategy: Strategy, axis: int, n: int) 
     return spec.pairs(rows, cols) / max(busiest, 1)
 
 
-def _rows_axis(node: OpNode, strategy: Strategy) -> Optional[int]:
+def rows_axis(node: OpNode, strategy: Strategy) -> Optional[int]:
     """The one mesh axis that splits the query rows, with keys and values whole and the output's
     rows split alike; None where no axis does, or more than one."""
     if not strategy.inputs or any(p is None for p in strategy.inputs[:3]):
@@ -194,7 +195,7 @@ def balanced_variants(node: OpNode, strategies: Sequence[Strategy], mesh_shape: 
         return []
     out = []
     for strategy in strategies:
-        a = _rows_axis(node, strategy)
+        a = rows_axis(node, strategy)
         if a is not None and not strategy.variant and node.input_infos[0].shape[-2] % (2 * mesh_shape[a]) == 0:
             out.append(replace(strategy, variant=BALANCED))
     return out
@@ -209,7 +210,7 @@ def ring_variants(node: OpNode, strategies: Sequence[Strategy], mesh_shape: Sequ
         return []
     out = []
     for strategy in strategies:
-        a = _rows_axis(node, strategy)
+        a = rows_axis(node, strategy)
         if a is None or strategy.variant:
             continue
         inputs = list(strategy.inputs)
@@ -219,7 +220,7 @@ def ring_variants(node: OpNode, strategies: Sequence[Strategy], mesh_shape: Sequ
     return out
 
 
-def _ring_axis(node: OpNode, strategy: Strategy) -> Optional[int]:
+def ring_axis(node: OpNode, strategy: Strategy) -> Optional[int]:
     """The mesh axis a ring strategy passes keys and values around: the one that splits the rows
     of the queries, keys and values; None for any other strategy."""
     if strategy.variant != RING or not strategy.inputs or any(p is None for p in strategy.inputs[:3]):
@@ -255,7 +256,7 @@ def attention_collectives(node: OpNode, strategy: Strategy, mesh_shape: Sequence
         return []
     phases = ("forward", "backward") if train else ("forward",)
     if strategy.variant == RING:
-        a = _ring_axis(node, strategy)
+        a = ring_axis(node, strategy)
         if a is None:
             return []
         n = mesh_shape[a]
@@ -268,7 +269,7 @@ def attention_collectives(node: OpNode, strategy: Strategy, mesh_shape: Sequence
         return out
     if strategy.variant != BALANCED:
         return []
-    a = _rows_axis(node, strategy)
+    a = rows_axis(node, strategy)
     if a is None:
         return []
     sizes = [info.nbytes / shard_divisor(info.shape, placements, mesh_shape)
@@ -286,7 +287,7 @@ def ring_transient_bytes(node: OpNode, strategy: Strategy, mesh_shape: Sequence[
     """What the ring's backward holds beyond the tensors kept for it: the key and value chunk it
     computes with and the one arriving, and their float32 gradient accumulators, held and
     arriving; 0 for any other strategy."""
-    a = _ring_axis(node, strategy)
+    a = ring_axis(node, strategy)
     if a is None:
         return 0.0
     chunk = _ring_chunk_bytes(node, strategy, mesh_shape)

@@ -262,6 +262,14 @@ class Formulation:
                     kept[(p, (q, axes))] += count * self.cost.copy_bytes(info, p, q)
         return {pq: b for pq, b in kept.items() if b}
 
+    def working_memory(self) -> None:
+        """Each op's kernel working memory in the backward (:meth:`CostModel.working_bytes`): an
+        event of its own, by the op's choice; tied ops hold alike, so a representative stands for them."""
+        for r in self.reps:
+            node = self.graph[r]
+            if r in self.fmap and not node.is_placeholder:
+                self._add_event(r, lambda st, node=node: self.cost.working_bytes(node, st))
+
     def _add_event(self, r: str, bytes_of) -> None:
         """A backward event whose bytes depend on r's strategy alone: a row of its root's choices."""
         root = self.root[r]

@@ -352,6 +352,7 @@ def solve(graph: OpGraph, strategies: Mapping[str, Sequence[Strategy]], rep: Map
     f.time_limit_s = time_limit_s
     f.one_hot()
     f.edges()
+    f.working_memory()
     f.grad_reductions()
     # the objective's terms first: they bar the strategies no reader can take (x = 0), which the least
     # solve of a budget error (raised from memory()) must respect too, or it names a least no plan meets
