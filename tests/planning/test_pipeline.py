@@ -295,13 +295,18 @@ def test_the_report_and_the_file_keep_the_layout(searched, tmp_path):
     shape, names = ast.literal_eval(found.group(1)), ast.literal_eval(found.group(2))
     assert c.layout.mesh_problem(SimpleNamespace(mesh_dim_names=names, mesh=torch.empty(shape))) == ""
     assert c.layout.mesh_problem(SimpleNamespace(mesh_dim_names=("pipeline",), mesh=torch.empty(c.pp))) != ""
-    # pp 1 x dp 1 is a plain tensor-parallel plan: autotp.parallelize runs it on the plan's own mesh
+    # pp 1 x dp 1 is a plain tensor-parallel plan: autotp.parallelize runs it on the plan's own mesh, as
+    # one module returning every output whole (the stages' plan leaves the logits as it holds them)
     model, (ids,) = M.hf_llama(n_layer=4)
-    flat = autotp.plan(model, 2, (ids,), hardware="h100-sxm", pipeline={"pp": 1, "dp": 1, "tp": 2})
+    flat = autotp.plan(model.train(), 2, {"input_ids": ids, "labels": ids}, hardware="h100-sxm",
+                       pipeline={"pp": 1, "dp": 1, "tp": 2})
     assert "init_device_mesh(..., (2,), mesh_dim_names=('tp',)) for autotp.parallelize" in flat.report()
+    assert flat.pipeline.layout.plain and not flat.unread_outputs
+    assert c.pp > 1 and len(plan.unread_outputs) == 1  # the logits, beside the loss
     path = tmp_path / "plan.json"
     plan.save(path)
     loaded = autotp.load_plan(path)
+    assert loaded.unread_outputs == plan.unread_outputs
     assert loaded.pipeline == dataclasses.replace(plan.pipeline, search_s=None)
     assert json.loads(loaded.to_json()) == json.loads(plan.to_json())
 

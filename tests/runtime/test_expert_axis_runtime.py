@@ -6,20 +6,27 @@ size). A tiny Qwen3-MoE of 8 experts whose router reaches every one: the loss an
 equal one process's, and each collective of the plan runs once per micro-batch, as the search
 prices it. ``pp 1 x ep 2`` on 2 threaded ranks in the default run; ``pp 2 x ep 2`` on 4 gloo
 processes slow.
+
+The head is pinned split by vocabulary, so the logits are split: a step reads the loss alone
+(autotp/planning/search/step_reads.py), so the plan lists no collective for the logits and the
+step runs none (the plan's collectives, exactly); ``forward`` returns them whole, equal to the
+model's, and a step with a ``loss_fn`` of its own reads them whole too.
 """
 
 from __future__ import annotations
 
 import copy
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import autotp
 from examples.ranks import run_ranks
-from tests.helpers.turns import run_threads_tracing_in_turns
 from tests.helpers.plans import without_pd
+from tests.helpers.turns import run_threads_tracing_in_turns
 from tests.runtime.test_experts_on_ranks import every_expert_routed
 
 transformers = pytest.importorskip("transformers")
@@ -55,8 +62,17 @@ def _rank(rank, world, plan_json, built=None):
     assert all(not s.output_chunks for s in pm._pipeline_stages)
     grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in pm.named_parameters()}
     experts = {n: tuple(p.to_local().shape) for n, p in pm.named_parameters() if p.ndim == 3}
+    for p in pm.parameters():
+        p.grad = None
+    own = pm.step(**inputs, target=inputs["labels"], loss_fn=_shifted_loss)  # reads the logits whole
+    with torch.no_grad():  # no dropout in this model: its forward as it is, no trace of the other mode
+        out = pm(**inputs)
     return (None if loss is None else loss.item(), grads, Counter((c.kind, c.mesh_axis) for c in log.seen),
-            pm.stage_indices, experts)
+            pm.stage_indices, experts, None if own is None else own.item(), None if out is None else out.logits)
+
+
+def _shifted_loss(out, target):
+    return F.cross_entropy(out.logits[:, :-1].flatten(0, 1), target[:, 1:].flatten())
 
 
 def _check(plan, results) -> None:
@@ -69,10 +85,17 @@ def _check(plan, results) -> None:
     for coll in plan.collectives():
         planned[(coll.kind, coll.mesh_axis)] += c.micro_batches
     assert planned[("all_to_all", "ep")] > 0, planned
+    with torch.no_grad():
+        logits = model(**inputs).logits
     held: dict[str, torch.Tensor] = {}
-    for got, grads, seen, stages, experts in results:
+    for got, grads, seen, stages, experts, own, whole in results:
         assert got is None or got == pytest.approx(loss.item(), rel=1e-5)
         assert all(shape[0] == 8 // c.ep for shape in experts.values()) and experts  # each rank its experts
+        assert own is None or own == pytest.approx(_shifted_loss(SimpleNamespace(logits=logits),
+                                                                 inputs["labels"]).item(), rel=1e-5)
+        assert (whole is None) == (own is None)
+        if whole is not None:
+            torch.testing.assert_close(whole, logits, rtol=1e-5, atol=1e-5)
         held.update(grads)
     assert [r[0] is not None for r in results].count(True) == len(results) // c.pp  # the last stage's ranks
     assert set(held) == {n for n, _ in model.named_parameters()}
@@ -80,15 +103,19 @@ def _check(plan, results) -> None:
         torch.testing.assert_close(held[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
     # the ranks of one stage together run the plan's collectives on the expert axis, once per micro-batch
     seen = Counter()
-    for got, grads, s, stages, experts in results[::c.ep]:
+    for got, grads, s, *_ in results[::c.ep]:
         seen += s
     assert seen == planned, (seen, planned)
 
 
 def _plan(layout: dict):
     model, inputs = _moe()
-    with without_pd():
-        return autotp.plan(model, layout.get("pp", 1) * layout["ep"], inputs, hardware="cpu-gloo", pipeline=layout)
+    with without_pd():  # the head split by vocabulary: the logits split, which a step leaves so
+        plan = autotp.plan(model, layout.get("pp", 1) * layout["ep"], inputs, hardware="cpu-gloo", pipeline=layout,
+                           pin={"lm_head.weight": "S(0)"})
+    (logits,) = plan.unread_outputs
+    assert plan.strategy(logits).output[0].is_shard and not [c for c in plan.collectives() if c.at == logits]
+    return plan
 
 
 def test_an_expert_axis_runs_and_equals_one_process():

@@ -32,6 +32,8 @@ Modules:
                  by all-to-all (a region of the graph: ``St``, ``Se``)
 - ``attention``  attention under a described mask (causal, a window, a padding vector) and causal
                  attention split by query rows: each rank builds its rows' mask
+- ``attention_working``  the working memory one masked attention call holds (a chunk's masks, the
+                 ring's block scores), priced at the backward's start
 - ``blocks``     blocked splits: a fused projection cut into its parts, each part split
 - ``uneven``     uneven splits: units (heads, vocabulary rows) the ranks do not divide
 - ``gradients``  the ``Rg`` variants: replicated ops that pass a partial gradient on
