@@ -337,6 +337,7 @@ def test_the_long_context_benchmark_steps_autotp_as_one_process_and_says_why_con
     assert any(line.startswith("256 tokens: autotp / 1 process = ") for line in lines), lines
 
 
+@pytest.mark.slow  # a layout search and the hand layout's plan on 8 at 32768 tokens: 7-9 s
 def test_long_context_plan_prices_the_context_parallel_hand_layout_as_the_search_prices_its_own():
     """benchmarks/long_context_plan.py's row, narrowed (4 layers, hidden 512, 32768 tokens) on 8
     devices: the hand layout (a context axis of 8 with FSDP over the same ranks) is the search's
