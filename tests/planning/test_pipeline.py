@@ -303,6 +303,7 @@ def test_the_report_and_the_file_keep_the_layout(searched, tmp_path):
     assert "init_device_mesh(..., (2,), mesh_dim_names=('tp',)) for autotp.parallelize" in flat.report()
     assert flat.pipeline.layout.plain and not flat.unread_outputs
     assert c.pp > 1 and len(plan.unread_outputs) == 1  # the logits, beside the loss
+    assert f"the model's other outputs ({plan.unread_outputs[0]} [" in text and "Outputs: a step returns the loss alone" in text
     path = tmp_path / "plan.json"
     plan.save(path)
     loaded = autotp.load_plan(path)

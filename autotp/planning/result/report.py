@@ -18,6 +18,7 @@ from collections import Counter, defaultdict
 from typing import TYPE_CHECKING
 
 from autotp.layout import TENSOR
+from autotp.placement import format_placements
 from autotp.planning.result.expert_choice import expert_lines
 from autotp.planning.result.explain import explain_replicated
 from autotp.tracing.dynamic import in_input_terms
@@ -265,8 +266,15 @@ def pipeline_lines(plan: "Plan") -> list[str]:
              f"{_t(c.communication_s)}, bubble {_t(c.bubble_s)}: {c.bubble_fraction:.0%}), {format_bytes(c.peak_bytes)} "
              f"per device at its peak; links: {links}",
              f"Mesh: {layout}, init_device_mesh(..., {shape}, mesh_dim_names={names}) for autotp.parallelize; "
-             f"this plan is each stage's on the tensor axis, for one micro-batch",
-             f"Stages (cut between the layers of {pc.stack}, {pc.layers} layers, balanced by predicted time)"]
+             f"this plan is each stage's on the tensor axis, for one micro-batch"]
+    if plan.unread_outputs:  # autotp/planning/search/step_reads.py
+        shapes = {n.name: list(n.shape) for n in plan.nodes}
+        held = ", ".join(f"{name} {shapes.get(name)} as {format_placements(plan.strategy(name).output)}"
+                         for name in plan.unread_outputs)
+        lines.append(f"Outputs: a step returns the loss alone; the model's other outputs ({held}) stay as the plan "
+                     f"holds them, never gathered in a step (forward, or a step with a loss_fn of its own, gathers "
+                     f"them whole)")
+    lines.append(f"Stages (cut between the layers of {pc.stack}, {pc.layers} layers, balanced by predicted time)")
     rows = []
     for s in pc.stages:
         parts = ([f"before {pc.stack}"] if s.before else []) + [
