@@ -273,8 +273,9 @@ class Strategy:
 
     ``variant`` names a local execution that differs under the same placements (empty: the op on
     its pieces, as its family runs it): ``"balanced"``, a causal attention split by query rows
-    that computes balanced rows inside (:mod:`autotp.planning.rules.attention`). It prints after
-    the output:
+    that computes balanced rows inside; ``"ring"`` and ``"ring_balanced"``, attention whose keys
+    and values split with the queries, passed around a ring (:mod:`autotp.planning.rules.attention`).
+    It prints after the output:
 
     >>> str(Strategy.parse("(S(2), R, R) -> S(2) balanced"))
     '(S(2), R, R) -> S(2) balanced'

@@ -26,7 +26,7 @@ from torch import nn
 
 from autotp.masks import MaskSpec, masked_attention
 
-__all__ = ["BalancedRows", "rank_chunks"]
+__all__ = ["BalancedRows", "rank_chunks", "to_balanced", "from_balanced"]
 
 
 def rank_chunks(rank: int, n: int) -> tuple[int, int]:
@@ -61,6 +61,35 @@ def _exchange(x: torch.Tensor, dim: int, held: tuple[int, ...], wanted: tuple[in
     return torch.cat([arrived[c] for c in wanted], 0).movedim(0, dim)
 
 
+def _together(tensors: tuple[torch.Tensor, ...], dim: int, held: tuple[int, ...], wanted: tuple[int, ...],
+              to: Callable[[int], int], source: Callable[[int], int], n: int,
+              group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """:func:`_exchange` of each of ``tensors`` (two chunks along ``dim`` each), all in one all-to-all:
+    each tensor's chunks flattened side by side into one ``(2, ...)`` buffer."""
+    if len(tensors) == 1:
+        return [_exchange(tensors[0], dim, held, wanted, to, source, n, group)]
+    flat = [t.movedim(dim, 0).reshape(len(held), -1) for t in tensors]
+    got = _exchange(torch.cat(flat, 1), 0, held, wanted, to, source, n, group)
+    return [part.reshape(t.movedim(dim, 0).shape).movedim(0, dim).to(t.dtype)
+            for part, t in zip(got.split([f.shape[1] for f in flat], 1), tensors)]
+
+
+def to_balanced(tensors: tuple[torch.Tensor, ...], dim: int, rank: int, n: int,
+                group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """Each of ``tensors``, this rank's chunks ``2r, 2r + 1`` of ``2n`` along ``dim`` (the rows in
+    order), exchanged for the chunks it computes balanced (:func:`rank_chunks`), in one all-to-all
+    (autograd sends the gradients back)."""
+    return _together(tensors, dim, (2 * rank, 2 * rank + 1), rank_chunks(rank, n), lambda c: _computer(c, n),
+                     lambda c: _holder(c, n), n, group)
+
+
+def from_balanced(tensors: tuple[torch.Tensor, ...], dim: int, rank: int, n: int,
+                  group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """:func:`to_balanced` the other way: the chunks computed here sent home, the rows in order."""
+    return _together(tensors, dim, rank_chunks(rank, n), (2 * rank, 2 * rank + 1), lambda c: _holder(c, n),
+                     lambda c: _computer(c, n), n, group)
+
+
 class BalancedRows(nn.Module):
     """``masked_attention`` of this rank's contiguous query rows, computed as two balanced chunks
     (module docstring); called with ``(q, k, v, padding)``, ``q`` this rank's rows, the others whole."""
@@ -85,10 +114,8 @@ class BalancedRows(nn.Module):
             raise ValueError(f"balanced rows over {self.axis_name}: this rank holds {q.shape[dim]} query rows, "
                              f"which do not cut into its 2 chunks; expected a sequence length divisible by {2 * n}")
         chunk = q.shape[dim] // 2
-        mine, computed = (2 * self.rank, 2 * self.rank + 1), rank_chunks(self.rank, n)
-        to, back = (lambda c: _computer(c, n)), (lambda c: _holder(c, n))
-        rows = _exchange(q, dim, mine, computed, to, back, n, self.group)
+        (rows,) = to_balanced((q,), dim, self.rank, n, self.group)
         outs = [masked_attention(part, k, v, padding, self.spec, row_offset=c * chunk, scale=self.scale,
                                  enable_gqa=self.enable_gqa)
-                for c, part in zip(computed, rows.chunk(2, dim))]
-        return _exchange(torch.cat(outs, dim), dim, computed, mine, back, to, n, self.group)
+                for c, part in zip(rank_chunks(self.rank, n), rows.chunk(2, dim))]
+        return from_balanced((torch.cat(outs, dim),), dim, self.rank, n, self.group)[0]

@@ -22,12 +22,23 @@ whose only non-empty piece goes to one rank, issued before the step's block is c
 waited for after, so a backend that runs collectives on their own stream overlaps the two. A rank
 holds its own k/v chunk, the one it computes with and the one arriving, never the whole k/v.
 
+**Balanced** (``balanced=True``, variant ``"ring_balanced"``): the placements are the same (rank
+``r`` holds rows ``2r`` and ``2r + 1`` of ``2n`` equal chunks, in order), but one all-to-all first
+exchanges q, k and v together for chunks ``r`` and ``2n - 1 - r``
+(:func:`autotp.local.attention.to_balanced`), the ring runs on those (the rank's two row chunks
+against the two key/value chunks held, each block placed by its chunks' global offsets), and one
+all-to-all sends the output home; autograd sends the gradients of q, k and v back the same way.
+Under a causal mask every rank then scores the same pairs (two chunk blocks a step), where in order
+the last rank reads every chunk and the first one only its own.
+
 The block is computed as matmuls in float32 (scores, softmax by the log-sum-exp, weights times
 values), not by a fused kernel: the flash kernels do not return the log-sum-exp under an arbitrary
 mask on every device.
 
 >>> ring_steps(MaskSpec(), 16, 4), ring_steps(MaskSpec(window=4), 16, 4), ring_steps(MaskSpec(window=6), 16, 4)
 (3, 1, 2)
+>>> ring_chunks(1, 4), ring_chunks(1, 4, balanced=True)
+((1,), (1, 6))
 """
 
 from __future__ import annotations
@@ -41,22 +52,35 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
+from autotp.local.attention import from_balanced, rank_chunks, to_balanced
 from autotp.masks import CHUNK_ROWS, MaskSpec
 
-__all__ = ["RingAttention", "ring_steps"]
+__all__ = ["RingAttention", "ring_steps", "ring_chunks"]
 
 
-def _reads(spec: MaskSpec, rank: int, chunk: int, size: int) -> bool:
-    """Whether any row of ``rank``'s chunk may read a key of ``chunk`` (chunks of ``size``)."""
-    lo, hi = spec.key_range((rank * size, (rank + 1) * size), (chunk * size, (chunk + 1) * size))
+def ring_chunks(rank: int, n: int, balanced: bool = False) -> tuple[int, ...]:
+    """The chunks of the sequence whose rows rank ``rank`` computes and whose keys and values it
+    starts the ring with: chunk ``rank`` of ``n``, or balanced chunks ``rank`` and ``2n - 1 - rank``
+    of ``2n``."""
+    return rank_chunks(rank, n) if balanced else (rank,)
+
+
+def _reads(spec: MaskSpec, row_chunk: int, key_chunk: int, size: int) -> bool:
+    """Whether any row of chunk ``row_chunk`` may read a key of chunk ``key_chunk`` (chunks of ``size``)."""
+    lo, hi = spec.key_range((row_chunk * size, (row_chunk + 1) * size), (key_chunk * size, (key_chunk + 1) * size))
     return hi > lo
 
 
-def ring_steps(spec: MaskSpec, rows: int, n: int) -> int:
-    """The shifts of the ring: the largest ``t < n`` such that some rank's rows (``rows // n`` a
-    rank) may read the key chunk ``t`` ranks before its own; 0 where none may."""
-    size = rows // n
-    return next((t for t in range(n - 1, 0, -1) if any(_reads(spec, r, (r - t) % n, size) for r in range(n))), 0)
+def ring_steps(spec: MaskSpec, rows: int, n: int, balanced: bool = False) -> int:
+    """The shifts of the ring: the largest ``t < n`` such that some rank's rows (:func:`ring_chunks`)
+    may read a key chunk of the rank ``t`` before its own; 0 where none may."""
+    size = rows // (2 * n if balanced else n)
+
+    def read(r: int, t: int) -> bool:
+        return any(_reads(spec, a, b, size) for a in ring_chunks(r, n, balanced)
+                   for b in ring_chunks((r - t) % n, n, balanced))
+
+    return next((t for t in range(n - 1, 0, -1) if any(read(r, t) for r in range(n))), 0)
 
 
 def _send(x: torch.Tensor, to: int, source: int, n: int, group: dist.ProcessGroup) -> torch.Tensor:
@@ -80,25 +104,30 @@ def _unflat(x: torch.Tensor, *like: torch.Tensor) -> list[torch.Tensor]:
 
 
 class _Blocks:
-    """One rank's query rows against one key/value chunk at a time: the grouped shapes and masks."""
+    """One rank's query rows against the key/value chunks it holds at one step: the grouped shapes
+    and masks. The local rows are pieces of ``size`` rows, each starting at a global row of
+    ``row_starts``; the keys held, pieces of ``size`` starting at the global columns a step gives."""
 
-    def __init__(self, spec: MaskSpec, padding: Optional[torch.Tensor], scale: float, rows: int, offset: int,
-                 chunk_rows: int) -> None:
+    def __init__(self, spec: MaskSpec, padding: Optional[torch.Tensor], scale: float, size: int,
+                 row_starts: tuple[int, ...], chunk_rows: int) -> None:
         self.spec, self.padding, self.scale = spec, padding, scale
-        self.rows, self.offset, self.chunk_rows = rows, offset, chunk_rows
+        self.size, self.row_starts, self.chunk_rows = size, row_starts, chunk_rows
 
-    def each(self, col_offset: int, cols: int, device: torch.device):
+    def each(self, col_starts: tuple[int, ...], device: torch.device):
         """``(r0, r1, lo, hi, mask)``: local query rows, the local columns they may read (non-empty)
         and the block's mask, broadcastable to the grouped scores ``(..., Hk, G, rows, cols)``."""
-        for r0 in range(0, self.rows, self.chunk_rows):
-            r1 = min(self.rows, r0 + self.chunk_rows)
-            lo, hi = self.spec.key_range((self.offset + r0, self.offset + r1), (col_offset, col_offset + cols))
-            if hi <= lo:
-                continue
-            mask = self.spec.block((self.offset + r0, self.offset + r1), (lo, hi), device=device)
-            if self.padding is not None:
-                mask = mask & self.padding[:, None, None, None, lo:hi]
-            yield r0, r1, lo - col_offset, hi - col_offset, mask
+        size = self.size
+        for i, row0 in enumerate(self.row_starts):
+            for r0 in range(0, size, self.chunk_rows):
+                r1 = min(size, r0 + self.chunk_rows)
+                for j, col0 in enumerate(col_starts):
+                    lo, hi = self.spec.key_range((row0 + r0, row0 + r1), (col0, col0 + size))
+                    if hi <= lo:
+                        continue
+                    mask = self.spec.block((row0 + r0, row0 + r1), (lo, hi), device=device)
+                    if self.padding is not None:
+                        mask = mask & self.padding[:, None, None, None, lo:hi]
+                    yield i * size + r0, i * size + r1, j * size + lo - col0, j * size + hi - col0, mask
 
     def scores(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         s = torch.matmul(q, k.unsqueeze(-3).transpose(-1, -2)) * self.scale
@@ -121,14 +150,14 @@ class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring):  # noqa: D102 - autograd's
         blocks, n, rank, steps = ring.blocks(q), ring.n, ring.rank, ring.steps
-        qf, size = _wide(q), q.shape[-2]
+        qf = _wide(q)
         out = qf.new_zeros((*q.shape[:-1], v.shape[-1]))
         lse = qf.new_full(q.shape[:-1], float("-inf"))
         held = (k, v)
         for t in range(steps + 1):
             arriving = _send(_flat(*held), (rank + 1) % n, (rank - 1) % n, n, ring.group) if t < steps else None
             kf, vf = _wide(held[0]), _wide(held[1])
-            for r0, r1, lo, hi, mask in blocks.each(((rank - t) % n) * size, size, q.device):
+            for r0, r1, lo, hi, mask in blocks.each(ring.key_starts(t), q.device):
                 s = blocks.scores(qf[..., r0:r1, :], kf[..., lo:hi, :], mask)
                 part = torch.logsumexp(s, -1)
                 both = torch.logaddexp(lse[..., r0:r1], part)
@@ -150,7 +179,7 @@ class _Ring(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         ring = ctx.ring
         blocks, n, rank, steps = ring.blocks(q), ring.n, ring.rank, ring.steps
-        qf, gf, size = _wide(q), _wide(grad), q.shape[-2]
+        qf, gf = _wide(q), _wide(grad)
         delta = (gf * _wide(out)).sum(-1)
         base = torch.where(torch.isfinite(lse), lse, 0.0)
         dq = torch.zeros_like(qf)
@@ -158,7 +187,7 @@ class _Ring(torch.autograd.Function):
         for t in range(steps + 1):
             arriving = _send(_flat(*held), (rank + 1) % n, (rank - 1) % n, n, ring.group) if t < steps else None
             kf, vf = _wide(held[0]), _wide(held[1])
-            for r0, r1, lo, hi, mask in blocks.each(((rank - t) % n) * size, size, q.device):
+            for r0, r1, lo, hi, mask in blocks.each(ring.key_starts(t), q.device):
                 s = blocks.scores(qf[..., r0:r1, :], kf[..., lo:hi, :], mask)
                 p = torch.exp(s - base[..., r0:r1].unsqueeze(-1))
                 g = gf[..., r0:r1, :]
@@ -189,28 +218,44 @@ class _Call:
     chunk_rows: int
     group: dist.ProcessGroup
     padding: Optional[torch.Tensor]
+    balanced: bool
+
+    @property
+    def size(self) -> int:
+        """Rows of one chunk: a rank holds one (in order) or two (balanced)."""
+        return self.rows // (2 * self.n if self.balanced else self.n)
+
+    def key_starts(self, t: int) -> tuple[int, ...]:
+        """The global first column of each key/value chunk held at step ``t``."""
+        return tuple(c * self.size for c in ring_chunks((self.rank - t) % self.n, self.n, self.balanced))
 
     def blocks(self, q: torch.Tensor) -> _Blocks:
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        return _Blocks(self.spec, self.padding, scale, q.shape[-2], self.rank * (self.rows // self.n), self.chunk_rows)
+        return _Blocks(self.spec, self.padding, scale, self.size, self.key_starts(0), self.chunk_rows)
 
 
 class RingAttention(nn.Module):
     """``masked_attention`` of this rank's chunk of the sequence (queries, keys and values alike),
     the keys and values passed around a ring (module docstring); called with ``(q, k, v, padding)``,
-    the padding vector ``(B, S)`` whole."""
+    the padding vector ``(B, S)`` whole. ``balanced``: the ring runs on chunks ``r`` and
+    ``2n - 1 - r`` of ``2n`` (module docstring)."""
 
     def __init__(self, spec: MaskSpec, scale: Optional[float], rows: int, n: int, rank: int,
-                 group: dist.ProcessGroup, axis_name: str, chunk_rows: int = CHUNK_ROWS) -> None:
+                 group: dist.ProcessGroup, axis_name: str, chunk_rows: int = CHUNK_ROWS,
+                 balanced: bool = False) -> None:
         super().__init__()
-        if rows % n:
-            raise ValueError(f"ring attention: {rows} rows do not cut into {n} equal chunks")
+        pieces = 2 * n if balanced else n
+        if rows % pieces:
+            raise ValueError(f"{'balanced ' if balanced else ''}ring attention over {n} ranks: {rows} rows do not "
+                             f"cut into {pieces} equal chunks")
         self.spec, self.scale, self.rows, self.n, self.rank = spec, scale, rows, n, rank
-        self.group, self.axis_name, self.chunk_rows = group, axis_name, chunk_rows
-        self.steps = ring_steps(spec, rows, n)
+        self.group, self.axis_name, self.chunk_rows, self.balanced = group, axis_name, chunk_rows, balanced
+        self.steps = ring_steps(spec, rows, n, balanced)
 
     def extra_repr(self) -> str:
-        return f"{self.spec}, chunk {self.rank} of {self.n} over {self.axis_name}, {self.steps} shifts"
+        chunks = (f"chunks {list(rank_chunks(self.rank, self.n))} of {2 * self.n}" if self.balanced
+                  else f"chunk {self.rank} of {self.n}")
+        return f"{self.spec}, {chunks} over {self.axis_name}, {self.steps} shifts"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 padding: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -219,5 +264,9 @@ class RingAttention(nn.Module):
                              f"k {tuple(k.shape)}; expected {self.rows // self.n} rows of each, and key heads "
                              "that divide the query heads")
         call = _Call(self.spec, self.scale, self.rows, self.n, self.rank, self.steps, self.chunk_rows, self.group,
-                     padding)
-        return _Ring.apply(_grouped(q, k.shape[-3]), k, v, call).flatten(-4, -3)
+                     padding, self.balanced)
+        dim = q.ndim - 2
+        if self.balanced:  # this rank's chunks 2r, 2r + 1 for r, 2n - 1 - r: one all-to-all
+            q, k, v = to_balanced((q, k, v), dim, self.rank, self.n, self.group)
+        out = _Ring.apply(_grouped(q, k.shape[-3]), k, v, call).flatten(-4, -3)
+        return from_balanced((out,), dim, self.rank, self.n, self.group)[0] if self.balanced else out

@@ -40,7 +40,7 @@ def _attention(graph):
 def test_each_strategy_holds_its_largest_chunk_s_masks():
     """Causal Llama, 1 x 2048 tokens, 4 heads (keys repeated to 4) of 8, float32, on 2 ranks. A mask
     chunk holds a boolean and a float32 a pair (5 bytes); the ring's block 4 float32 scores per
-    head and two booleans a pair."""
+    head and two booleans a pair, the balanced ring's block a quarter of it (chunks of 512 of 2048)."""
     assert CHUNK_ROWS == 1024
     cost = CostModel(MeshSpec.of((2,)), load_profile("cpu-gloo"), "train")
     _, graph = _llama(padded=False)
@@ -52,6 +52,7 @@ def test_each_strategy_holds_its_largest_chunk_s_masks():
         ("S(2)", ""): 1024 * 2048 * 5,  # rank 1's rows 1024..2048 read every key
         ("S(2)", "balanced"): 512 * 2048 * 5,  # rank 0's chunk 3 (rows 1536..2048) reads every key
         ("S(2)", "ring"): 1024 * 1024 * (4 * 4 * 4 + 2),  # rank 1's block of its rows and one key chunk
+        ("S(2)", "ring_balanced"): 512 * 512 * (4 * 4 * 4 + 2),  # a chunk of 512 rows against one of 512 keys
     }
     # the padding vector given: every strategy builds masks, the heads' too (rows 1024..2048, every key)
     _, graph = _llama(padded=True)

@@ -303,19 +303,29 @@ def test_ulysses_heads_between_sequence_splits_equal_one_process(monkeypatch):
 def test_balanced_rows_are_priced_at_the_mean():
     """The rows split in order price the last rank's pairs (7/4 of the mean on 2 ranks of a causal
     16 x 16, 100 of its 136 pairs), and so does the ring (the last rank's rows read every key
-    chunk); balanced, every rank's 68: the mean."""
+    chunk); balanced rows and the balanced ring, every rank's 68: the mean. On 8 ranks the last
+    rank's 31 pairs against the balanced 17 (rows r and 15 - r). The balanced ring's collectives:
+    its q, k, v out together and its output back around the ring's shifts, each way."""
     from autotp.planning.choices.strategies import node_strategies
     from autotp.planning.rules.attention import attention_collectives, attention_work_divisor
 
     graph = autotp.capture(_model("llama"), {"input_ids": _inputs(False, seq=16)["input_ids"]})
     (attention,) = _attention(graph)
     rows = [s for s in node_strategies(graph, attention, (2,)) if _attention_rows(s)]
-    assert sorted(s.variant for s in rows) == ["", "balanced", "ring"], [str(s) for s in rows]
+    assert sorted(s.variant for s in rows) == ["", "balanced", "ring", "ring_balanced"], [str(s) for s in rows]
     divisor = {s.variant: attention_work_divisor(attention, s, 0, 2) for s in rows}
-    assert divisor == {"": 136 / 100, "balanced": 2.0, "ring": 136 / 100}
+    assert divisor == {"": 136 / 100, "balanced": 2.0, "ring": 136 / 100, "ring_balanced": 2.0}
+    divisor = {s.variant: attention_work_divisor(attention, s, 0, 8)
+               for s in node_strategies(graph, attention, (8,)) if _attention_rows(s)}
+    assert divisor == {"": 136 / 31, "balanced": 8.0, "ring": 136 / 31, "ring_balanced": 8.0}
     q_bytes = attention.input_infos[0].nbytes / 2
     assert attention_collectives(attention, next(s for s in rows if s.variant == "balanced"), (2,)) == [
         ("all_to_all", phase, 0, q_bytes) for phase in ("forward", "backward") for _ in range(2)]
+    kv_bytes = sum(info.nbytes for info in attention.input_infos[1:3]) / 2  # float32: gradients as large
+    around = [("all_to_all", "", 0, q_bytes + kv_bytes), ("all_to_all", "", 0, attention.outputs[0].nbytes / 2)]
+    shifts = [("all_to_all", phase, 0, kv_bytes * 2) for phase in ("forward", "backward", "backward", "backward")]
+    assert attention_collectives(attention, next(s for s in rows if s.variant == "ring_balanced"), (2,)) == [
+        (kind, "forward", a, b) for kind, _, a, b in around] + shifts + [(k, "backward", a, b) for k, _, a, b in around]
     # 18 rows do not cut into 4 chunks: the plain split and the ring alone
     graph = autotp.capture(_model("llama"), {"input_ids": _inputs(False, seq=18)["input_ids"]})
     (attention,) = _attention(graph)
@@ -390,75 +400,100 @@ def test_at_128k_tokens_the_plan_holds_no_square_mask(monkeypatch):
 @pytest.mark.slow
 def test_at_128k_tokens_the_planner_balances_the_causal_rows():
     """Llama 3 8B's widths, one layer, 1 x 131072 tokens (padding mask given), trained on 8 ranks,
-    planned on meta: the attention takes balanced rows, priced at the mean of the whole work (its
-    compute over 8), where the rows in order price the last rank's 15/8 of it."""
+    planned on meta: the attention takes the balanced ring, its compute priced at the mean of the
+    whole work (its compute over 8) with its shifts hidden under it, as balanced rows' (which read
+    the keys and values gathered), where the rows in order and the plain ring price the last rank's
+    15/8 of it."""
     from cost_models import resolve_hardware
 
     from autotp.mesh import MeshSpec
     from autotp.planning.choices.strategies import node_strategies
     from autotp.planning.costs.costing import CostModel
+    from autotp.planning.rules.attention import overlapped_collectives
 
     model, inputs = _llama_8b_layer(131072)
     graph = autotp.capture(model, inputs)
     plan = plan_graph(graph, (8,), "h100-sxm", "train", memory_budget="1 TiB")
     (attention,) = _attention(graph)
     chosen = plan.strategy(attention.name)
-    assert chosen.variant == "balanced" and _attention_rows(chosen), str(chosen)
+    assert chosen.variant == "ring_balanced" and _attention_rows(chosen), str(chosen)
     cost = CostModel(MeshSpec((8,), ("tp",)), resolve_hardware("h100-sxm"), "train", graph=graph)
 
-    def compute_s(strategy):
-        return cost.node_compute_s(attention, strategy) - cost.inner_collectives_s(attention, strategy)
+    def compute_s(strategy):  # the op's seconds less its collectives, those hidden under its work given back
+        hidden_s = sum(cost.collective_s(kind, a, size) for kind, _, a, size in
+                       overlapped_collectives(attention, strategy, (8,)))
+        assert hidden_s < cost.node_compute_s(attention, strategy) / 10
+        return cost.node_compute_s(attention, strategy) - cost.inner_collectives_s(attention, strategy) + hidden_s
 
-    whole = compute_s(next(s for s in node_strategies(graph, attention, (8,)) if not s.sharded_on(0)))
-    in_order = next(s for s in node_strategies(graph, attention, (8,)) if _attention_rows(s) and not s.variant)
-    assert compute_s(chosen) == pytest.approx(whole / 8, rel=0.02)
-    assert compute_s(in_order) == pytest.approx(whole / 8 * 15 / 8, rel=0.02)
-    assert cost.node_compute_s(attention, chosen) < compute_s(in_order)
+    strategies = node_strategies(graph, attention, (8,))
+    whole = compute_s(next(s for s in strategies if not s.sharded_on(0)))
+    rows = {s.variant: compute_s(s) for s in strategies if _attention_rows(s)}
+    assert rows == {"": pytest.approx(whole / 8 * 15 / 8, rel=0.02), "balanced": pytest.approx(whole / 8, rel=0.02),
+                    "ring": pytest.approx(whole / 8 * 15 / 8, rel=0.02),
+                    "ring_balanced": pytest.approx(whole / 8, rel=0.02)}
+    assert cost.node_compute_s(attention, chosen) < rows["ring"]
 
 
 # -- the ring: keys and values split along the sequence, passed around -----------------------------
 
-@pytest.mark.parametrize("kind, given", [("llama", True), pytest.param("llama", False, marks=pytest.mark.slow),
-                                         pytest.param("mistral", True, marks=pytest.mark.slow)])
-def test_ring_over_two_ranks_equals_one_process(kind, given, monkeypatch):
+@pytest.mark.parametrize("kind, given, variant", [
+    ("llama", True, "ring"), pytest.param("llama", False, "ring", marks=pytest.mark.slow),
+    pytest.param("mistral", True, "ring", marks=pytest.mark.slow), ("llama", True, "ring_balanced")])
+def test_ring_over_two_ranks_equals_one_process(kind, given, variant, monkeypatch):
     """Attention of a tiny Llama (4 heads, 2 kv heads, 16 tokens, padded, labels -100 on the pads;
     or unpadded, ``is_causal``) or Mistral (a window of 5) pinned to the ring on 2 ranks: queries,
     keys and values split by sequence, the key/value chunk passed on once forward; the loss and
     every gradient as in one process, and the all-to-alls each rank runs are the plan's (one shift
-    forward; backward one shift, its gradients and their return home)."""
+    forward; backward one shift, its gradients and their return home). Pinned to the balanced ring
+    (chunks r and 3 - r of 4 of q, k and v exchanged in, the output out), the same, with the two
+    exchanges around the shifts each way."""
     graph, plan, logs = _check_exact(_model(kind), _inputs(given, given, seq=16), 2, rows_only=monkeypatch,
-                                     variant="ring")
+                                     variant=variant)
     (attention,) = _attention(graph)
     assert str(plan.strategy(attention.name)).startswith("(S(2), S(2), S(2)") and \
-        str(plan.strategy(attention.name)).endswith("-> S(2) ring"), str(plan.strategy(attention.name))
+        str(plan.strategy(attention.name)).endswith(f"-> S(2) {variant}"), str(plan.strategy(attention.name))
+    counts = (1, 3) if variant == "ring" else (3, 5)
     for rank_logs in logs:
-        for log, phase, count in zip(rank_logs, ("forward", "backward"), (1, 3)):
+        for log, phase, count in zip(rank_logs, ("forward", "backward"), counts):
             assert_kinds_as_planned(log, plan, phase)
             assert sum(c.kind == "all_to_all" and c.at == attention.name for c in plan.collectives()
                        if c.phase == phase) == count
 
 
-def _ring_rank(rank, world, q, k, v, padding, spec, grad):
+def _ring_rank(rank, world, q, k, v, padding, spec, grad, balanced):
     from torch import distributed as dist
 
     from autotp.local.ring import RingAttention
 
     rows = q.shape[-2] // world
-    ring = RingAttention(spec, None, q.shape[-2], world, rank, dist.group.WORLD, "tp", chunk_rows=3)
+    ring = RingAttention(spec, None, q.shape[-2], world, rank, dist.group.WORLD, "tp", chunk_rows=3, balanced=balanced)
     mine = [t[..., rank * rows:(rank + 1) * rows, :].detach().clone().requires_grad_() for t in (q, k, v)]
     out = ring(*mine, padding)
     out.backward(grad[..., rank * rows:(rank + 1) * rows, :])
     return out.detach(), *(t.grad for t in mine)
 
 
-@pytest.mark.parametrize("spec, world", [(MaskSpec(), 3), (MaskSpec(window=5), 3), (MaskSpec(causal=False), 2)], ids=str)
-def test_ring_chunks_equal_the_whole_mask_forward_and_backward(spec, world):
+@pytest.mark.parametrize("spec, world, balanced", [(MaskSpec(), 3, False), (MaskSpec(window=5), 3, False),
+                                                   (MaskSpec(causal=False), 2, False), (MaskSpec(), 3, True)], ids=str)
+def test_ring_chunks_equal_the_whole_mask_forward_and_backward(spec, world, balanced, monkeypatch):
     """The ring's module on threaded ranks, each holding a chunk of the rows of q, k and v (query heads
     grouped over key heads, rows in chunks of 3, padding that leaves a row no key): the output and
     the gradients of q, k and v equal sdpa under the whole mask; under the window of 5 over chunks of
-    4 rows the ring shifts once, not twice."""
-    from autotp.local.ring import ring_steps
+    4 rows the ring shifts once, not twice. Balanced over 3 ranks: each rank's two chunks of 2 rows
+    exchanged for chunks r and 5 - r of 6, the ring run on those, the output and gradients sent back;
+    every rank scores as many pairs (the rows in order: the last rank the most)."""
+    import collections
+    import threading
 
+    from autotp.local import ring
+
+    scored, scores = collections.Counter(), ring._Blocks.scores
+
+    def counted(self, q, k, mask):
+        scored[threading.current_thread().name] += q.shape[-2] * k.shape[-2]
+        return scores(self, q, k, mask)
+
+    monkeypatch.setattr(ring._Blocks, "scores", counted)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 12, 5, dtype=torch.float64, generator=g)
     k, v = (torch.randn(2, 2, 12, d, dtype=torch.float64, generator=g) for d in (5, 6))
@@ -469,21 +504,26 @@ def test_ring_chunks_equal_the_whole_mask_forward_and_backward(spec, world):
                                               enable_gqa=True).nan_to_num()  # a row of no key: zeros
     grad = torch.randn(expected.shape, dtype=torch.float64, generator=g)
     expected.backward(grad)
-    got = [torch.cat(parts, -2) for parts in zip(*run_threads(_ring_rank, world, q, k, v, pad, spec, grad))]
+    got = [torch.cat(parts, -2) for parts in zip(*run_threads(_ring_rank, world, q, k, v, pad, spec, grad, balanced))]
     for name, a, b in zip(("out", "q", "k", "v"), got, (expected, *(t.grad for t in whole))):
         torch.testing.assert_close(a, b.nan_to_num(), msg=name)
-    assert ring_steps(spec, 12, world) == (1 if spec.window else world - 1)
+    assert ring.ring_steps(spec, 12, world, balanced) == (1 if spec.window else world - 1)
+    if spec == MaskSpec():
+        per_rank = [scored[f"rank{r}"] for r in range(world)]
+        assert (len(set(per_rank)) == 1) == balanced and per_rank[-1] >= per_rank[0], per_rank
 
 
 @pytest.mark.slow
 def test_at_128k_tokens_the_ring_keeps_chunks_of_the_keys_where_the_row_split_keeps_them_whole(monkeypatch):
     """Llama 3 8B's widths, one layer, 1 x 131072 tokens, trained on 8 ranks, planned on meta. The
-    planner takes balanced rows: the ring computes as the rows in order do (the last rank reads
+    planner takes the balanced ring: the ring computes as the rows in order do (the last rank reads
     every key chunk: 15/8 of the mean), its shifts hidden under that work. Pinned to the ring, the
     plan keeps 7/8 less of the keys and values the attention reads (float32, repeated for the 32
     query heads: 2 GiB each whole) than pinned to the row split, which gathers them whole; but its
     backward holds a block's float32 scores, four per head (1024 rows x a chunk of 16384 keys x 32
-    heads), beside the block's two boolean masks: 8.6 GB at once, above what the row split saves."""
+    heads), beside the block's two boolean masks: 8.6 GB at once, above what the row split saves.
+    The balanced ring keeps what the ring keeps, and its blocks are half as wide (chunks of 8192
+    keys): 4.3 GB, below the plan's other transients (4.5 GiB)."""
     from cost_models import resolve_hardware
 
     from autotp.mesh import MeshSpec
@@ -494,9 +534,9 @@ def test_at_128k_tokens_the_ring_keeps_chunks_of_the_keys_where_the_row_split_ke
     graph = autotp.capture(model, inputs)
     (attention,) = _attention(graph)
     assert plan_graph(graph, (8,), "h100-sxm", "train", memory_budget="1 TiB").strategy(attention.name).variant == \
-        "balanced"
+        "ring_balanced"
     offered, plans = strategies.node_strategies, {}
-    for variant in ("", "ring"):
+    for variant in ("", "ring", "ring_balanced"):
         monkeypatch.setattr(strategies, "node_strategies", lambda graph_, node, *a, v=variant: [
             s for s in offered(graph_, node, *a) if node is not attention or (s.variant == v and _attention_rows(s))])
         plans[variant] = plan_graph(graph, (8,), "h100-sxm", "train", memory_budget="1 TiB")
@@ -506,17 +546,23 @@ def test_at_128k_tokens_the_ring_keeps_chunks_of_the_keys_where_the_row_split_ke
     assert plans[""].memory.activations_bytes - plans["ring"].memory.activations_bytes == (k.nbytes + v.nbytes) * 7 / 8
     assert plans["ring"].memory.transient_bytes == 1024 * 16384 * (32 * 4 * 4 + 2)
     assert plans["ring"].memory.peak_bytes > plans[""].memory.peak_bytes
+    assert plans["ring_balanced"].memory.activations_bytes == plans["ring"].memory.activations_bytes
+    assert plans["ring_balanced"].memory.transient_bytes < plans["ring"].memory.transient_bytes
     cost = CostModel(MeshSpec((8,), ("tp",)), resolve_hardware("h100-sxm"), "train", graph=graph)
     rows = plans[""].strategy(attention.name)
     assert cost.node_compute_s(attention, ring) == pytest.approx(cost.node_compute_s(attention, rows), rel=1e-3)
     assert 0 < cost.inner_collectives_s(attention, ring) < cost.node_compute_s(attention, ring) / 10
+    assert cost.working_bytes(attention, plans["ring_balanced"].strategy(attention.name)) == \
+        1024 * 8192 * (32 * 4 * 4 + 2)
 
 
 @pytest.mark.slow
 def test_at_128k_tokens_on_64_ranks_short_of_memory_the_planner_takes_the_ring():
     """Llama 3 8B's widths, one layer, 1 x 131072 tokens, trained on 64 ranks (more than its 32
     heads: no heads split), planned on meta: with room, balanced rows (the least work); within
-    4 GiB a device, the ring, whose plan keeps no gathered keys and values."""
+    4 GiB a device, the ring, whose plan keeps no gathered keys and values, and not the balanced
+    ring: there the ring's 63 shifts take longer than its work, so balancing the work hides nothing
+    more and its exchanges would cost on top."""
     model, inputs = _llama_8b_layer(131072)
     graph = autotp.capture(model, inputs)
     (attention,) = _attention(graph)

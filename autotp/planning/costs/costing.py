@@ -55,7 +55,7 @@ from autotp.planning.costs.redistribute import (
     step_copies,
 )
 from autotp.planning.costs.saved import forward_liveness, kept_storages
-from autotp.planning.rules.attention import attention_work_divisor, overlaps_compute, ring_transient_bytes
+from autotp.planning.rules.attention import attention_work_divisor, overlapped_collectives, ring_transient_bytes
 from autotp.planning.rules.attention_working import working_bytes
 from autotp.planning.rules.experts import expert_work_divisor
 from autotp.planning.rules.routed import routed_kept_bytes, routed_work_divisor
@@ -215,13 +215,13 @@ class CostModel:
         training, the sums of the ``gradient_reads`` gradients its output gets back
         (:meth:`autotp.tracing.graph.OpGraph.gradient_reads`): ``gradient_reads - 1`` additions of its local
         output, a memory-bound kernel each (read two, write one). The collectives the op runs inside
-        itself add to its work, or where they run while it computes (the ring's shifts:
-        :func:`autotp.planning.rules.attention.overlaps_compute`), the longer of the two counts."""
+        itself add to its work, those that run while it computes (a ring's shifts:
+        :func:`autotp.planning.rules.attention.overlapped_collectives`) the longer of them and the work."""
         seconds = self.gradient_sums_s(node, strategy, gradient_reads)
         if node.is_placeholder or node.is_view:
             return seconds
-        work_s, inner_s = self._work_s(node, strategy), self.inner_collectives_s(node, strategy)
-        return seconds + (max(work_s, inner_s) if overlaps_compute(strategy) else work_s + inner_s)
+        exposed_s, hidden_s = self._inner_parts_s(node, strategy, backward=True)
+        return seconds + max(self._work_s(node, strategy), hidden_s) + exposed_s
 
     def inner_collectives_s(self, node: OpNode, strategy: Strategy, backward: bool = True) -> float:
         """Seconds of the collectives an op runs inside itself (a loss on split classes, batch norm
@@ -230,6 +230,17 @@ class CostModel:
         return sum(self.collective_s(kind, axis, size)
                    for kind, _, axis, size in inner_collectives(node, strategy, self.mesh.shape,
                                                                  self.train and backward and node.requires_grad))
+
+    def _inner_parts_s(self, node: OpNode, strategy: Strategy, backward: bool) -> tuple[float, float]:
+        """:meth:`inner_collectives_s` in two: the seconds of the collectives that add to the op's
+        work, and of those that run under it."""
+        train = self.train and backward and node.requires_grad
+        exposed = inner_collectives(node, strategy, self.mesh.shape, train)
+        hidden = overlapped_collectives(node, strategy, self.mesh.shape, train)
+        for c in hidden:
+            exposed.remove(c)
+        return tuple(sum(self.collective_s(kind, axis, size) for kind, _, axis, size in part)
+                     for part in (exposed, hidden))
 
     def gradient_sums_s(self, node: OpNode, strategy: Strategy, gradient_reads: int) -> float:
         """Seconds of adding up the ``gradient_reads`` gradients of the node's output (training only)."""
@@ -242,8 +253,8 @@ class CostModel:
         """Roofline seconds of the node's forward alone (what recomputing it costs)."""
         if node.is_placeholder or node.is_view:
             return 0.0
-        work_s, inner_s = self._forward(node, strategy)[0], self.inner_collectives_s(node, strategy, backward=False)
-        return max(work_s, inner_s) if overlaps_compute(strategy) else work_s + inner_s
+        exposed_s, hidden_s = self._inner_parts_s(node, strategy, backward=False)
+        return max(self._forward(node, strategy)[0], hidden_s) + exposed_s
 
     def _forward(self, node: OpNode, strategy: Strategy) -> tuple[float, float, list, float, str]:
         # the work splits over an axis only where some tensor is cut in pieces on it: an op on

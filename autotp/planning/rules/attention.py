@@ -24,9 +24,16 @@ row split: the planner takes whichever prices lower.
 split on the same axis (as many keys as queries; the padding vector whole), run by
 :class:`autotp.local.ring.RingAttention`, which passes each rank's key/value chunk around the ranks.
 Priced at the busiest rank's pairs, as the rows in order; its shifts are its inner collectives
-(:func:`attention_collectives`), run while it computes (:func:`overlaps_compute`: the op costs the
+(:func:`attention_collectives`), run while it computes (:func:`overlapped_collectives`: the op costs the
 longer of the two), and its chunks in flight are a transient of its backward
 (:func:`ring_transient_bytes`). Not offered under dropout.
+
+**The balanced ring** (variant ``"ring_balanced"``): the ring's placements, offered beside it where
+balanced rows are (a causal mask without a window, rows in ``2n`` equal chunks); inside, q, k and v
+are exchanged for chunks ``r`` and ``2n - 1 - r`` (one all-to-all), the ring runs on those and the
+output goes home (one all-to-all; the gradients the same two backward). Priced at the mean pairs,
+as balanced rows, its shifts under that work as the ring's and its two exchanges each way on top
+(:func:`attention_collectives`, :func:`overlapped_collectives`); its memory is the ring's.
 """
 
 from __future__ import annotations
@@ -45,15 +52,17 @@ from autotp.placement import R, S, Strategy, shard_divisor
 from autotp.planning.rules.common import AxisChoice, divisible, is_relaxed
 from autotp.tracing.graph import OpNode
 
-__all__ = ["MASKED", "CAUSAL", "BALANCED", "RING", "masked_choices", "attention_mask_of", "attention_work_divisor",
-           "balanced_variants", "ring_variants", "attention_collectives", "ring_transient_bytes", "overlaps_compute",
-           "rows_axis", "ring_axis",
-           "RULES", "LOCAL"]
+__all__ = ["MASKED", "CAUSAL", "BALANCED", "RING", "RING_BALANCED", "RINGS", "masked_choices", "attention_mask_of",
+           "attention_work_divisor", "balanced_variants", "ring_variants", "attention_collectives",
+           "ring_transient_bytes", "overlapped_collectives", "rows_axis", "ring_axis", "RULES", "LOCAL"]
 
 MASKED = str(MASKED_ATTENTION)
 CAUSAL = "aten.scaled_dot_product_attention.default"
 BALANCED = "balanced"
 RING = "ring"
+RING_BALANCED = "ring_balanced"
+RINGS = (RING, RING_BALANCED)
+EXCHANGED = (BALANCED, *RINGS)  # the variants whose local execution is a module of their own
 
 
 def attention_mask_of(node: OpNode) -> Optional[MaskSpec]:
@@ -100,16 +109,16 @@ def _row_offset(site: LocalSite) -> Optional[Any]:
 def local_rows(site: LocalSite) -> Optional[Any]:
     """The described op on a rank's rows of the queries: its mask placed by the rows' offset (or,
     balanced, the rows of two chunks exchanged: :func:`local_exchanged`)."""
-    if site.strategy.variant in (BALANCED, RING):
+    if site.strategy.variant in EXCHANGED:
         return local_exchanged(site)
     start = _row_offset(site)
     return None if start is None else site.called().with_argument("row_offset", start)
 
 
 def local_exchanged(site: LocalSite) -> Any:
-    """Attention whose strategy is balanced rows or the ring: :class:`autotp.local.attention.BalancedRows`
-    or :class:`autotp.local.ring.RingAttention` on the mesh axis that splits the rows, called with
-    the queries, keys, values (and padding)."""
+    """Attention whose strategy is balanced rows or a ring: :class:`autotp.local.attention.BalancedRows`
+    or :class:`autotp.local.ring.RingAttention` (balanced for the balanced ring) on the mesh axis that
+    splits the rows, called with the queries, keys, values (and padding)."""
     names = [a.name for a in site.target._schema.arguments]
     given = {**dict(zip(names, site.args)), **site.kwargs}
     if site.node.target == MASKED:
@@ -117,10 +126,11 @@ def local_exchanged(site: LocalSite) -> Any:
     else:
         (q, k, v), padding = (given[a] for a in ("query", "key", "value")), None
     spec, rows = attention_mask_of(site.node), site.node.input_infos[0].shape[-2]
-    if site.strategy.variant == RING:
+    if site.strategy.variant in RINGS:
         axis = ring_axis(site.node, site.strategy)
         module = RingAttention(spec, given.get("scale"), rows, site.mesh_shape[axis], site.coordinate[axis],
-                               site.groups[axis], site.axis_names[axis])
+                               site.groups[axis], site.axis_names[axis],
+                               balanced=site.strategy.variant == RING_BALANCED)
         return site.call_module(module, "ring_attention", (q, k, v, padding))
     axis = rows_axis(site.node, site.strategy)
     module = BalancedRows(spec, given.get("scale"), bool(given.get("enable_gqa", False)), rows,
@@ -133,7 +143,7 @@ def local_causal_rows(site: LocalSite) -> Optional[Any]:
     offset (``is_causal`` alone would place the mask from the rank's first row)."""
     if attention_mask_of(site.node) is None:
         return None
-    if site.strategy.variant in (BALANCED, RING):
+    if site.strategy.variant in EXCHANGED:
         return local_exchanged(site)
     start = _row_offset(site)
     if start is None:
@@ -154,7 +164,7 @@ def attention_work_divisor(node: OpNode, strategy: Strategy, axis: int, n: int) 
     if not (placement.is_shard and placement.dim == q.ndim - 2):
         return None
     rows, cols = q.shape[-2], node.input_infos[1].shape[-2]
-    if strategy.variant == BALANCED:  # two chunks of rows each
+    if strategy.variant in (BALANCED, RING_BALANCED):  # two chunks of rows each
         size = rows // (2 * n)
         busiest = max(sum(spec.pairs(size, cols, c * size) for c in rank_chunks(r, n)) for r in range(n))
     else:
@@ -186,17 +196,23 @@ def _exchangeable(node: OpNode) -> Optional[MaskSpec]:
     return spec
 
 
+def _balances(node: OpNode, n: int) -> bool:
+    """Whether an attention's rows may be computed balanced over ``n`` ranks: a causal mask without
+    a window, rows that cut into ``2n`` equal chunks."""
+    spec = _exchangeable(node)
+    return spec is not None and spec.window is None and node.input_infos[0].shape[-2] % (2 * n) == 0
+
+
 def balanced_variants(node: OpNode, strategies: Sequence[Strategy], mesh_shape: Sequence[int]) -> list[Strategy]:
     """The balanced rows of each of ``strategies`` that splits the query rows of a causal attention
     without a window on one mesh axis (keys, values whole) into ``2n`` equal chunks; none in
     relaxed evenness or under dropout."""
-    spec = _exchangeable(node)
-    if spec is None or spec.window is not None:
+    if _exchangeable(node) is None:
         return []
     out = []
     for strategy in strategies:
         a = rows_axis(node, strategy)
-        if a is not None and not strategy.variant and node.input_infos[0].shape[-2] % (2 * mesh_shape[a]) == 0:
+        if a is not None and not strategy.variant and _balances(node, mesh_shape[a]):
             out.append(replace(strategy, variant=BALANCED))
     return out
 
@@ -204,8 +220,9 @@ def balanced_variants(node: OpNode, strategies: Sequence[Strategy], mesh_shape: 
 def ring_variants(node: OpNode, strategies: Sequence[Strategy], mesh_shape: Sequence[int]) -> list[Strategy]:
     """The ring of each of ``strategies`` that splits the query rows of a described or causal
     attention on one mesh axis (keys, values whole), as many keys as queries: the keys and values
-    split on that axis alike (:mod:`autotp.local.ring`); the padding vector stays whole. None in
-    relaxed evenness or under dropout."""
+    split on that axis alike (:mod:`autotp.local.ring`); the padding vector stays whole. Where the
+    rows balance (a causal mask without a window, ``2n`` equal chunks), the balanced ring too. None
+    in relaxed evenness or under dropout."""
     if _exchangeable(node) is None or node.input_infos[1].shape[-2] != node.input_infos[0].shape[-2]:
         return []
     out = []
@@ -216,14 +233,15 @@ def ring_variants(node: OpNode, strategies: Sequence[Strategy], mesh_shape: Sequ
         inputs = list(strategy.inputs)
         for k in (1, 2):
             inputs[k] = tuple(strategy.inputs[0][a] if b == a else p for b, p in enumerate(inputs[k]))
-        out.append(replace(strategy, inputs=tuple(inputs), variant=RING))
+        ring = replace(strategy, inputs=tuple(inputs), variant=RING)
+        out += [ring, replace(ring, variant=RING_BALANCED)] if _balances(node, mesh_shape[a]) else [ring]
     return out
 
 
 def ring_axis(node: OpNode, strategy: Strategy) -> Optional[int]:
-    """The mesh axis a ring strategy passes keys and values around: the one that splits the rows
-    of the queries, keys and values; None for any other strategy."""
-    if strategy.variant != RING or not strategy.inputs or any(p is None for p in strategy.inputs[:3]):
+    """The mesh axis a ring strategy (either) passes keys and values around: the one that splits the
+    rows of the queries, keys and values; None for any other strategy."""
+    if strategy.variant not in RINGS or not strategy.inputs or any(p is None for p in strategy.inputs[:3]):
         return None
     d = node.input_infos[0].ndim - 2
     return next((a for a, p in enumerate(strategy.inputs[0]) if p.is_shard and p.dim == d), None)
@@ -231,8 +249,7 @@ def ring_axis(node: OpNode, strategy: Strategy) -> Optional[int]:
 
 def _ring_chunk_bytes(node: OpNode, strategy: Strategy, mesh_shape: Sequence[int]) -> float:
     """A rank's key and value chunks, in bytes."""
-    return sum(info.nbytes / shard_divisor(info.shape, placements, mesh_shape)
-               for info, placements in zip(node.input_infos[1:3], strategy.inputs[1:3]))
+    return _local_bytes(node, strategy, mesh_shape, (1, 2))
 
 
 def _wide_ratio(node: OpNode) -> float:
@@ -242,31 +259,54 @@ def _wide_ratio(node: OpNode) -> float:
     return max(element, 4.0) / element
 
 
-def attention_collectives(node: OpNode, strategy: Strategy, mesh_shape: Sequence[int],
-                          train: bool = True) -> list[tuple[str, str, int, float]]:
-    """``(kind, phase, axis, bytes)`` of the all-to-alls balanced rows or the ring run inside.
+def _local_bytes(node: OpNode, strategy: Strategy, mesh_shape: Sequence[int], inputs: Sequence[int]) -> float:
+    """The rank's pieces of ``inputs`` (indices) together, in bytes."""
+    return sum(node.input_infos[k].nbytes / shard_divisor(node.input_infos[k].shape, strategy.inputs[k], mesh_shape)
+               for k in inputs)
 
-    Balanced: the rank's queries out and its outputs back forward; the outputs' and the queries'
-    gradients backward. The ring: ``T`` shifts of the rank's key and value chunks forward
+
+def overlapped_collectives(node: OpNode, strategy: Strategy, mesh_shape: Sequence[int],
+                           train: bool = True) -> list[tuple[str, str, int, float]]:
+    """The inner collectives (:func:`attention_collectives`) that run while the op computes, so
+    that the op costs the longer of the two: a ring's shifts, each issued before the step's block and
+    waited for after it. ``T`` shifts of the rank's key and value chunks forward
     (:func:`autotp.local.ring.ring_steps`); backward ``T`` of them again and ``T + 1`` of their
     gradients (float32), the last home. Each shift sends ``C`` bytes to one rank: it is listed as an
     all-to-all of ``C n / (n - 1)``, the buffer whose all-to-all sends ``C`` out of each rank, and
-    priced so."""
+    priced so. None for any other strategy."""
+    a = ring_axis(node, strategy)
+    if a is None or attention_mask_of(node) is None:
+        return []
+    n = mesh_shape[a]
+    steps = ring_steps(attention_mask_of(node), node.input_infos[0].shape[-2], n, strategy.variant == RING_BALANCED)
+    chunk = _ring_chunk_bytes(node, strategy, mesh_shape) * n / (n - 1)
+    grads = chunk * _wide_ratio(node)
+    out = [("all_to_all", "forward", a, chunk)] * steps
+    if train and steps:
+        out += [("all_to_all", "backward", a, chunk)] * steps + [("all_to_all", "backward", a, grads)] * (steps + 1)
+    return out
+
+
+def attention_collectives(node: OpNode, strategy: Strategy, mesh_shape: Sequence[int],
+                          train: bool = True) -> list[tuple[str, str, int, float]]:
+    """``(kind, phase, axis, bytes)`` of the all-to-alls balanced rows or a ring run inside.
+
+    Balanced rows: the rank's queries out and its outputs back forward; the outputs' and the
+    queries' gradients backward. The ring: its shifts (:func:`overlapped_collectives`). The balanced
+    ring: its shifts, and around them the rank's queries, keys and values out together and its
+    outputs back forward, the outputs' gradients out and the queries', keys' and values' back
+    backward, each one all-to-all of the rank's pieces."""
     if attention_mask_of(node) is None:
         return []
     phases = ("forward", "backward") if train else ("forward",)
-    if strategy.variant == RING:
-        a = ring_axis(node, strategy)
-        if a is None:
-            return []
-        n = mesh_shape[a]
-        steps = ring_steps(attention_mask_of(node), node.input_infos[0].shape[-2], n)
-        chunk = _ring_chunk_bytes(node, strategy, mesh_shape) * n / (n - 1)
-        grads = chunk * _wide_ratio(node)
-        out = [("all_to_all", "forward", a, chunk)] * steps
-        if train and steps:
-            out += [("all_to_all", "backward", a, chunk)] * steps + [("all_to_all", "backward", a, grads)] * (steps + 1)
-        return out
+    if strategy.variant in RINGS:
+        shifts = overlapped_collectives(node, strategy, mesh_shape, train)
+        if strategy.variant == RING or ring_axis(node, strategy) is None:
+            return shifts
+        a, qkv = ring_axis(node, strategy), _local_bytes(node, strategy, mesh_shape, (0, 1, 2))
+        out = node.outputs[0].nbytes / shard_divisor(node.outputs[0].shape, strategy.output, mesh_shape)
+        exchanges = {phase: [("all_to_all", phase, a, qkv), ("all_to_all", phase, a, out)] for phase in phases}
+        return exchanges["forward"] + shifts + exchanges.get("backward", [])
     if strategy.variant != BALANCED:
         return []
     a = rows_axis(node, strategy)
@@ -275,12 +315,6 @@ def attention_collectives(node: OpNode, strategy: Strategy, mesh_shape: Sequence
     sizes = [info.nbytes / shard_divisor(info.shape, placements, mesh_shape)
              for info, placements in ((node.input_infos[0], strategy.inputs[0]), (node.outputs[0], strategy.output))]
     return [("all_to_all", phase, a, size) for phase in phases for size in sizes]
-
-
-def overlaps_compute(strategy: Strategy) -> bool:
-    """Whether the op's inner collectives run while it computes (the ring's shifts: each issued
-    before the step's block and waited for after it), so that it takes the longer of the two."""
-    return strategy.variant == RING
 
 
 def ring_transient_bytes(node: OpNode, strategy: Strategy, mesh_shape: Sequence[int]) -> float:
