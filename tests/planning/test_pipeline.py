@@ -157,6 +157,20 @@ def test_a_plain_layout_is_priced_from_a_plan_that_returns_every_output_whole(ll
     assert any(tp == 1 and not whole for tp, _, _, whole in asked), asked  # stages or replicas: the step's plan
 
 
+def test_a_stage_holds_the_largest_working_set_of_its_layers_once(llama_units):
+    """A layer's attention holds its working set (a chunk's masks, the ring's blocks and chunks in
+    flight) during its own backward only: a stage of four layers holding W each peaks W higher, not
+    4 W."""
+    plan, _, pu, _ = llama_units
+    w = 3.0e9
+    working = dataclasses.replace(pu, units=tuple(dataclasses.replace(u, working_bytes=w if 0 < i < len(pu.units) - 1
+                                                                      else 0.0) for i, u in enumerate(pu.units)))
+    layout = Candidate(1, 1, 2, "none", 1, 1, 2, 0, False)
+    without, _ = price_layout(layout, pu, plan.hardware, 1e18)
+    with_w, _ = price_layout(layout, working, plan.hardware, 1e18)
+    assert with_w.peak_bytes - without.peak_bytes == pytest.approx(w)
+
+
 def test_a_layout_priced_by_hand(llama_units, monkeypatch):
     """One stage over two data-parallel replicas: m micro-batches one after the other, the gradients
     all-reduced in DDP's buckets during the last backward; two stages under 1F1B: rank 0 holds two

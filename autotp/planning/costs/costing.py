@@ -58,8 +58,8 @@ from autotp.planning.costs.saved import forward_liveness, kept_storages
 from autotp.planning.rules.attention import attention_work_divisor, overlapped_collectives, ring_transient_bytes
 from autotp.planning.rules.attention_working import working_bytes
 from autotp.planning.rules.experts import expert_work_divisor
-from autotp.planning.rules.routed import routed_kept_bytes, routed_work_divisor
 from autotp.planning.rules.inner import inner_collectives
+from autotp.planning.rules.routed import routed_kept_bytes, routed_work_divisor
 from autotp.tracing.graph import BUFFER, PARAMETER, OpGraph, OpNode, TensorInfo, dtype_bytes
 from cost_models import (
     HardwareProfile,
@@ -315,7 +315,6 @@ class CostModel:
         per_input = self.kept.extra_per_input_element.get(node.name, 0.0)
         first = self.local_bytes(node.input_infos[0], strategy.inputs[0]) if node.inputs else 0.0
         transient += self.kept.transient_per_input_element.get(node.name, 0.0) * first
-        transient += ring_transient_bytes(node, strategy, self.mesh.shape)  # the chunks in flight
         return MemoryParts(activations_bytes=kept + extra + per_input * first + (routed if kept else 0.0),
                            transient_bytes=transient)
 
@@ -374,11 +373,13 @@ class CostModel:
         """Bytes an op's kernel holds at once beyond its inputs, outputs and what is kept, in the
         backward (training): an attention's masks of its largest chunk, built again where the
         backward runs each chunk again, or the ring's scores of a block
-        (:func:`autotp.planning.rules.attention_working.working_bytes`). An event of the backward,
-        as a conversion of a gradient is: beside every activation still kept, not beside another."""
+        (:func:`autotp.planning.rules.attention_working.working_bytes`), with the ring's key and value
+        chunks in flight and their gradients (:func:`autotp.planning.rules.attention.ring_transient_bytes`).
+        An event of the backward, as a conversion of a gradient is: beside every activation still kept,
+        not beside another (one layer's attention runs its backward at a time)."""
         if not self.train or not node.requires_grad:
             return 0.0
-        return working_bytes(node, strategy, self.mesh.shape)
+        return working_bytes(node, strategy, self.mesh.shape) + ring_transient_bytes(node, strategy, self.mesh.shape)
 
     def backward_events_bytes(self, graph: OpGraph, chosen: Mapping[str, Strategy]) -> float:
         """The largest :meth:`backward_event_bytes` of any read, or :meth:`working_bytes` of any op,

@@ -369,7 +369,8 @@ def _prepare(layout: Candidate, plan_units: _Units, profile: HardwareProfile) ->
         state.append(during + o + buffers)
         opt_step.append(at_step - during + t)  # added to the state: what the optimizer's step holds
         grads.append(g / dp if dp > 1 and layout.zero >= 3 else g)  # accumulated over the micro-batches
-        transient.append(sum(u.transient_bytes for u in us))
+        # the backward's first gradients, and the largest working set one op holds in it (an event)
+        transient.append(sum(u.transient_bytes for u in us) + max((u.working_bytes for u in us), default=0.0))
         end_s.append(step_end)
         stages.append(StageChoice(k, k % pp, a, e, k == 0, k == n_stages - 1, fwd[-1], bwd[-1], send, state[-1]))
     schedule = layout.schedule if pp > 1 else "1f1b"  # one stage: accumulation, each backward after its forward

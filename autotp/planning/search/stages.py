@@ -52,6 +52,7 @@ class UnitCost:
     transient_bytes: float
     buffers_bytes: float
     send_bytes: float  # crossing the cut after this unit
+    working_bytes: float = 0.0  # the largest working set one of its ops holds in its backward (an event)
 
     @property
     def forward_s(self) -> float:
@@ -105,7 +106,7 @@ def unit_costs(graph: OpGraph, chosen: Mapping[str, Strategy], cost: CostModel,
     """The costs of each unit (see the module's docstring) under the strategies ``chosen``."""
     unit = unit_of_nodes(graph, layer_paths)
     n_units = len(layer_paths) + 2
-    acc = [dict(fc=0.0, fm=0.0, bc=0.0, bm=0.0, again=0.0, act=0.0, left=0.0, tr=0.0, buf=0.0, send=0.0)
+    acc = [dict(fc=0.0, fm=0.0, bc=0.0, bm=0.0, again=0.0, act=0.0, left=0.0, tr=0.0, buf=0.0, send=0.0, work=0.0)
            for _ in range(n_units)]
     params: list[set] = [set() for _ in range(n_units)]
     spec = cost.mesh
@@ -126,6 +127,8 @@ def unit_costs(graph: OpGraph, chosen: Mapping[str, Strategy], cost: CostModel,
         parts = cost.node_memory(n, s)
         a["act"] += parts.activations_bytes
         a["tr"] += parts.transient_bytes
+        if not (n.is_placeholder or n.is_view):
+            a["work"] = max(a["work"], cost.working_bytes(n, s))
         a["buf"] += parts.buffers_bytes
         if n.role == PARAMETER:
             for c in graph.consumers(n.name):
@@ -157,7 +160,7 @@ def unit_costs(graph: OpGraph, chosen: Mapping[str, Strategy], cost: CostModel,
         for u in range(unit[n.name], max(later)):
             acc[u]["send"] += local
     return [UnitCost(a["fc"], a["fm"], a["bc"], a["bm"], a["again"], tuple(sorted(params[u])), a["act"],
-                     min(a["left"], a["act"]), a["tr"], a["buf"], a["send"]) for u, a in enumerate(acc)]
+                     min(a["left"], a["act"]), a["tr"], a["buf"], a["send"], a["work"]) for u, a in enumerate(acc)]
 
 
 def balanced_cut(seconds: Sequence[float], parts: int, ranks: int = 0, micro_batches: int = 1) -> list[tuple[int, int]]:
