@@ -153,3 +153,52 @@ def logged_step(rank, world, graph, plan, model, inputs: dict):
         loss.backward()
     grads = {n: full_tensor(p.grad, placements_of(p)) for n, p in pm.named_parameters()}
     return loss.detach(), grads, forward, backward
+
+
+def layout_step(plan_json: str, model, inputs: dict):
+    """One rank's training step of a layout plan (``pipeline=True``) on the layout's mesh, the
+    parallel module built by ``autotp.parallelize``: ``(module, loss or None where the rank holds no
+    last stage, every parameter's gradient whole, Counter of (kind, mesh axis) of the collectives the
+    plan's mesh saw)``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autotp
+
+    plan = autotp.Plan.from_json(plan_json)
+    layout = plan.pipeline.layout
+    mesh = init_device_mesh("cpu", layout.mesh_shape, mesh_dim_names=layout.axis_names)
+    pm = autotp.parallelize(model, mesh, inputs, plan=plan)
+    with CollectiveLog(pm.tp_mesh) as log:  # the plan's mesh: the planned axes of the layout
+        loss = pm.step(**inputs)
+    grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in pm.named_parameters()}
+    return pm, None if loss is None else loss.item(), grads, Counter((c.kind, c.mesh_axis) for c in log.seen)
+
+
+def assert_layout_step_exact(plan, model, inputs: dict, results) -> Counter:
+    """``results``, each rank's ``(loss, grads, seen)`` of :func:`layout_step`, against one process's
+    step of ``model``: the last stage's ranks hold the loss, every gradient is held by some rank and
+    equals one process's, and each rank's stages, with the same rank of the other pipeline ranks
+    (ranks row-major, the pipeline axis outermost), run the plan's collectives once per micro-batch.
+    Returns the collectives planned for the step."""
+    import pytest
+    import torch
+
+    loss = model(**inputs).loss
+    loss.backward()
+    c = plan.pipeline.chosen
+    planned: Counter = Counter()
+    for coll in plan.collectives():
+        planned[(coll.kind, coll.mesh_axis)] += c.micro_batches
+    assert [r[0] is not None for r in results].count(True) == len(results) // c.pp  # the last stage's ranks
+    held: dict = {}
+    for got, grads, _ in results:
+        assert got is None or got == pytest.approx(loss.item(), rel=1e-5)
+        held.update(grads)
+    assert set(held) == {n for n, _ in model.named_parameters()}
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(held[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    stride = len(results) // c.pp
+    for first in range(stride):
+        seen = sum((results[first + k * stride][2] for k in range(c.pp)), Counter())
+        assert seen == planned, (first, seen, planned)
+    return planned

@@ -10,13 +10,13 @@ on 2 threaded ranks in the default run; ``pp 1 x cp 2 x tp 2`` and ``pp 1 x dp 2
 from __future__ import annotations
 
 import copy
-from collections import Counter
 
 import pytest
 import torch
 
 import autotp
 from examples.ranks import run_ranks
+from tests.helpers.observed import assert_layout_step_exact, layout_step
 from tests.helpers.turns import run_threads_tracing_in_turns
 
 transformers = pytest.importorskip("transformers")
@@ -38,46 +38,15 @@ def _llama():
 def _rank(rank, world, plan_json, built=None):
     """One rank's step. ``built``: the model and inputs, made once for threaded ranks (which share
     torch's random generator, so each building its own would race on it)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from tests.helpers.observed import CollectiveLog
-
     model, inputs = copy.deepcopy(built) if built else _llama()
-    plan = autotp.Plan.from_json(plan_json)
-    layout = plan.pipeline.layout
-    mesh = init_device_mesh("cpu", layout.mesh_shape, mesh_dim_names=layout.axis_names)
-    pm = autotp.parallelize(model, mesh, inputs, plan=plan)
-    with CollectiveLog(pm.tp_mesh) as log:  # the plan's mesh: the context axis (and the tensor axis)
-        loss = pm.step(**inputs)
-    grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in pm.named_parameters()}
-    return None if loss is None else loss.item(), grads, Counter((c.kind, c.mesh_axis) for c in log.seen)
+    return layout_step(plan_json, model, inputs)[1:]
 
 
 def _check(plan, results) -> None:
-    model, inputs = _llama()
-    loss = model(**inputs).loss
-    loss.backward()
-    c = plan.pipeline.chosen
     # the sequence split through the layers: every projection reads its activation split on cp
     split = {row.module: row for row in plan.modules if row.module.endswith(("q_proj", "down_proj"))}
     assert split and all("S(1)" in str(row.input) for row in split.values()), split
-    planned = Counter()
-    for coll in plan.collectives():
-        planned[(coll.kind, coll.mesh_axis)] += c.micro_batches
-    assert [r[0] is not None for r in results].count(True) == len(results) // c.pp  # the last stage's ranks
-    held: dict[str, torch.Tensor] = {}
-    for got, grads, seen in results:
-        assert got is None or got == pytest.approx(loss.item(), rel=1e-5)
-        held.update(grads)
-    assert set(held) == {n for n, _ in model.named_parameters()}
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(held[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
-    # each rank's stages together with the same rank of the other pipeline ranks' run the plan's
-    # collectives, once per micro-batch (ranks numbered row-major, the pipeline axis outermost)
-    stride = len(results) // c.pp
-    for first in range(stride):
-        seen = sum((results[first + k * stride][2] for k in range(c.pp)), Counter())
-        assert seen == planned, (first, seen, planned)
+    assert_layout_step_exact(plan, *_llama(), results)
 
 
 def _plan(layout: dict):

@@ -43,7 +43,7 @@ from typing import Callable, Mapping
 from autotp.tracing.aliasing import storage_roots
 from autotp.tracing.graph import OpGraph, OpNode
 
-__all__ = ["KeptStorages", "SAVES", "kept_storages", "ForwardLiveness", "forward_liveness"]
+__all__ = ["KeptStorages", "SAVES", "kept_storages", "returned_outputs", "ForwardLiveness", "forward_liveness"]
 
 
 def _grad(graph: OpGraph, node: OpNode, k: int) -> bool:
@@ -190,6 +190,13 @@ def _numel_before_expand(graph: OpGraph, expand: OpNode) -> int:
     return graph[expand.inputs[0]].outputs[0].numel if expand.inputs else 0
 
 
+def returned_outputs(graph: OpGraph) -> frozenset[str]:
+    """The graph's outputs a backward can start from: one floating tensor each that needs a gradient
+    (the losses among them are those of one element)."""
+    return frozenset(n for n in graph.outputs if n in graph and graph[n].requires_grad and not graph[n].is_placeholder
+                     and len(graph[n].outputs) == 1 and graph[n].output.is_float)
+
+
 def kept_storages(graph: OpGraph) -> KeptStorages:
     """The storages the backward of ``graph`` keeps (module docstring); found once per graph."""
     found = graph.__dict__.get("_autotp_kept_storages")
@@ -232,8 +239,7 @@ def kept_storages(graph: OpGraph) -> KeptStorages:
     extra_in = {n.name: _EXTRA_INPUT[n.target] for n in graph.ops() if n.requires_grad and n.target in _EXTRA_INPUT}
     transient_in = {n.name: _TRANSIENT_INPUT[n.target] for n in graph.ops()
                     if n.requires_grad and n.target in _TRANSIENT_INPUT}
-    returned = frozenset(n for n in graph.outputs if n in graph and graph[n].requires_grad and not graph[n].is_placeholder
-                         and len(graph[n].outputs) == 1 and graph[n].output.is_float)
+    returned = returned_outputs(graph)
     held: frozenset[str] = frozenset()
     losses = frozenset(n for n in returned if graph[n].output.numel == 1)
     if losses:  # a model that returns its loss: the backward starts there; the rest is held by the caller

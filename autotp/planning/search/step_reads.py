@@ -17,22 +17,17 @@ from __future__ import annotations
 
 import dataclasses
 
+from autotp.planning.costs.saved import returned_outputs
 from autotp.tracing.graph import OpGraph
 
 __all__ = ["step_unread_outputs", "for_a_step"]
-
-
-def _is_loss(graph: OpGraph, name: str) -> bool:
-    node = graph[name]
-    return (not node.is_placeholder and len(node.outputs) == 1 and node.output.is_float and node.requires_grad
-            and node.output.numel == 1)
 
 
 def step_unread_outputs(graph: OpGraph) -> tuple[str, ...]:
     """The outputs of ``graph`` a step never reads: none where no output is a loss (a step's
     ``loss_fn`` reads them); else every output of more than one element."""
     outputs = [o for o in graph.outputs if o in graph]
-    if not any(_is_loss(graph, o) for o in outputs):
+    if not any(graph[o].output.numel == 1 for o in returned_outputs(graph)):  # no loss among them
         return ()
     return tuple(dict.fromkeys(o for o in outputs if graph[o].outputs and graph[o].outputs[0].numel > 1
                                and not graph[o].is_placeholder))

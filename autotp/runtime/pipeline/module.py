@@ -52,6 +52,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 import torch.fx
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from autotp.layout import DATA, PIPELINE
 from autotp.runtime.data_parallel import DataParallel
@@ -92,8 +93,6 @@ class _LastStage(nn.Module):
         self.loss_only = False
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        from torch.distributed.tensor import DTensor
-
         flat = self.graph_module(*args, **kwargs)
         flat = list(flat) if isinstance(flat, (tuple, list)) else [flat]
         flat = [(None if self.loss_only else x.full_tensor()) if isinstance(x, DTensor) else x for x in flat]
