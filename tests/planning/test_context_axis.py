@@ -17,7 +17,6 @@ transformers = pytest.importorskip("transformers")
 
 
 def _llama(sequence: int = 32, batch: int = 1):
-    transformers.logging.set_verbosity_error()
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     torch.manual_seed(0)

@@ -120,7 +120,6 @@ def test_collectives_an_op_runs_inside_count_once_in_the_units():
     so on (2,)): the units' compute and communication add up to the plan's, where the all-to-alls
     count once, as communication; a unit counting them in its compute too would exceed it."""
     transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
     config = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                                          num_experts=8, num_experts_per_tok=2, num_hidden_layers=4,
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8)

@@ -26,7 +26,6 @@ SEQUENCE = 32
 
 def _llama():
     """4 layers (a pipeline needs a stack of 4), 4 heads of 8, 2 kv heads; 2 rows of 32 tokens."""
-    transformers.logging.set_verbosity_error()
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     torch.manual_seed(0)

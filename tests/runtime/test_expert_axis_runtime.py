@@ -34,7 +34,6 @@ transformers = pytest.importorskip("transformers")
 
 def _moe():
     """4 layers (a pipeline needs a stack of 4), 8 experts, top 2: 48 tokens reach every expert."""
-    transformers.logging.set_verbosity_error()
     config = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                                          num_experts=8, num_experts_per_tok=2, num_hidden_layers=4,
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8)

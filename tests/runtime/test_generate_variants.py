@@ -67,8 +67,13 @@ def qwen2_ranks():
     from transformers.utils import logging
 
     model = _qwen2()
-    with CaptureLogger(logging.get_logger("transformers.generation.utils")) as logged:
-        ranks = run_threads_tracing_in_turns(_qwen2_rank, 2, model)
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_warning()  # the level a user has, whatever another test in this process set
+    try:
+        with CaptureLogger(logging.get_logger("transformers.generation.utils")) as logged:
+            ranks = run_threads_tracing_in_turns(_qwen2_rank, 2, model)
+    finally:
+        logging.set_verbosity(verbosity)
     return model, ranks, logged.out
 
 

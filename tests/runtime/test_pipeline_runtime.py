@@ -24,9 +24,6 @@ from examples.ranks import run_ranks
 
 
 def _model(name: str):
-    import transformers
-
-    transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     if name.startswith("llama"):
         from transformers import LlamaConfig, LlamaForCausalLM
