@@ -6,9 +6,9 @@ plans) and records it as the plan states collectives, so the two compare per (ki
 bytes) and not by count alone:
 
 - the mesh axis is named from the process group the op runs on (``mesh.get_group(axis)``);
-- the bytes are those of the tensor the collective spans on its axis, as
+- the bytes are those the profile prices the collective at, as
   :func:`autotp.planning.costs.program.collectives` counts them: an all_reduce's and a reduce_scatter's input,
-  an all_gather's output, an all_to_all's input times the axis size.
+  an all_gather's output, an all_to_all's input (one rank's buffer).
 
 Dispatch modes are per thread, so each rank of ``examples.ranks.run_threads`` records its own
 collectives (PyTorch's ``CommDebugMode`` tracks modules with process-wide hooks and is kept for
@@ -24,14 +24,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from examples.models import output_tensor as tensor_of  # noqa: F401 - the tests read outputs through it
 
-# functional op name -> autotp kind; the kinds whose plan bytes are the op's input times the axis size
+# functional op name -> autotp kind; the kind whose plan bytes are the op's input times the axis size
 _KINDS = {
     "all_reduce": "all_reduce",
     "all_gather_into_tensor": "all_gather",
     "reduce_scatter_tensor": "reduce_scatter",
     "all_to_all_single": "all_to_all",
 }
-_TIMES_GROUP_SIZE = {"all_gather", "all_to_all"}
+_TIMES_GROUP_SIZE = {"all_gather"}
 
 
 @dataclass(frozen=True)

@@ -160,7 +160,9 @@ def _resnet(batch: int, size: int):
 
 
 def test_a_resnet_at_a_large_batch_is_planned_data_parallel():
-    graph, plan = _resnet(256, 224)
+    # at 256 images the last block split by channels (its input gathered, its output moved back to
+    # the batch split by one all-to-all) prices within 0.1% of the batch split; 512 is past the tie
+    graph, plan = _resnet(512, 224)
     convs = [n for n in graph.ops() if n.target in ops.CONVOLUTIONS]
     norms = nodes_of(graph, "aten.batch_norm.default")
     assert len(convs) == len(norms) == 17

@@ -68,8 +68,10 @@ class Collective:
     """One collective of one step: kind, phase ("forward", "backward", or "recompute": a forward
     collective of a recomputed layer, run again during the backward), mesh axis name, bytes, node.
 
-    ``rank_sent_bytes``, for an all_to_all: the bytes one rank sends in it, as planned (the sum of
-    its send sizes). A redistribution's rank sends its even piece, ``bytes / n``. A routed
+    ``bytes`` is the size the profile prices the kind at (nccl-tests' size): the tensor an
+    all_reduce or reduce_scatter reads and an all_gather writes, and for an all_to_all one rank's
+    buffer. ``rank_sent_bytes``, for an all_to_all: the bytes one rank sends in it, as planned (the
+    sum of its send sizes). A redistribution's rank sends its even piece, ``bytes``. A routed
     all-to-all's (:mod:`autotp.planning.rules.routed`) are the busiest rank's rows
     (:func:`autotp.planning.rules.experts.busiest_rows`), the rows it is priced at: a price, not a
     cap (dropless routing sends every row, and a rank sent more runs slower than priced). None
@@ -183,7 +185,7 @@ def program(graph: OpGraph, chosen: Mapping[str, Strategy], mesh: MeshSpec, trai
                 again = r.consumer in recomputed
 
                 def step_collective(kind: str, phase: str) -> Collective:
-                    sent = size / mesh.shape[step.axis] if kind == "all_to_all" else None  # a rank's even piece
+                    sent = size if kind == "all_to_all" else None  # a rank's even piece, as step_bytes sizes it
                     return Collective(kind, phase, axis, size, r.producer, sent)
 
                 if step.forward:

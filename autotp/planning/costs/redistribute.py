@@ -312,9 +312,13 @@ def _pieces(p: Placement, n: int, shape: Optional[Sequence[int]]) -> float:
 
 def step_bytes(step: Step, shape: Sequence[int], nbytes: float, mesh_shape: Sequence[int]) -> float:
     """Bytes of the collective of ``step`` on a tensor of ``nbytes`` (``shape``: the one the steps run
-    on, :attr:`Conversion.shape`): the tensor cut by the other axes, and for an uneven split, every
-    piece padded to the largest (what the runtime sends)."""
+    on, :attr:`Conversion.shape`), as the profile sizes its kind: the tensor cut by the other axes,
+    and for an uneven split, every piece padded to the largest (what the runtime sends); for an
+    all_to_all (``S(d) -> S(e)``), one rank's buffer, its piece of that: the profile, as nccl-tests,
+    times an all_to_all by the buffer each rank sends from."""
     size = nbytes / step.divisor
+    if step.forward == "all_to_all":  # never uneven: an uneven split is only gathered or sliced
+        return size / mesh_shape[step.axis]
     uneven = next((p for p in (step.src, step.dst) if p.is_uneven), None)
     if uneven is not None:
         n = mesh_shape[step.axis]
