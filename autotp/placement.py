@@ -274,7 +274,9 @@ class Strategy:
     ``variant`` names a local execution that differs under the same placements (empty: the op on
     its pieces, as its family runs it): ``"balanced"``, a causal attention split by query rows
     that computes balanced rows inside; ``"ring"`` and ``"ring_balanced"``, attention whose keys
-    and values split with the queries, passed around a ring (:mod:`autotp.planning.rules.attention`).
+    and values split with the queries, passed around a ring (:mod:`autotp.planning.rules.attention`),
+    and ``"ring/kv4"``, ``"ring_balanced/kv4"``, the same passing them as they were before the
+    model repeated them for 4 query heads (:mod:`autotp.planning.rules.attention_kv`).
     It prints after the output:
 
     >>> str(Strategy.parse("(S(2), R, R) -> S(2) balanced"))

@@ -13,7 +13,8 @@ and 262144, trained on 8 H100 (``h100-sxm``), on the meta device (no process, no
   keys and values all-gathered (``context_parallel_rotate_method = "allgather"``). Priced by the
   same search (``autotp.planning.search.pipeline_search.price_layout``): the model planned on
   ``(8,)`` with every weight pinned whole (``pin=`` ``"R"``: no tensor parallelism, so the ILP splits
-  the activations, and it takes the sequence with balanced causal rows: asserted) is the context
+  the activations, and the attention offered its balanced causal rows alone, as torchtitan runs it:
+  not autotp's rings nor the heads split) is the context
   axis's plan, and FSDP is that plan's ZeRO 3 over a data axis of 8, priced on the same node's link
   (the weights' gathers and the gradients' reduce-scatters beside the compute, each layer a unit,
   as FSDP2 runs them). The recipe's selective recompute (``selective_ac_option = "op"``) is not a
@@ -72,6 +73,7 @@ def hand_units(model, inputs, loss_fn, profile, devices: int):
     """The context axis's plan on ``(devices,)`` (every weight pinned whole, no recompute: the search
     adds recompute) read by unit of the stack, and its attention's strategies."""
     import autotp
+    from autotp.planning.choices import strategies
     from autotp.planning.planner import plan_graph
     from autotp.planning.search.pipeline_search import units_of_plan
     from autotp.tracing.loss import WithLoss
@@ -80,8 +82,19 @@ def hand_units(model, inputs, loss_fn, profile, devices: int):
     traced = WithLoss(model, loss_fn) if loss_fn is not None else model
     stack = max(find_stacks(traced), key=lambda s: s.count)
     graph = autotp.capture(traced, inputs, unroll=True)
-    plan = plan_graph(graph, (devices,), profile, "train", 1e18, recompute=False, explainable=False,
-                      pin={n: "R" for n, _ in model.named_parameters()})
+    offered = strategies.node_strategies
+
+    def torchtitan_s(*args):  # the attention as torchtitan's "allgather" rotation runs it: balanced rows
+        out = offered(*args)
+        balanced = [s for s in out if s.variant == "balanced"]
+        return balanced or out
+
+    strategies.node_strategies = torchtitan_s
+    try:
+        plan = plan_graph(graph, (devices,), profile, "train", 1e18, recompute=False, explainable=False,
+                          pin={n: "R" for n, _ in model.named_parameters()})
+    finally:
+        strategies.node_strategies = offered
     return units_of_plan(plan, graph, [stack.layer(i) for i in range(stack.count)]), attention_strategies(plan)
 
 

@@ -38,25 +38,25 @@ def _attention(graph):
 
 
 def test_each_strategy_holds_its_largest_chunk_s_masks():
-    """Causal Llama, 1 x 2048 tokens, 4 heads (keys repeated to 4) of 8, float32, on 2 ranks. A mask
-    chunk holds a boolean and a float32 a pair (5 bytes); the ring's block 4 float32 scores per
+    """Causal Llama, 1 x 2048 tokens, 4 heads (2 kv heads, repeated to 4) of 8, float32, on 2 ranks. A
+    mask chunk holds a boolean and a float32 a pair (5 bytes); the ring's block 4 float32 scores per
     head and two booleans a pair, the balanced ring's block a quarter of it (chunks of 512 of 2048),
-    each beside its key and value chunks in flight."""
+    each beside its key and value chunks in flight (the 2 kv heads, as before the repeat)."""
     assert CHUNK_ROWS == 1024
     cost = CostModel(MeshSpec.of((2,)), load_profile("cpu-gloo"), "train")
     _, graph = _llama(padded=False)
     attention = _attention(graph)
     held = {(str(s.inputs[0][0]), s.variant): cost.working_bytes(attention, s)
             for s in node_strategies(graph, attention, (2,))}
-    in_flight = 2 * (2 * 1024 * 4 * 8 * 4) * 2  # (k, v) held and arriving, and their gradients
+    in_flight = 2 * (2 * 1024 * 2 * 8 * 4) * 2  # (k, v) held and arriving, and their gradients
     assert held == {
         ("R", ""): 0.0, ("S(1)", ""): 0.0,  # is_causal on whole rows: the kernel's own mask
         ("S(2)", ""): 1024 * 2048 * 5,  # rank 1's rows 1024..2048 read every key
         ("S(2)", "balanced"): 512 * 2048 * 5,  # rank 0's chunk 3 (rows 1536..2048) reads every key
         # rank 1's block of its rows and one key chunk, beside the key and value chunk it holds and the
-        # one arriving, with their float32 gradients (1024 keys x 4 heads x 8, float32, each)
-        ("S(2)", "ring"): 1024 * 1024 * (4 * 4 * 4 + 2) + in_flight,
-        ("S(2)", "ring_balanced"): 512 * 512 * (4 * 4 * 4 + 2) + in_flight,  # 512 rows against 512 keys
+        # one arriving, with their float32 gradients (1024 keys x 2 kv heads x 8, float32, each)
+        ("S(2)", "ring/kv2"): 1024 * 1024 * (4 * 4 * 4 + 2) + in_flight,
+        ("S(2)", "ring_balanced/kv2"): 512 * 512 * (4 * 4 * 4 + 2) + in_flight,  # 512 rows against 512 keys
     }
     # the padding vector given: every strategy builds masks, the heads' too (rows 1024..2048, every key)
     _, graph = _llama(padded=True)

@@ -10,6 +10,7 @@ the whole square (the FLOPs), brute-force counts of the mask's pairs.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -29,8 +30,14 @@ SEQ = 12  # not any width of the models: a (SEQ, SEQ) shape is a mask
 
 def _model(kind: str, window: int = 5, **widths):
     """A tiny model of ``kind`` (4 heads, 2 kv heads, one layer unless ``widths`` say otherwise)."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     widths = dict(dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                        num_key_value_heads=2, vocab_size=64, max_position_embeddings=64), **widths)
@@ -312,22 +319,26 @@ def test_balanced_rows_are_priced_at_the_mean():
     graph = autotp.capture(_model("llama"), {"input_ids": _inputs(False, seq=16)["input_ids"]})
     (attention,) = _attention(graph)
     rows = [s for s in node_strategies(graph, attention, (2,)) if _attention_rows(s)]
-    assert sorted(s.variant for s in rows) == ["", "balanced", "ring", "ring_balanced"], [str(s) for s in rows]
+    # the rings pass the keys and values as the model had them before repeating them (2 heads of 4)
+    assert sorted(s.variant for s in rows) == ["", "balanced", "ring/kv2", "ring_balanced/kv2"], [str(s) for s in rows]
     divisor = {s.variant: attention_work_divisor(attention, s, 0, 2) for s in rows}
-    assert divisor == {"": 136 / 100, "balanced": 2.0, "ring": 136 / 100, "ring_balanced": 2.0}
+    assert divisor == {"": 136 / 100, "balanced": 2.0, "ring/kv2": 136 / 100, "ring_balanced/kv2": 2.0}
     divisor = {s.variant: attention_work_divisor(attention, s, 0, 8)
                for s in node_strategies(graph, attention, (8,)) if _attention_rows(s)}
-    assert divisor == {"": 136 / 31, "balanced": 8.0, "ring": 136 / 31, "ring_balanced": 8.0}
+    assert divisor == {"": 136 / 31, "balanced": 8.0, "ring/kv2": 136 / 31, "ring_balanced/kv2": 8.0}
     q_bytes = attention.input_infos[0].nbytes / 2
     assert attention_collectives(attention, next(s for s in rows if s.variant == "balanced"), (2,)) == [
         ("all_to_all", phase, 0, q_bytes) for phase in ("forward", "backward") for _ in range(2)]
-    kv_bytes = sum(info.nbytes for info in attention.input_infos[1:3]) / 2  # float32: gradients as large
+    # a rank's half of k and v as the model had them before repeating them for the query heads (2 of
+    # 4 heads), float32: gradients as large
+    kv_bytes = sum(info.nbytes for info in attention.input_infos[1:3]) / 2 / 2
     around = [("all_to_all", "", 0, q_bytes + kv_bytes), ("all_to_all", "", 0, attention.outputs[0].nbytes / 2)]
     shifts = [("all_to_all", phase, 0, kv_bytes * 2) for phase in ("forward", "backward", "backward", "backward")]
-    assert attention_collectives(attention, next(s for s in rows if s.variant == "ring_balanced"), (2,)) == [
+    assert attention_collectives(attention, next(s for s in rows if s.variant == "ring_balanced/kv2"), (2,)) == [
         (kind, "forward", a, b) for kind, _, a, b in around] + shifts + [(k, "backward", a, b) for k, _, a, b in around]
-    # 18 rows do not cut into 4 chunks: the plain split and the ring alone
-    graph = autotp.capture(_model("llama"), {"input_ids": _inputs(False, seq=18)["input_ids"]})
+    # 18 rows do not cut into 4 chunks: the plain split and the ring alone; with as many kv heads as
+    # query heads, nothing is repeated and the ring passes the keys and values as they are
+    graph = autotp.capture(_model("llama", num_key_value_heads=4), {"input_ids": _inputs(False, seq=18)["input_ids"]})
     (attention,) = _attention(graph)
     assert [s.variant for s in node_strategies(graph, attention, (2,)) if _attention_rows(s)] == ["", "ring"]
 
@@ -404,19 +415,18 @@ def test_at_128k_tokens_the_planner_balances_the_causal_rows():
     whole work (its compute over 8) with its shifts hidden under it, as balanced rows' (which read
     the keys and values gathered), where the rows in order and the plain ring price the last rank's
     15/8 of it."""
-    from cost_models import resolve_hardware
-
     from autotp.mesh import MeshSpec
     from autotp.planning.choices.strategies import node_strategies
     from autotp.planning.costs.costing import CostModel
     from autotp.planning.rules.attention import overlapped_collectives
+    from cost_models import resolve_hardware
 
     model, inputs = _llama_8b_layer(131072)
     graph = autotp.capture(model, inputs)
     plan = plan_graph(graph, (8,), "h100-sxm", "train", memory_budget="1 TiB")
     (attention,) = _attention(graph)
     chosen = plan.strategy(attention.name)
-    assert chosen.variant == "ring_balanced" and _attention_rows(chosen), str(chosen)
+    assert chosen.variant == "ring_balanced/kv4" and _attention_rows(chosen), str(chosen)
     cost = CostModel(MeshSpec((8,), ("tp",)), resolve_hardware("h100-sxm"), "train", graph=graph)
 
     def compute_s(strategy):  # the op's seconds less its collectives, those hidden under its work given back
@@ -429,30 +439,32 @@ def test_at_128k_tokens_the_planner_balances_the_causal_rows():
     whole = compute_s(next(s for s in strategies if not s.sharded_on(0)))
     rows = {s.variant: compute_s(s) for s in strategies if _attention_rows(s)}
     assert rows == {"": pytest.approx(whole / 8 * 15 / 8, rel=0.02), "balanced": pytest.approx(whole / 8, rel=0.02),
-                    "ring": pytest.approx(whole / 8 * 15 / 8, rel=0.02),
-                    "ring_balanced": pytest.approx(whole / 8, rel=0.02)}
-    assert cost.node_compute_s(attention, chosen) < rows["ring"]
+                    "ring/kv4": pytest.approx(whole / 8 * 15 / 8, rel=0.02),
+                    "ring_balanced/kv4": pytest.approx(whole / 8, rel=0.02)}
+    assert cost.node_compute_s(attention, chosen) < rows["ring/kv4"]
 
 
 # -- the ring: keys and values split along the sequence, passed around -----------------------------
 
 @pytest.mark.parametrize("kind, given, variant", [
-    ("llama", True, "ring"), pytest.param("llama", False, "ring", marks=pytest.mark.slow),
-    pytest.param("mistral", True, "ring", marks=pytest.mark.slow), ("llama", True, "ring_balanced")])
+    ("llama", True, "ring/kv2"), pytest.param("llama", False, "ring/kv2", marks=pytest.mark.slow),
+    pytest.param("mistral", True, "ring/kv2", marks=pytest.mark.slow), ("llama", True, "ring_balanced/kv2"),
+    ("llama4heads", True, "ring")])
 def test_ring_over_two_ranks_equals_one_process(kind, given, variant, monkeypatch):
     """Attention of a tiny Llama (4 heads, 2 kv heads, 16 tokens, padded, labels -100 on the pads;
-    or unpadded, ``is_causal``) or Mistral (a window of 5) pinned to the ring on 2 ranks: queries,
-    keys and values split by sequence, the key/value chunk passed on once forward; the loss and
-    every gradient as in one process, and the all-to-alls each rank runs are the plan's (one shift
-    forward; backward one shift, its gradients and their return home). Pinned to the balanced ring
-    (chunks r and 3 - r of 4 of q, k and v exchanged in, the output out), the same, with the two
-    exchanges around the shifts each way."""
-    graph, plan, logs = _check_exact(_model(kind), _inputs(given, given, seq=16), 2, rows_only=monkeypatch,
-                                     variant=variant)
+    or unpadded, ``is_causal``; or 4 kv heads, none repeated) or Mistral (a window of 5) pinned to the
+    ring on 2 ranks: queries, keys and values split by sequence, the key/value chunk passed on once
+    forward (the 2 kv heads as the model had them before repeating them for the 4 query heads); the
+    loss and every gradient as in one process, and the all-to-alls each rank runs are the plan's,
+    none sending more than the plan's bytes (one shift forward; backward one shift, its gradients
+    and their return home). Pinned to the balanced ring (chunks r and 3 - r of 4 of q, k and v
+    exchanged in, the output out), the same, with the two exchanges around the shifts each way."""
+    model = _model("llama", num_key_value_heads=4) if kind == "llama4heads" else _model(kind)
+    graph, plan, logs = _check_exact(model, _inputs(given, given, seq=16), 2, rows_only=monkeypatch, variant=variant)
     (attention,) = _attention(graph)
     assert str(plan.strategy(attention.name)).startswith("(S(2), S(2), S(2)") and \
         str(plan.strategy(attention.name)).endswith(f"-> S(2) {variant}"), str(plan.strategy(attention.name))
-    counts = (1, 3) if variant == "ring" else (3, 5)
+    counts = (1, 3) if not variant.startswith("ring_balanced") else (3, 5)
     for rank_logs in logs:
         for log, phase, count in zip(rank_logs, ("forward", "backward"), counts):
             assert_kinds_as_planned(log, plan, phase)
@@ -524,51 +536,71 @@ def test_at_128k_tokens_the_ring_keeps_chunks_of_the_keys_where_the_row_split_ke
     heads), beside the block's two boolean masks and its key and value chunks in flight with their
     gradients (2.1 GB): 10.8 GB at once, above what the row split saves. The balanced ring keeps
     what the ring keeps, and its blocks are half as wide (chunks of 8192 keys)."""
-    from cost_models import resolve_hardware
-
     from autotp.mesh import MeshSpec
     from autotp.planning.choices import strategies
     from autotp.planning.costs.costing import CostModel
+    from cost_models import resolve_hardware
 
     model, inputs = _llama_8b_layer(131072)
     graph = autotp.capture(model, inputs)
     (attention,) = _attention(graph)
     assert plan_graph(graph, (8,), "h100-sxm", "train", memory_budget="1 TiB").strategy(attention.name).variant == \
-        "ring_balanced"
+        "ring_balanced/kv4"
     offered, plans = strategies.node_strategies, {}
-    for variant in ("", "ring", "ring_balanced"):
+    for variant in ("", "ring/kv4", "ring_balanced/kv4"):
         monkeypatch.setattr(strategies, "node_strategies", lambda graph_, node, *a, v=variant: [
             s for s in offered(graph_, node, *a) if node is not attention or (s.variant == v and _attention_rows(s))])
         plans[variant] = plan_graph(graph, (8,), "h100-sxm", "train", memory_budget="1 TiB")
-    ring = plans["ring"].strategy(attention.name)
-    assert str(ring).endswith("ring"), str(ring)
+    ring = plans["ring/kv4"].strategy(attention.name)
+    assert str(ring).endswith("ring/kv4"), str(ring)
     k, v = attention.input_infos[1:3]
-    assert plans[""].memory.activations_bytes - plans["ring"].memory.activations_bytes == (k.nbytes + v.nbytes) * 7 / 8
-    in_flight = 2 * (k.nbytes + v.nbytes) / 8 * 2  # its key and value chunk and the arriving one, with their gradients
-    assert plans["ring"].memory.transient_bytes == 1024 * 16384 * (32 * 4 * 4 + 2) + in_flight
-    assert plans["ring"].memory.peak_bytes > plans[""].memory.peak_bytes
-    assert plans["ring_balanced"].memory.activations_bytes == plans["ring"].memory.activations_bytes
-    assert plans["ring_balanced"].memory.transient_bytes < plans["ring"].memory.transient_bytes
+    assert plans[""].memory.activations_bytes - plans["ring/kv4"].memory.activations_bytes == \
+        (k.nbytes + v.nbytes) * 7 / 8
+    # its key and value chunk and the arriving one, with their gradients; the 8 kv heads the model
+    # repeated for its 32 query heads, as they were before
+    in_flight = 2 * (k.nbytes + v.nbytes) / 8 / 4 * 2
+    assert plans["ring/kv4"].memory.transient_bytes == 1024 * 16384 * (32 * 4 * 4 + 2) + in_flight
+    assert plans["ring/kv4"].memory.peak_bytes > plans[""].memory.peak_bytes
+    assert plans["ring_balanced/kv4"].memory.activations_bytes == plans["ring/kv4"].memory.activations_bytes
+    assert plans["ring_balanced/kv4"].memory.transient_bytes < plans["ring/kv4"].memory.transient_bytes
     cost = CostModel(MeshSpec((8,), ("tp",)), resolve_hardware("h100-sxm"), "train", graph=graph)
     rows = plans[""].strategy(attention.name)
     assert cost.node_compute_s(attention, ring) == pytest.approx(cost.node_compute_s(attention, rows), rel=1e-3)
     assert 0 < cost.inner_collectives_s(attention, ring) < cost.node_compute_s(attention, ring) / 10
-    assert cost.working_bytes(attention, plans["ring_balanced"].strategy(attention.name)) == \
+    assert cost.working_bytes(attention, plans["ring_balanced/kv4"].strategy(attention.name)) == \
         1024 * 8192 * (32 * 4 * 4 + 2) + in_flight
 
 
 @pytest.mark.slow
-def test_at_128k_tokens_on_64_ranks_short_of_memory_the_planner_takes_the_ring():
+def test_at_128k_tokens_on_64_ranks_the_balanced_ring_passes_the_kv_heads_unrepeated():
     """Llama 3 8B's widths, one layer, 1 x 131072 tokens, trained on 64 ranks (more than its 32
-    heads: no heads split), planned on meta: with room, balanced rows (the least work); within
-    4 GiB a device, the ring, whose plan keeps no gathered keys and values, and not the balanced
-    ring: there the ring's 63 shifts take longer than its work, so balancing the work hides nothing
-    more and its exchanges would cost on top."""
+    heads: no heads split), planned on meta, with room and within 4 GiB a device: the balanced
+    ring, passing its 8 key/value heads as the model has them before repeating them for the 32
+    query heads. Its 63 shifts then carry a quarter of the bytes of the repeated chunks and hide
+    under its work; passed repeated, they would outlast it (which made the plain ring, with no
+    exchanges on top, the choice within 4 GiB)."""
+    from autotp.mesh import MeshSpec
+    from autotp.planning.costs.costing import CostModel
+    from autotp.planning.rules.attention import overlapped_collectives
+    from cost_models import resolve_hardware
+
     model, inputs = _llama_8b_layer(131072)
     graph = autotp.capture(model, inputs)
     (attention,) = _attention(graph)
     roomy = plan_graph(graph, (64,), "h100-sxm", "train", memory_budget="1 TiB")
     short = plan_graph(graph, (64,), "h100-sxm", "train", memory_budget="4 GiB")
-    assert roomy.strategy(attention.name).variant == "balanced", str(roomy.strategy(attention.name))
-    assert short.strategy(attention.name).variant == "ring", str(short.strategy(attention.name))
-    assert short.memory.peak_bytes < roomy.memory.peak_bytes and short.time.total_s > roomy.time.total_s
+    chosen = roomy.strategy(attention.name)
+    assert chosen.variant == short.strategy(attention.name).variant == "ring_balanced/kv4", str(chosen)
+    assert short.memory.peak_bytes <= 4 * 2**30
+    cost = CostModel(MeshSpec((64,), ("tp",)), resolve_hardware("h100-sxm"), "train", graph=graph)
+
+    def shifts_s(strategy):
+        return sum(cost.collective_s(kind, a, size) for kind, _, a, size in overlapped_collectives(attention, strategy,
+                                                                                                   (64,)))
+
+    repeated = dataclasses.replace(chosen, variant="ring_balanced")
+    sizes = [(c[3], r[3]) for c, r in zip(overlapped_collectives(attention, chosen, (64,)),
+                                          overlapped_collectives(attention, repeated, (64,)))]
+    assert len(sizes) == 63 + 63 + 64 and all(r == 4 * c for c, r in sizes)
+    work_s = cost.node_compute_s(attention, chosen) - cost.inner_collectives_s(attention, chosen) + shifts_s(chosen)
+    assert shifts_s(chosen) < work_s < shifts_s(repeated)

@@ -242,7 +242,7 @@ def node_strategies(graph: OpGraph, node: OpNode, mesh_shape: Sequence[int],
         if s not in seen and _valid(node, s, mesh_shape):
             seen.add(s)
             out.append(s)
-    return out + balanced_variants(node, out, mesh_shape) + ring_variants(node, out, mesh_shape)
+    return out + balanced_variants(node, out, mesh_shape) + ring_variants(node, out, mesh_shape, graph)
 
 
 def stored_strategy(node: OpNode, placements: Sequence, mesh_shape: Sequence[int]) -> Optional[Strategy]:

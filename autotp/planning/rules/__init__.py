@@ -34,6 +34,8 @@ Modules:
                  attention split by query rows: each rank builds its rows' mask
 - ``attention_working``  the working memory one masked attention call holds (a chunk's masks, the
                  ring's block scores), priced at the backward's start
+- ``attention_kv``  keys and values repeated for the query heads in the graph: the rings that pass
+                 them unrepeated (``ring/kv<g>``)
 - ``blocks``     blocked splits: a fused projection cut into its parts, each part split
 - ``uneven``     uneven splits: units (heads, vocabulary rows) the ranks do not divide
 - ``gradients``  the ``Rg`` variants: replicated ops that pass a partial gradient on

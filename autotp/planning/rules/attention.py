@@ -44,13 +44,15 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from autotp.masks import MASKED_ATTENTION, MaskSpec, spec_of
 from autotp.local.attention import BalancedRows, rank_chunks
 from autotp.local.ring import RingAttention, ring_steps
 from autotp.local.site import Call, LocalSite
+from autotp.masks import MASKED_ATTENTION, MaskSpec, spec_of
 from autotp.placement import R, S, Strategy, shard_divisor
+from autotp.planning.rules.attention_kv import (RING, RING_BALANCED, RINGS, holds_whole_groups, kv_group, kv_repeat,
+                                                ring_of, with_kv_group)
 from autotp.planning.rules.common import AxisChoice, divisible, is_relaxed
-from autotp.tracing.graph import OpNode
+from autotp.tracing.graph import OpGraph, OpNode
 
 __all__ = ["MASKED", "CAUSAL", "BALANCED", "RING", "RING_BALANCED", "RINGS", "masked_choices", "attention_mask_of",
            "attention_work_divisor", "balanced_variants", "ring_variants", "attention_collectives",
@@ -59,10 +61,12 @@ __all__ = ["MASKED", "CAUSAL", "BALANCED", "RING", "RING_BALANCED", "RINGS", "ma
 MASKED = str(MASKED_ATTENTION)
 CAUSAL = "aten.scaled_dot_product_attention.default"
 BALANCED = "balanced"
-RING = "ring"
-RING_BALANCED = "ring_balanced"
-RINGS = (RING, RING_BALANCED)
 EXCHANGED = (BALANCED, *RINGS)  # the variants whose local execution is a module of their own
+
+
+def _base(variant: str) -> str:
+    """The variant without its key/value grouping (:mod:`autotp.planning.rules.attention_kv`)."""
+    return ring_of(variant) or variant
 
 
 def attention_mask_of(node: OpNode) -> Optional[MaskSpec]:
@@ -109,7 +113,7 @@ def _row_offset(site: LocalSite) -> Optional[Any]:
 def local_rows(site: LocalSite) -> Optional[Any]:
     """The described op on a rank's rows of the queries: its mask placed by the rows' offset (or,
     balanced, the rows of two chunks exchanged: :func:`local_exchanged`)."""
-    if site.strategy.variant in EXCHANGED:
+    if _base(site.strategy.variant) in EXCHANGED:
         return local_exchanged(site)
     start = _row_offset(site)
     return None if start is None else site.called().with_argument("row_offset", start)
@@ -126,11 +130,16 @@ def local_exchanged(site: LocalSite) -> Any:
     else:
         (q, k, v), padding = (given[a] for a in ("query", "key", "value")), None
     spec, rows = attention_mask_of(site.node), site.node.input_infos[0].shape[-2]
-    if site.strategy.variant in RINGS:
-        axis = ring_axis(site.node, site.strategy)
+    ring = ring_of(site.strategy.variant)
+    if ring is not None:
+        axis, group = ring_axis(site.node, site.strategy), kv_group(site.strategy.variant)
+        if group > 1:  # the heads the keys and values were repeated from: every group's first, copied out
+            heads_dim, heads = site.node.input_infos[1].ndim - 3, site.node.input_infos[1].shape[-3]
+            k, v = (site.call(torch.ops.aten.clone.default,
+                              (site.call(torch.ops.aten.slice.Tensor, (t, heads_dim, 0, heads, group)),),
+                              {"memory_format": torch.contiguous_format}) for t in (k, v))
         module = RingAttention(spec, given.get("scale"), rows, site.mesh_shape[axis], site.coordinate[axis],
-                               site.groups[axis], site.axis_names[axis],
-                               balanced=site.strategy.variant == RING_BALANCED)
+                               site.groups[axis], site.axis_names[axis], balanced=ring == RING_BALANCED)
         return site.call_module(module, "ring_attention", (q, k, v, padding))
     axis = rows_axis(site.node, site.strategy)
     module = BalancedRows(spec, given.get("scale"), bool(given.get("enable_gqa", False)), rows,
@@ -143,7 +152,7 @@ def local_causal_rows(site: LocalSite) -> Optional[Any]:
     offset (``is_causal`` alone would place the mask from the rank's first row)."""
     if attention_mask_of(site.node) is None:
         return None
-    if site.strategy.variant in EXCHANGED:
+    if _base(site.strategy.variant) in EXCHANGED:
         return local_exchanged(site)
     start = _row_offset(site)
     if start is None:
@@ -164,7 +173,7 @@ def attention_work_divisor(node: OpNode, strategy: Strategy, axis: int, n: int) 
     if not (placement.is_shard and placement.dim == q.ndim - 2):
         return None
     rows, cols = q.shape[-2], node.input_infos[1].shape[-2]
-    if strategy.variant in (BALANCED, RING_BALANCED):  # two chunks of rows each
+    if _base(strategy.variant) in (BALANCED, RING_BALANCED):  # two chunks of rows each
         size = rows // (2 * n)
         busiest = max(sum(spec.pairs(size, cols, c * size) for c in rank_chunks(r, n)) for r in range(n))
     else:
@@ -217,14 +226,18 @@ def balanced_variants(node: OpNode, strategies: Sequence[Strategy], mesh_shape: 
     return out
 
 
-def ring_variants(node: OpNode, strategies: Sequence[Strategy], mesh_shape: Sequence[int]) -> list[Strategy]:
+def ring_variants(node: OpNode, strategies: Sequence[Strategy], mesh_shape: Sequence[int],
+                  graph: Optional[OpGraph] = None) -> list[Strategy]:
     """The ring of each of ``strategies`` that splits the query rows of a described or causal
     attention on one mesh axis (keys, values whole), as many keys as queries: the keys and values
     split on that axis alike (:mod:`autotp.local.ring`); the padding vector stays whole. Where the
-    rows balance (a causal mask without a window, ``2n`` equal chunks), the balanced ring too. None
-    in relaxed evenness or under dropout."""
+    rows balance (a causal mask without a window, ``2n`` equal chunks), the balanced ring too. Where
+    ``graph`` shows the keys and values repeated for the query heads and a rank holds whole groups
+    of them, each ring passes them unrepeated (:mod:`autotp.planning.rules.attention_kv`). None in
+    relaxed evenness or under dropout."""
     if _exchangeable(node) is None or node.input_infos[1].shape[-2] != node.input_infos[0].shape[-2]:
         return []
+    group = kv_repeat(graph, node)
     out = []
     for strategy in strategies:
         a = rows_axis(node, strategy)
@@ -234,22 +247,24 @@ def ring_variants(node: OpNode, strategies: Sequence[Strategy], mesh_shape: Sequ
         for k in (1, 2):
             inputs[k] = tuple(strategy.inputs[0][a] if b == a else p for b, p in enumerate(inputs[k]))
         ring = replace(strategy, inputs=tuple(inputs), variant=RING)
-        out += [ring, replace(ring, variant=RING_BALANCED)] if _balances(node, mesh_shape[a]) else [ring]
+        g = group if group > 1 and holds_whole_groups(node, ring, mesh_shape, group) else 1
+        rings = (RING, RING_BALANCED) if _balances(node, mesh_shape[a]) else (RING,)
+        out += [replace(ring, variant=with_kv_group(r, g)) for r in rings]
     return out
 
 
 def ring_axis(node: OpNode, strategy: Strategy) -> Optional[int]:
     """The mesh axis a ring strategy (either) passes keys and values around: the one that splits the
     rows of the queries, keys and values; None for any other strategy."""
-    if strategy.variant not in RINGS or not strategy.inputs or any(p is None for p in strategy.inputs[:3]):
+    if ring_of(strategy.variant) is None or not strategy.inputs or any(p is None for p in strategy.inputs[:3]):
         return None
     d = node.input_infos[0].ndim - 2
     return next((a for a, p in enumerate(strategy.inputs[0]) if p.is_shard and p.dim == d), None)
 
 
 def _ring_chunk_bytes(node: OpNode, strategy: Strategy, mesh_shape: Sequence[int]) -> float:
-    """A rank's key and value chunks, in bytes."""
-    return _local_bytes(node, strategy, mesh_shape, (1, 2))
+    """A rank's key and value chunks as the ring passes them (unrepeated, where its variant says), in bytes."""
+    return _local_bytes(node, strategy, mesh_shape, (1, 2)) / kv_group(strategy.variant)
 
 
 def _wide_ratio(node: OpNode) -> float:
@@ -278,7 +293,8 @@ def overlapped_collectives(node: OpNode, strategy: Strategy, mesh_shape: Sequenc
     if a is None or attention_mask_of(node) is None:
         return []
     n = mesh_shape[a]
-    steps = ring_steps(attention_mask_of(node), node.input_infos[0].shape[-2], n, strategy.variant == RING_BALANCED)
+    steps = ring_steps(attention_mask_of(node), node.input_infos[0].shape[-2], n,
+                       ring_of(strategy.variant) == RING_BALANCED)
     chunk = _ring_chunk_bytes(node, strategy, mesh_shape) * n / (n - 1)
     grads = chunk * _wide_ratio(node)
     out = [("all_to_all", "forward", a, chunk)] * steps
@@ -299,11 +315,12 @@ def attention_collectives(node: OpNode, strategy: Strategy, mesh_shape: Sequence
     if attention_mask_of(node) is None:
         return []
     phases = ("forward", "backward") if train else ("forward",)
-    if strategy.variant in RINGS:
+    if ring_of(strategy.variant) is not None:
         shifts = overlapped_collectives(node, strategy, mesh_shape, train)
-        if strategy.variant == RING or ring_axis(node, strategy) is None:
+        if ring_of(strategy.variant) == RING or ring_axis(node, strategy) is None:
             return shifts
-        a, qkv = ring_axis(node, strategy), _local_bytes(node, strategy, mesh_shape, (0, 1, 2))
+        a = ring_axis(node, strategy)
+        qkv = _local_bytes(node, strategy, mesh_shape, (0,)) + _ring_chunk_bytes(node, strategy, mesh_shape)
         out = node.outputs[0].nbytes / shard_divisor(node.outputs[0].shape, strategy.output, mesh_shape)
         exchanges = {phase: [("all_to_all", phase, a, qkv), ("all_to_all", phase, a, out)] for phase in phases}
         return exchanges["forward"] + shifts + exchanges.get("backward", [])

@@ -35,8 +35,9 @@ from autotp.local.attention import rank_chunks
 from autotp.local.ring import ring_chunks, ring_steps
 from autotp.masks import CHUNK_ROWS, MaskSpec
 from autotp.placement import Strategy, shard_divisor
-from autotp.planning.rules.attention import (BALANCED, CAUSAL, MASKED, RING_BALANCED, RINGS, attention_mask_of,
-                                            ring_axis, rows_axis)
+from autotp.planning.rules.attention import (BALANCED, CAUSAL, MASKED, RING_BALANCED, attention_mask_of, ring_axis,
+                                            rows_axis)
+from autotp.planning.rules.attention_kv import ring_of
 from autotp.tracing.graph import OpNode, dtype_bytes
 
 __all__ = ["working_bytes", "largest_rectangle", "RING_BLOCK_SCORES"]
@@ -75,8 +76,8 @@ def _rank_calls(node: OpNode, strategy: Strategy, mesh_shape: Sequence[int]) -> 
     every key, or the ring's chunks of them."""
     q = node.input_infos[0]
     rows, cols, d = q.shape[-2], node.input_infos[1].shape[-2], q.ndim - 2
-    if strategy.variant in RINGS:
-        n, balanced = mesh_shape[ring_axis(node, strategy)], strategy.variant == RING_BALANCED
+    if ring_of(strategy.variant) is not None:
+        n, balanced = mesh_shape[ring_axis(node, strategy)], ring_of(strategy.variant) == RING_BALANCED
         size, steps = rows // (2 * n if balanced else n), ring_steps(attention_mask_of(node), rows, n, balanced)
         return [[(a * size, size, b * size, size) for t in range(steps + 1) for a in ring_chunks(r, n, balanced)
                  for b in ring_chunks((r - t) % n, n, balanced)] for r in range(n)]
@@ -105,7 +106,7 @@ def working_bytes(node: OpNode, strategy: Strategy, mesh_shape: Sequence[int]) -
     pad_rows = _local(node, 3, strategy, mesh_shape) / node.input_infos[3].shape[-1] if padded else 1.0
     pairs = max(largest_rectangle(spec, calls, padded) for calls in _rank_calls(node, strategy, mesh_shape))
     element = dtype_bytes(node.input_infos[0].dtype)
-    if strategy.variant not in RINGS:
+    if ring_of(strategy.variant) is None:
         return pairs * pad_rows * (1 + element)
     q = node.input_infos[0]
     rank_rows = q.shape[-2] // mesh_shape[ring_axis(node, strategy)]
