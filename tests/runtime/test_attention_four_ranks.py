@@ -59,7 +59,8 @@ def test_the_planner_s_own_split_at_2048_tokens_equals_one_process(kind):
     this width the ring, whose shifts hide under its work, prices below the balanced variants'
     exchanges; which one is the cost model's call), and the plan equals one process."""
     chosen = _exact(_model(kind, max_position_embeddings=2048), _inputs(True, True, seq=2048), 4)
-    assert chosen.inputs[0] == (ROWS,) and chosen.variant in ("", "balanced", "ring", "ring_balanced"), str(chosen)
+    assert chosen.inputs[0] == (ROWS,) and chosen.variant in ("", "balanced", "ring/kv2", "ring_balanced/kv2"), \
+        str(chosen)
 
 
 # (model, mesh, queries' placements, variant): the cheapest in the default run, the others slow
