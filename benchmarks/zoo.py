@@ -452,15 +452,13 @@ def block_weights(plan, graph) -> dict[str, str]:
 
 def activation_collectives(plan, graph, threshold_bytes: float) -> int:
     """Forward collectives of at least ``threshold_bytes`` on activations (not on a weight: gathering
-    a stored shard of a weight is the FSDP-like trade the planner may make, not an activation move).
-    An all_to_all's bytes are one rank's buffer: it spans that times the axis's ranks."""
+    a stored shard of a weight is the FSDP-like trade the planner may make, not an activation move),
+    by the bytes the plan prices them at: an all_to_all's are one rank's buffer (each rank receives
+    ``1/n`` of what an all_gather of the same tensor brings it), so an all-to-all between splits of
+    an activation counts where its rank's piece reaches the threshold."""
     weights = {p.node for p in graph.parameters}
-
-    def spanned(c) -> float:
-        return c.bytes * plan.mesh.shape[plan.mesh.axis_names.index(c.mesh_axis)] if c.kind == "all_to_all" else c.bytes
-
     return sum(1 for c in plan.collectives()
-               if c.phase == "forward" and spanned(c) >= threshold_bytes and c.at not in weights)
+               if c.phase == "forward" and c.bytes >= threshold_bytes and c.at not in weights)
 
 
 def _per_block(four: float, two: float) -> str:
