@@ -155,6 +155,38 @@ def test_causal_sdpa_strategies_split_batch_heads_or_query_rows_never_keys(ops_g
         assert (q.is_shard and q.dim == 2) == (out.is_shard and out.dim == 2), str(s)
 
 
+class RepeatedKV(nn.Module):
+    """Causal attention of 4 query heads over 2 key/value heads repeated as Hugging Face's
+    ``repeat_kv`` does; ``reuse``: the repeated keys read again after the attention."""
+
+    def __init__(self, reuse: bool) -> None:
+        super().__init__()
+        self.reuse = reuse
+
+    def forward(self, q, k, v):  # (2, 4, 8, 16), (2, 2, 8, 16) x2
+        b, h, s, d = k.shape
+        k, v = (t[:, :, None].expand(b, h, 2, s, d).reshape(b, 2 * h, s, d) for t in (k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out + k if self.reuse else out
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_the_ring_passes_repeated_keys_unrepeated_only_where_the_attention_alone_reads_them(reuse):
+    """The repeat found (2 query heads to a key/value head): the rings are ``ring/kv2`` and
+    ``ring_balanced/kv2`` (run exactly on ranks in tests/runtime/test_attention_masks.py); with the
+    repeated keys read again, they would stay alive beside the ring's copies, past the memory
+    counted, so the rings pass them as they are."""
+    from autotp.planning.rules.attention_kv import kv_repeat
+
+    torch.manual_seed(0)
+    inputs = (torch.randn(2, 4, 8, 16), torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16))
+    g = capture_graph(RepeatedKV(reuse), inputs)
+    (sdpa,) = nodes_of(g, "aten.scaled_dot_product_attention.default")
+    assert kv_repeat(g, sdpa) == (1 if reuse else 2)
+    rings = sorted(s.variant for s in node_strategies(g, sdpa, (2,)) if s.variant.startswith("ring"))
+    assert rings == (["ring", "ring_balanced"] if reuse else ["ring/kv2", "ring_balanced/kv2"])
+
+
 class MaskedAttention(nn.Module):
     """Non-causal attention with an explicit (B, 1, Lq, Lk) mask."""
 

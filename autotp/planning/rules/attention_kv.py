@@ -16,10 +16,11 @@ still counted at the repeated size (an upper bound).
 
 Exact in the forward and the backward: the heads taken are the unrepeated tensor's values, and
 the gradient the ring returns for each is the sum over its ``g`` query heads, which is what the
-repeat's backward sums into the unrepeated tensor; the heads not taken get zero, and since the
-repeated tensor has no other reader, nothing else sees its gradient. A rank must hold whole groups
-of heads (the heads it holds, where another axis splits them, a multiple of ``g``), or the variant
-is not offered.
+repeat's backward sums into the unrepeated tensor; the heads not taken get zero. The variant is
+offered only where the attention alone reads the repeated tensor: another reader would keep the
+repeated chunk alive beside the copies, past the memory counted for it. A rank must hold whole
+groups of heads (the heads it holds, where another axis splits them, a multiple of ``g``), or the
+variant is not offered.
 
 >>> ring_of("ring/kv4"), ring_of("ring_balanced"), ring_of("balanced"), kv_group("ring/kv4"), kv_group("ring")
 ('ring', 'ring_balanced', None, 4, 1)
